@@ -1,0 +1,34 @@
+"""Loads the compiled FFI modules and registers their targets with XLA.
+
+The CPU module is always built; the CUDA module only where nvcc was found. A missing module is not an
+import error: the primitives then lower through the jax.numpy reference on that platform.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import jax
+
+#: platform name for lowering -> True when our FFI kernels are registered for it
+AVAILABLE: dict[str, bool] = {"cpu": False, "cuda": False}
+LOAD_ERRORS: dict[str, str] = {}
+
+
+def _register(module_name: str, platform: str, xla_platform: str) -> None:
+    try:
+        mod = importlib.import_module(f"jax_fp8.{module_name}")
+    except ImportError as e:
+        LOAD_ERRORS[platform] = str(e)
+        return
+    for name, capsule in mod.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
+    AVAILABLE[platform] = True
+
+
+_register("_jax_fp8_cpu", "cpu", "cpu")
+_register("_jax_fp8_cuda", "cuda", "CUDA")  # XLA wants "CUDA" exactly; lowercase registers nothing
+
+if not AVAILABLE["cpu"]:
+    warnings.warn("jax_fp8: the CPU FFI module is not built (" + LOAD_ERRORS.get("cpu", "?") + "); "
+                  "CPU runs use the jax.numpy reference. Reinstall with `pip install -e .`.", stacklevel=2)

@@ -1,0 +1,100 @@
+"""Public quantization API (runs on the FFI kernels through the primitives)."""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from . import reference
+from .formats import check_input, fp8_dtype
+from .primitives import quantize_kernels
+from .quantize import build_blockwise, build_mxfp8, dequantize_tensor
+from .tensors import BlockwiseTensor, MXFP8Tensor
+
+QuantizedTensor = Union[MXFP8Tensor, BlockwiseTensor]
+
+
+def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False) -> MXFP8Tensor:
+    """Quantize ``x`` to MXFP8: FP8 data with an E8M0 scale per 32-element block.
+
+    Args:
+      x: float32, bfloat16 or float16 array of rank >= 1, viewed as 2-D ``(prod(shape[:-1]), shape[-1])``.
+        Trailing partial blocks are allowed; an empty ``x`` gives empty data and scales.
+      dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+      rowwise: produce 1x32 blocks along the last dim.
+      colwise: produce 32x1 blocks along the first dim of the 2-D view (same pass as rowwise).
+
+    Scales follow TE: ``e = float_to_e8m0(amax / fp8_max)`` (rounded up to a power of two), elements
+    are multiplied by ``2**(127 - e)`` and cast with saturation; NaN elements stay NaN (byte 0x7F).
+    Not differentiable; see :func:`quantize_dequantize` for a straight-through estimator.
+    """
+    return build_mxfp8(x, dtype, rowwise, colwise, quantize_kernels)
+
+
+def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3fn, pow2_scales: bool = True,
+                       amax_epsilon: float = 0.0, colwise: bool = False, rowwise: bool = True) -> BlockwiseTensor:
+    """Quantize ``x`` to Float8 blockwise (TE's Float8BlockQuantizer, DeepSeek-V3 style).
+
+    Args:
+      x: float32, bfloat16 or float16 array of rank >= 1 (2-D view as in :func:`quantize_mxfp8`).
+      block: ``(1, 128)`` (rowwise 1x128 and, with ``colwise``, 128x1 blocks) or ``(128, 128)`` tiles.
+      dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+      pow2_scales: round each scale down to a power of two (TE's default for this recipe).
+      amax_epsilon: lower bound applied to each block amax.
+      colwise / rowwise: which usages to produce (for 128x128 tiles both are the same tiles).
+
+    Scale as TE's ``compute_scale_from_amax``: 1 for a zero, inf or NaN amax, else ``fp8_max / amax``
+    (an infinite quotient becomes the input dtype's largest finite value); stored ``scale_inv = 1/scale``.
+    """
+    return build_blockwise(x, block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, quantize_kernels)
+
+
+def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
+    """Dequantize any quantized tensor: ``data * scale`` per block, rounded to ``dtype``.
+
+    ``dtype`` defaults to the dtype that was quantized; ``usage`` ('rowwise' or 'colwise') defaults to
+    rowwise when present. NaN outputs are the dtype's canonical quiet NaN.
+    """
+    return dequantize_tensor(q, dtype, usage, quantize_kernels)
+
+
+def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
+    """E8M0 scale (uint8, biased 127) for block amaxes, TE's rule; same shape as ``amax``."""
+    fp8_dtype(dtype)
+    return reference.e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _qdq(x, fmt: str, usage: str, options: tuple):
+    q = _quantize_fmt(x, fmt, usage, dict(options))
+    return dequantize(q, x.dtype, usage)
+
+
+def _quantize_fmt(x, fmt, usage, options):
+    flags = dict(rowwise=usage == "rowwise", colwise=usage == "colwise")
+    if fmt == "mxfp8":
+        return quantize_mxfp8(x, **options, **flags)
+    if fmt == "blockwise":
+        return quantize_blockwise(x, **options, **flags)
+    raise ValueError(f"quantize_dequantize: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
+
+
+_qdq.defvjp(lambda x, fmt, usage, options: (_qdq(x, fmt, usage, options), None),
+            lambda fmt, usage, options, _, g: (g,))
+
+
+def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options):
+    """``dequantize(quantize(x))`` with a straight-through gradient (identity VJP), for training.
+
+    ``fmt`` is 'mxfp8' (options: ``dtype``) or 'blockwise' (options: ``block``, ``dtype``,
+    ``pow2_scales``, ``amax_epsilon``); ``usage`` picks rowwise or columnwise blocks. The forward value
+    equals ``dequantize(quantize_*(x, ...), x.dtype, usage)`` bit for bit.
+    """
+    x = check_input(x)
+    if usage not in ("rowwise", "colwise"):
+        raise ValueError(f"quantize_dequantize: usage must be 'rowwise' or 'colwise', got {usage!r}")
+    if "block" in options:
+        options["block"] = tuple(options["block"])
+    return _qdq(x, fmt, usage, tuple(sorted(options.items())))

@@ -1,0 +1,73 @@
+// Argument decoding shared by the CPU and CUDA FFI handlers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "fp8_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jf {
+namespace ffi = xla::ffi;
+
+enum class InType { kF32, kBF16, kF16 };
+
+// A quantize call: x of shape (B, M, K); outputs per usage (data u8, scale u8 or f32), in the
+// order row, col, tile, padded with unused (empty) results up to four.
+struct QuantizeArgs {
+  InType in;
+  int64_t B, M, K;
+  int fp8, scale_kind, row_block, col_block, tile_block;
+  bool pow2;
+  float eps, inf_value;
+};
+
+inline ffi::Error bad(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: " + msg);
+}
+
+inline ffi::Error in_type_of(ffi::DataType t, InType* out, float* max_finite) {
+  switch (t) {
+    case ffi::DataType::F32: *out = InType::kF32; *max_finite = 3.40282347e38f; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = InType::kBF16; *max_finite = 3.38953139e38f; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = InType::kF16; *max_finite = 65504.0f; return ffi::Error::Success();
+    default: return bad("input must be float32, bfloat16 or float16");
+  }
+}
+
+// (B, M, K) of a rank-3 buffer.
+inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t* K) {
+  auto d = x.dimensions();
+  if (d.size() != 3) return bad("kernels take rank-3 (batch, rows, cols) buffers");
+  *B = d[0];
+  *M = d[1];
+  *K = d[2];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64_t scale_kind,
+                                     int64_t row_block, int64_t col_block, int64_t tile_block,
+                                     bool pow2, float eps, QuantizeArgs* a) {
+  if (auto e = in_type_of(x.element_type(), &a->in, &a->inf_value); e.failure()) return e;
+  if (auto e = dims3(x, &a->B, &a->M, &a->K); e.failure()) return e;
+  if (fp8 != kE4M3 && fp8 != kE5M2) return bad("fp8 must be 0 (e4m3) or 1 (e5m2)");
+  if (scale_kind != kScaleE8M0 && scale_kind != kScaleFp32) return bad("unknown scale kind");
+  a->fp8 = int(fp8);
+  a->scale_kind = int(scale_kind);
+  a->row_block = int(row_block);
+  a->col_block = int(col_block);
+  a->tile_block = int(tile_block);
+  a->pow2 = pow2;
+  a->eps = eps;
+  const bool mx = scale_kind == kScaleE8M0;
+  const int want = mx ? 32 : 128;
+  if ((row_block && row_block != want) || (col_block && col_block != want) ||
+      (tile_block && (mx || tile_block != 128)) || (tile_block && (row_block || col_block)) ||
+      !(row_block || col_block || tile_block))
+    return bad("unsupported block configuration");
+  return ffi::Error::Success();
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace jf

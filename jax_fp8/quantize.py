@@ -1,0 +1,102 @@
+"""Shape, layout and argument logic of the public quantize/dequantize functions.
+
+Written once and run over two kernel sets: the primitives (FFI kernels) for the public API and the
+pure-jax.numpy reference for ``jax_fp8.reference``. Kernels see (B, M, K) arrays; tensors keep the
+input's N-D shape with 2-D scales of the (prod(shape[:-1]), shape[-1]) view.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from .formats import (FLOAT8_BLOCK, MX_BLOCK, cdiv, check_input, fp8_dtype, fp8_index, high_dtype,
+                      usage_blocks, view_2d)
+from .tensors import BlockwiseTensor, MXFP8Tensor
+
+SCALE_E8M0, SCALE_FP32 = 0, 1
+BLOCKWISE_BLOCKS = ((1, FLOAT8_BLOCK), (FLOAT8_BLOCK, FLOAT8_BLOCK))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """quantize(x3, **params) -> [data, scale, ...]; dequantize(data3, scale3, **params) -> y3."""
+
+    quantize: Callable
+    dequantize: Callable
+
+
+def _quantize(x, kernels: Kernels, fp8, **params):
+    """Run the kernel over the 2-D view of ``x``; returns [(fp8 data of x.shape, 2-D scale), ...]."""
+    M, K = view_2d(x.shape)
+    blocks = usage_blocks(params["row_block"], params["col_block"], params["tile_block"])
+    sdt = jnp.uint8 if params["scale_kind"] == SCALE_E8M0 else jnp.float32
+    if x.size == 0:  # empty input: empty data and scales of the documented shapes
+        return [(jnp.zeros(x.shape, fp8), jnp.zeros((cdiv(M, bm), cdiv(K, bk)), sdt)) for bm, bk in blocks]
+    outs = kernels.quantize(x.reshape(1, M, K), fp8=fp8_index(fp8), **params)
+    return [(lax.bitcast_convert_type(outs[2 * i].reshape(x.shape), fp8), outs[2 * i + 1][0])
+            for i in range(len(blocks))]
+
+
+def build_mxfp8(x, dtype, rowwise: bool, colwise: bool, kernels: Kernels) -> MXFP8Tensor:
+    x = check_input(x)
+    fp8 = fp8_dtype(dtype)
+    if not (rowwise or colwise):
+        raise ValueError("quantize_mxfp8: at least one of rowwise, colwise must be True")
+    outs = iter(_quantize(x, kernels, fp8, scale_kind=SCALE_E8M0, row_block=MX_BLOCK if rowwise else 0,
+                          col_block=MX_BLOCK if colwise else 0, tile_block=0, pow2=False, eps=0.0))
+    row = next(outs) if rowwise else (None, None)
+    col = next(outs) if colwise else (None, None)
+    return MXFP8Tensor(*row, *col, tuple(x.shape), jnp.dtype(x.dtype), fp8)
+
+
+def build_blockwise(x, block, dtype, pow2_scales: bool, amax_epsilon: float, colwise: bool, rowwise: bool,
+                    kernels: Kernels) -> BlockwiseTensor:
+    x = check_input(x)
+    fp8 = fp8_dtype(dtype)
+    try:
+        block = tuple(int(b) for b in block)
+    except TypeError:
+        raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block!r}") from None
+    if block not in BLOCKWISE_BLOCKS:
+        raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block}")
+    eps = float(amax_epsilon)
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"quantize_blockwise: amax_epsilon must be finite and >= 0, got {amax_epsilon}")
+    if not (rowwise or colwise):
+        raise ValueError("quantize_blockwise: at least one of rowwise, colwise must be True")
+    common = dict(scale_kind=SCALE_FP32, pow2=bool(pow2_scales), eps=eps)
+    if block == (1, FLOAT8_BLOCK):
+        outs = iter(_quantize(x, kernels, fp8, row_block=FLOAT8_BLOCK if rowwise else 0,
+                              col_block=FLOAT8_BLOCK if colwise else 0, tile_block=0, **common))
+        row = next(outs) if rowwise else (None, None)
+        col = next(outs) if colwise else (None, None)
+    else:  # 128x128 tiles serve both usages
+        (tile,) = _quantize(x, kernels, fp8, row_block=0, col_block=0, tile_block=FLOAT8_BLOCK, **common)
+        row = tile if rowwise else (None, None)
+        col = tile if colwise else (None, None)
+    return BlockwiseTensor(*row, *col, tuple(x.shape), jnp.dtype(x.dtype), fp8, block, bool(pow2_scales), eps)
+
+
+def dequantize_tensor(q, dtype, usage: Optional[str], kernels: Kernels):
+    if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
+        raise TypeError(f"dequantize: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
+    out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
+    blocks = q.usage_blocks()
+    if usage is None:
+        usage = "rowwise" if q.has_rowwise else "colwise"
+    if usage not in blocks:
+        raise ValueError(f"dequantize: usage must be one of {sorted(blocks)}, got {usage!r}")
+    data = getattr(q, f"{usage}_data")
+    scale = getattr(q, f"{usage}_scale_inv")
+    bm, bk = blocks[usage]
+    if data.size == 0:
+        return jnp.zeros(q.shape, out_dtype)
+    M, K = view_2d(q.shape)
+    y = kernels.dequantize(lax.bitcast_convert_type(data, jnp.uint8).reshape(1, M, K), scale[None],
+                           fp8=fp8_index(q.fp8_dtype), block_m=bm, block_k=bk, out_dtype=np.dtype(out_dtype))
+    return y.reshape(q.shape)

@@ -1,0 +1,157 @@
+"""Pure ``jax.numpy`` definitions of every number jax_fp8 produces.
+
+The FFI kernels (CPU and CUDA) must equal these bit for bit. The functions at the bottom
+(``quantize_mxfp8``, ``quantize_blockwise``, ``dequantize``, ``e8m0_from_amax``) mirror the public API.
+
+XLA's CPU backend flushes subnormals to zero by default; run with
+``XLA_FLAGS=--xla_cpu_ftz=false`` when the reference must be exact on subnormal inputs on the CPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from .formats import FP8_DTYPES, FP8_MAX, cdiv
+
+_F32 = jnp.float32
+_CANONICAL_FP8_NAN = 0x7F
+
+
+def _bits(v):
+    return lax.bitcast_convert_type(v.astype(_F32), jnp.uint32)
+
+
+def _from_bits(u):
+    return lax.bitcast_convert_type(u.astype(jnp.uint32), _F32)
+
+
+# ---- per-block math (mirrors jax_fp8/cuda/fp8_math.h) ---------------------------------------
+def block_amax(x, bm: int, bk: int):
+    """Amax of |x| over (bm, bk) blocks of the last two dims; NaN ignored, inf counts (as TE's fmaxf)."""
+    a = jnp.abs(x.astype(_F32))
+    a = jnp.where(jnp.isnan(a), 0.0, a)
+    *lead, M, K = a.shape
+    sm, sk = cdiv(M, bm), cdiv(K, bk)
+    pad = [(0, 0)] * len(lead) + [(0, sm * bm - M), (0, sk * bk - K)]
+    a = jnp.pad(a, pad).reshape(*lead, sm, bm, sk, bk)
+    return a.max(axis=(-3, -1))
+
+
+def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
+    """E8M0 scale (uint8, biased 127) of a block amax, TE's float_to_e8m0(amax * (1/fp8_max))."""
+    rcp = np.float32(1.0) / np.float32(FP8_MAX[jnp.dtype(dtype)])
+    v = jnp.asarray(amax).astype(_F32) * rcp
+    bits = _bits(v)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    bump = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    e = exp + bump.astype(jnp.uint32)
+    e = jnp.where(v == 0, 0, e)
+    e = jnp.where(jnp.isinf(v), 0xFE, e)
+    e = jnp.where(jnp.isnan(v), 0xFF, e)
+    return e.astype(jnp.uint8)
+
+
+def e8m0_reciprocal(e):
+    """Multiplier 2**(127 - e) applied before the cast (1.0 for e == 0), as fp32."""
+    e = e.astype(jnp.int32)
+    return jnp.where(e == 0, np.float32(1.0), _from_bits(((254 - e) << 23).astype(jnp.uint32)))
+
+
+def e8m0_to_float(e):
+    """Dequantization scale 2**(e - 127): 2**-127 for e == 0, NaN for 0xFF."""
+    e32 = e.astype(jnp.uint32)
+    v = jnp.where(e32 == 0, np.float32(2.0**-127), _from_bits(e32 << 23))
+    return jnp.where(e32 == 0xFF, np.float32(np.nan), v)
+
+
+def block_scale_from_amax(amax, dtype, pow2: bool, eps: float, inf_value):
+    """Float8 blockwise scale, TE's compute_scale_from_amax (returns the multiplier ``scale``)."""
+    amax = amax.astype(_F32)
+    amax = jnp.where(amax < np.float32(eps), np.float32(eps), amax)
+    scale = np.float32(FP8_MAX[jnp.dtype(dtype)]) / amax
+    scale = jnp.where(jnp.isinf(scale), np.float32(inf_value), scale)
+    if pow2:
+        scale = _from_bits(_bits(scale) & np.uint32(0xFF800000))
+    trivial = jnp.isinf(amax) | (amax == 0) | jnp.isnan(amax)
+    return jnp.where(trivial, np.float32(1.0), scale)
+
+
+def cast_to_fp8(v, dtype):
+    """Saturating round-to-nearest-even cast of fp32 ``v``; NaN becomes the canonical byte 0x7F."""
+    m = np.float32(FP8_MAX[jnp.dtype(dtype)])
+    bits = lax.bitcast_convert_type(jnp.clip(v, -m, m).astype(dtype), jnp.uint8)
+    return jnp.where(jnp.isnan(v), jnp.uint8(_CANONICAL_FP8_NAN), bits)
+
+
+def expand_blocks(s, bm: int, bk: int, M: int, K: int):
+    """Broadcast per-block values (..., ceil(M/bm), ceil(K/bk)) to elements (..., M, K)."""
+    s = jnp.repeat(s, bm, axis=-2)[..., :M, :]
+    return jnp.repeat(s, bk, axis=-1)[..., :K]
+
+
+def _canonical_nan(y):
+    return jnp.where(jnp.isnan(y), jnp.asarray(np.nan, y.dtype), y)
+
+
+# ---- kernel contract: same inputs and outputs as the primitives -------------------------------
+def quantize_blocks(x, bm, bk, *, fp8, scale_kind, pow2=True, eps=0.0):
+    """Quantize (..., M, K) with (bm, bk) blocks: (data as uint8 bytes, scales uint8 or fp32)."""
+    dtype = FP8_DTYPES[fp8]
+    M, K = x.shape[-2:]
+    amax = block_amax(x, bm, bk)
+    if scale_kind == 0:
+        stored = e8m0_from_amax(amax, dtype)
+        mult = e8m0_reciprocal(stored)
+    else:
+        mult = block_scale_from_amax(amax, dtype, pow2, eps, np.float32(jnp.finfo(x.dtype).max))
+        stored = np.float32(1.0) / mult
+    data = cast_to_fp8(x.astype(_F32) * expand_blocks(mult, bm, bk, M, K), dtype)
+    return data, stored
+
+
+def quantize_usages(x, *, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
+    """All requested usages of (B, M, K) ``x``, in the order row, col, tile (the primitive's contract)."""
+    outs = []
+    for bm, bk in ((1, row_block), (col_block, 1), (tile_block, tile_block)):
+        if bm and bk:
+            outs += quantize_blocks(x, bm, bk, fp8=fp8, scale_kind=scale_kind, pow2=pow2, eps=eps)
+    return outs
+
+
+def dequantize_blocks(data, scale, *, fp8, block_m, block_k, out_dtype):
+    """data (..., M, K) uint8 FP8 bytes times per-block scales, rounded to ``out_dtype``."""
+    M, K = data.shape[-2:]
+    values = lax.bitcast_convert_type(data, FP8_DTYPES[fp8]).astype(_F32)
+    s = e8m0_to_float(scale) if scale.dtype == jnp.uint8 else scale.astype(_F32)
+    return _canonical_nan((values * expand_blocks(s, block_m, block_k, M, K)).astype(out_dtype))
+
+
+# ---- public API mirror ----------------------------------------------------------------------
+def _kernels():
+    from .quantize import Kernels
+
+    return Kernels(quantize_usages, dequantize_blocks)
+
+
+def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False):
+    """Reference of :func:`jax_fp8.quantize_mxfp8`."""
+    from .quantize import build_mxfp8
+
+    return build_mxfp8(x, dtype, rowwise, colwise, _kernels())
+
+
+def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0,
+                       colwise=False, rowwise=True):
+    """Reference of :func:`jax_fp8.quantize_blockwise`."""
+    from .quantize import build_blockwise
+
+    return build_blockwise(x, block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, _kernels())
+
+
+def dequantize(q, dtype=None, usage=None):
+    """Reference of :func:`jax_fp8.dequantize`."""
+    from .quantize import dequantize_tensor
+
+    return dequantize_tensor(q, dtype, usage, _kernels())

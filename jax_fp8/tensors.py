@@ -1,0 +1,125 @@
+"""Quantized tensor pytrees: data and scales are leaves; shape, dtypes and block layout are static."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax import lax
+
+from ._compat import E8M0_DTYPE
+from .formats import FLOAT8_BLOCK, MX_BLOCK
+
+Array = Any
+
+
+class _QuantizedBase:
+    """Fields shared by every quantized tensor (see the subclasses)."""
+
+    rowwise_data: Optional[Array]
+    rowwise_scale_inv: Optional[Array]
+    colwise_data: Optional[Array]
+    colwise_scale_inv: Optional[Array]
+    shape: tuple
+    dtype: np.dtype
+    fp8_dtype: np.dtype
+
+    def _aux(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[4:])
+
+    def tree_flatten(self):
+        return (self.rowwise_data, self.rowwise_scale_inv, self.colwise_data, self.colwise_scale_inv), self._aux()
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.rowwise_data is not None
+
+    @property
+    def has_colwise(self) -> bool:
+        return self.colwise_data is not None
+
+    def usage_blocks(self) -> dict:
+        """{'rowwise': (bm, bk), 'colwise': (bm, bk)} for the usages this tensor holds."""
+        out = {}
+        if self.has_rowwise:
+            out["rowwise"] = self.row_block
+        if self.has_colwise:
+            out["colwise"] = self.col_block
+        return out
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class MXFP8Tensor(_QuantizedBase):
+    """An MXFP8 tensor (OCP microscaling): FP8 data with one E8M0 scale per 32 elements.
+
+    ``rowwise_data`` / ``colwise_data`` have the input's shape and an FP8 dtype; the scales are uint8
+    biased exponents (value ``2**(e - 127)``): rowwise ``(M, ceil(K/32))`` for 1x32 blocks along the
+    last dim, columnwise ``(ceil(M/32), K)`` for 32x1 blocks along the first dim of the 2-D view
+    ``(M, K) = (prod(shape[:-1]), shape[-1])``. Fields not asked for are None.
+    """
+
+    rowwise_data: Optional[Array]
+    rowwise_scale_inv: Optional[Array]
+    colwise_data: Optional[Array]
+    colwise_scale_inv: Optional[Array]
+    shape: tuple
+    dtype: np.dtype
+    fp8_dtype: np.dtype
+
+    row_block = (1, MX_BLOCK)
+    col_block = (MX_BLOCK, 1)
+
+    @property
+    def rowwise_scale_e8m0(self) -> Optional[Array]:
+        """Rowwise scales as ``jnp.float8_e8m0fnu`` (where this jax has the dtype)."""
+        return _as_e8m0(self.rowwise_scale_inv)
+
+    @property
+    def colwise_scale_e8m0(self) -> Optional[Array]:
+        """Columnwise scales as ``jnp.float8_e8m0fnu`` (where this jax has the dtype)."""
+        return _as_e8m0(self.colwise_scale_inv)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class BlockwiseTensor(_QuantizedBase):
+    """A Float8 blockwise tensor (DeepSeek-V3 / TE Float8BlockQuantizer): FP8 data, fp32 ``scale_inv``.
+
+    ``block == (1, 128)``: rowwise 1x128 blocks, scales ``(M, ceil(K/128))``; columnwise (if asked)
+    128x1 blocks, scales ``(ceil(M/128), K)``. ``block == (128, 128)``: one scale per 128x128 tile,
+    ``(ceil(M/128), ceil(K/128))``; the tiles serve both usages, so ``colwise_*`` (if asked) are the
+    same arrays as ``rowwise_*``. Data has the input's shape; dequantized value = data * scale_inv.
+    """
+
+    rowwise_data: Optional[Array]
+    rowwise_scale_inv: Optional[Array]
+    colwise_data: Optional[Array]
+    colwise_scale_inv: Optional[Array]
+    shape: tuple
+    dtype: np.dtype
+    fp8_dtype: np.dtype
+    block: tuple = (1, FLOAT8_BLOCK)
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    @property
+    def row_block(self) -> tuple:
+        return tuple(self.block)
+
+    @property
+    def col_block(self) -> tuple:
+        return (FLOAT8_BLOCK, FLOAT8_BLOCK) if tuple(self.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK) else (FLOAT8_BLOCK, 1)
+
+
+def _as_e8m0(scale):
+    if scale is None:
+        return None
+    if E8M0_DTYPE is None:
+        raise NotImplementedError("this jax has no float8_e8m0fnu dtype; use the uint8 scales")
+    return lax.bitcast_convert_type(scale, E8M0_DTYPE)
