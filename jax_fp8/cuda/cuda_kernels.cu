@@ -1,0 +1,396 @@
+// CUDA kernels behind the XLA FFI targets (built for sm_90 where nvcc exists).
+//
+// Quantize: one CTA of 256 threads owns a TM x TK tile of one (M, K) matrix. Each thread loads 16-byte
+// vectors of one fixed column chunk on rows g, g+G, ... and keeps them in registers, so the input is
+// read from HBM exactly once and every usage (rowwise blocks via warp shuffles, columnwise blocks via a
+// small shared-memory reduction, 2-D tiles via a CTA reduction) is cast from the same registers.
+// The per-block math is fp8_math.h, shared with the CPU kernels.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <nanobind/nanobind.h>
+
+#include "ffi_common.h"
+#include "fp8_math.h"
+
+namespace jf {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct LoadF32 {
+  using T = float;
+  static constexpr int VEC = 4;
+  __device__ static float get(T v) { return v; }
+  __device__ static void unpack(uint4 r, float* o) {
+    o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
+    o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
+  }
+};
+template <bool kHalf>
+struct Load16 {
+  using T = uint16_t;
+  static constexpr int VEC = 8;
+  __device__ static float get(T v) {
+    if constexpr (kHalf) return __half2float(__ushort_as_half(v));
+    else return bf16_to_float(v);
+  }
+  __device__ static void unpack(uint4 r, float* o) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = get(uint16_t(w[i] & 0xFFFFu));
+      o[2 * i + 1] = get(uint16_t(w[i] >> 16));
+    }
+  }
+};
+using LoadBF16 = Load16<false>;
+using LoadF16 = Load16<true>;
+
+// One thread's VEC elements of row r starting at column col0; zeros outside the matrix.
+template <class L>
+__device__ __forceinline__ void load_vec(const typename L::T* __restrict__ x, int64_t r, int64_t col0, int64_t M,
+                                         int64_t K, bool aligned, float (&v)[L::VEC]) {
+  if (r < M && aligned && col0 + L::VEC <= K) {
+    L::unpack(__ldg(reinterpret_cast<const uint4*>(x + r * K + col0)), v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < L::VEC; ++e) v[e] = (r < M && col0 + e < K) ? L::get(x[r * K + col0 + e]) : 0.0f;
+  }
+}
+
+// Cast VEC elements (times their multipliers) and store them at out[col0 ...] of one row.
+template <int VEC>
+__device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t col0, int64_t K, bool aligned,
+                                          const float (&v)[VEC], const float (&mult)[VEC], int fp8) {
+  uint16_t pair[VEC / 2];
+#pragma unroll
+  for (int p = 0; p < VEC / 2; ++p)
+    pair[p] = fp8x2_from_float(v[2 * p] * mult[2 * p], v[2 * p + 1] * mult[2 * p + 1], fp8);
+  if (aligned && col0 + VEC <= K) {
+    if constexpr (VEC == 8) {
+      *reinterpret_cast<uint2*>(out + col0) =
+          make_uint2(pair[0] | (uint32_t(pair[1]) << 16), pair[2] | (uint32_t(pair[3]) << 16));
+    } else {
+      *reinterpret_cast<uint32_t*>(out + col0) = pair[0] | (uint32_t(pair[1]) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      if (col0 + e < K) out[col0 + e] = uint8_t(pair[e / 2] >> (8 * (e % 2)));
+  }
+}
+
+template <class S>
+struct Outs {
+  uint8_t* data;
+  S* scale;
+};
+
+// TM x TK tile per CTA. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE: one TM x TK block.
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const typename L::T* __restrict__ x, int64_t M, int64_t K, int64_t nTM, int64_t nTK, Rule rule,
+                    int fp8, bool aligned, Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
+  using S = typename Rule::ScaleT;
+  constexpr int VEC = L::VEC;
+  constexpr int CHUNKS = TK / VEC;      // 16-byte vectors per tile row
+  constexpr int G = kThreads / CHUNKS;  // tile rows loaded per pass
+  constexpr int NV = TM / G;            // vectors per thread
+  static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
+
+  const int tid = threadIdx.x;
+  const int c = tid % CHUNKS, g = tid / CHUNKS;
+  int64_t t = blockIdx.x;
+  const int64_t tk = t % nTK;
+  t /= nTK;
+  const int64_t tm = t % nTM, b = t / nTM;
+  const int64_t col0 = tk * TK + int64_t(c) * VEC;
+  const int64_t row0 = tm * TM + g;
+  const typename L::T* xb = x + b * M * K;
+
+  float v[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) load_vec<L>(xb, row0 + int64_t(i) * G, col0, M, K, aligned, v[i]);
+
+  if constexpr (RBK > 0) {  // rowwise: the RBK / VEC lanes of a block reduce by shuffles
+    constexpr int LANES = RBK / VEC;
+    static_assert(LANES <= 32 && CHUNKS % LANES == 0, "row block must sit inside a warp");
+    const int64_t n_scales = cdiv(K, RBK);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+#pragma unroll
+      for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+      S s;
+      float m;
+      rule(amax, s, m);
+      float mult[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) mult[e] = m;
+      const int64_t r = row0 + int64_t(i) * G;
+      if (r < M) {
+        store_fp8<VEC>(row.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
+        if (c % LANES == 0 && col0 < K) row.scale[(b * M + r) * n_scales + col0 / RBK] = s;
+      }
+    }
+  }
+
+  if constexpr (COL) {  // columnwise: per-column partial amax over this thread's rows, reduced over G
+    __shared__ float red[G][TK];
+    float part[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      part[e] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) part[e] = amax_step(part[e], v[i][e]);
+      red[g][c * VEC + e] = part[e];
+    }
+    __syncthreads();
+    float mult[VEC];
+    S s[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) amax = fmaxf(amax, red[gg][c * VEC + e]);
+      rule(amax, s[e], mult[e]);
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t r = row0 + int64_t(i) * G;
+      if (r < M) store_fp8<VEC>(col.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
+    }
+    if (g == 0) {
+      S* dst = col.scale + (b * nTM + tm) * K;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        if (col0 + e < K) dst[col0 + e] = s[e];
+    }
+  }
+
+  if constexpr (TILE) {  // one block for the whole tile: CTA-wide amax
+    __shared__ float warp_max[kThreads / 32];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    if (tid % 32 == 0) warp_max[tid / 32] = amax;
+    __syncthreads();
+    amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+    S s;
+    float m;
+    rule(amax, s, m);
+    float mult[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) mult[e] = m;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t r = row0 + int64_t(i) * G;
+      if (r < M) store_fp8<VEC>(row.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
+    }
+    if (tid == 0) row.scale[(b * nTM + tm) * nTK + tk] = s;
+  }
+}
+
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
+ffi::Error launch_quantize(cudaStream_t stream, const QuantizeArgs& a, const void* x, Rule rule,
+                           Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
+  const int64_t nTM = cdiv(a.M, TM), nTK = cdiv(a.K, TK);
+  const int64_t blocks = a.B * nTM * nTK;
+  if (blocks > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  const bool aligned = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  quantize_kernel<L, Rule, TM, TK, RBK, COL, TILE><<<unsigned(blocks), kThreads, 0, stream>>>(
+      static_cast<const typename L::T*>(x), a.M, a.K, nTM, nTK, rule, a.fp8, aligned, row, col);
+  return ffi::Error::Success();
+}
+
+// Picks the tile configuration for the requested usages. Outputs arrive in the order row, col / tile.
+template <class L>
+ffi::Error quantize_in(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d, void* const* s) {
+  if (a.scale_kind == kScaleE8M0) {
+    using O = Outs<uint8_t>;
+    const MxRule rule{a.fp8};
+    const O o0{d[0], static_cast<uint8_t*>(s[0])}, o1{d[1], static_cast<uint8_t*>(s[1])};
+    if (a.row_block && a.col_block) return launch_quantize<L, MxRule, 32, 256, 32, true, false>(st, a, x, rule, o0, o1);
+    if (a.row_block) return launch_quantize<L, MxRule, 32, 256, 32, false, false>(st, a, x, rule, o0, O{});
+    return launch_quantize<L, MxRule, 32, 256, 0, true, false>(st, a, x, rule, O{}, o0);
+  }
+  using O = Outs<float>;
+  const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
+  const O o0{d[0], static_cast<float*>(s[0])}, o1{d[1], static_cast<float*>(s[1])};
+  if (a.tile_block) return launch_quantize<L, BlockRule, 128, 128, 0, false, true>(st, a, x, rule, o0, O{});
+  if (a.row_block && a.col_block)
+    return launch_quantize<L, BlockRule, 128, 128, 128, true, false>(st, a, x, rule, o0, o1);
+  if (a.row_block) return launch_quantize<L, BlockRule, 128, 128, 128, false, false>(st, a, x, rule, o0, O{});
+  return launch_quantize<L, BlockRule, 128, 128, 0, true, false>(st, a, x, rule, O{}, o0);
+}
+
+ffi::Error check_launch() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8 CUDA: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o0,
+                            ffi::Result<ffi::AnyBuffer> o1, ffi::Result<ffi::AnyBuffer> o2,
+                            ffi::Result<ffi::AnyBuffer> o3, int64_t fp8, int64_t scale_kind, int64_t row_block,
+                            int64_t col_block, int64_t tile_block, bool pow2, float eps) {
+  QuantizeArgs a;
+  if (auto e = make_quantize_args(x, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a); e.failure())
+    return e;
+  if (a.B * a.M * a.K == 0) return ffi::Error::Success();
+  uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
+  void* s[2] = {o1->untyped_data(), o3->untyped_data()};
+  ffi::Error err = ffi::Error::Success();
+  switch (a.in) {
+    case InType::kF32: err = quantize_in<LoadF32>(stream, a, x.untyped_data(), d, s); break;
+    case InType::kBF16: err = quantize_in<LoadBF16>(stream, a, x.untyped_data(), d, s); break;
+    case InType::kF16: err = quantize_in<LoadF16>(stream, a, x.untyped_data(), d, s); break;
+  }
+  if (err.failure()) return err;
+  return check_launch();
+}
+
+// ---- dequantize: 8 elements per thread, one scale per vector unless blocks are 1 column wide ----
+struct StoreF32 {
+  using T = float;
+  __device__ static void store(T* out, int64_t i, const float (&y)[8], bool full) {
+    if (full) {
+      float4* o = reinterpret_cast<float4*>(out + i);
+      o[0] = make_float4(canonical_f32(y[0]), canonical_f32(y[1]), canonical_f32(y[2]), canonical_f32(y[3]));
+      o[1] = make_float4(canonical_f32(y[4]), canonical_f32(y[5]), canonical_f32(y[6]), canonical_f32(y[7]));
+    }
+  }
+  __device__ static void store1(T* out, int64_t i, float y) { out[i] = canonical_f32(y); }
+};
+template <bool kHalf>
+struct Store16 {
+  using T = uint16_t;
+  __device__ static uint16_t conv(float y) { return kHalf ? f16_from_float(y) : bf16_from_float(y); }
+  __device__ static void store(T* out, int64_t i, const float (&y)[8], bool full) {
+    if (full) {
+      uint32_t w[4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) w[p] = conv(y[2 * p]) | (uint32_t(conv(y[2 * p + 1])) << 16);
+      *reinterpret_cast<uint4*>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  __device__ static void store1(T* out, int64_t i, float y) { out[i] = conv(y); }
+};
+
+template <class Rule, class St>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int64_t B, int64_t M,
+                      int64_t K, int bm, int bk, int fp8, bool aligned, typename St::T* __restrict__ out) {
+  const int64_t nvec = cdiv(K, 8), sm = cdiv(M, bm), sk = cdiv(K, bk);
+  const int64_t total = B * M * nvec;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < total; v += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t rr = v / nvec, col0 = (v % nvec) * 8;
+    const int64_t b = rr / M, r = rr % M;
+    const typename Rule::ScaleT* srow = s + (b * sm + r / bm) * sk;
+    const int64_t base = rr * K;
+    const bool full = aligned && col0 + 8 <= K;
+    if (full) {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(d + base + col0));
+      float y[8];
+      const float one = Rule::dequant_scale(srow[col0 / bk]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const uint8_t byte = uint8_t(((e < 4 ? raw.x : raw.y) >> (8 * (e % 4))) & 0xFFu);
+        const float sc = bk == 1 ? Rule::dequant_scale(srow[col0 + e]) : one;
+        y[e] = fp8_to_float(byte, fp8) * sc;
+      }
+      St::store(out, base + col0, y, true);
+    } else {
+      for (int e = 0; e < 8 && col0 + e < K; ++e)
+        St::store1(out, base + col0 + e, fp8_to_float(d[base + col0 + e], fp8) * Rule::dequant_scale(srow[(col0 + e) / bk]));
+    }
+  }
+}
+
+template <class Rule, class St>
+void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
+                       int bm, int bk, int fp8) {
+  const int64_t total = B * M * cdiv(K, 8);
+  const int64_t grid = std::min<int64_t>(cdiv(total, kThreads), 132 * 32);
+  const bool aligned = K % 8 == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
+  dequantize_kernel<Rule, St><<<unsigned(grid), kThreads, 0, st>>>(
+      static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, bm, bk, fp8, aligned,
+      static_cast<typename St::T*>(out));
+}
+
+template <class Rule>
+ffi::Error dequantize_rule(cudaStream_t st, const void* d, const void* s, ffi::Result<ffi::AnyBuffer>& out, int64_t B,
+                           int64_t M, int64_t K, int bm, int bk, int fp8) {
+  void* o = out->untyped_data();
+  switch (out->element_type()) {
+    case ffi::DataType::F32: launch_dequantize<Rule, StoreF32>(st, d, s, o, B, M, K, bm, bk, fp8); break;
+    case ffi::DataType::BF16: launch_dequantize<Rule, Store16<false>>(st, d, s, o, B, M, K, bm, bk, fp8); break;
+    case ffi::DataType::F16: launch_dequantize<Rule, Store16<true>>(st, d, s, o, B, M, K, bm, bk, fp8); break;
+    default: return bad("dequantize output must be float32, bfloat16 or float16");
+  }
+  return check_launch();
+}
+
+ffi::Error DequantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                              ffi::Result<ffi::AnyBuffer> out, int64_t fp8, int64_t block_m, int64_t block_k) {
+  int64_t B, M, K;
+  if (auto e = dims3(data, &B, &M, &K); e.failure()) return e;
+  if (block_m < 1 || block_k < 1 || (block_k != 1 && block_k % 8 != 0)) return bad("unsupported block size");
+  if (B * M * K == 0) return ffi::Error::Success();
+  if (scale.element_type() == ffi::DataType::U8)
+    return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, int(block_m),
+                                   int(block_k), int(fp8));
+  if (scale.element_type() == ffi::DataType::F32)
+    return dequantize_rule<BlockRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, int(block_m),
+                                      int(block_k), int(fp8));
+  return bad("scales must be uint8 (E8M0) or float32");
+}
+
+}  // namespace
+}  // namespace jf
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("scale_kind")
+                                  .Attr<int64_t>("row_block")
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<int64_t>("tile_block")
+                                  .Attr<bool>("pow2")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("block_m")
+                                  .Attr<int64_t>("block_k"));
+
+NB_MODULE(_jax_fp8_cuda, m) {
+  m.def("registrations", []() {
+    nanobind::dict d;
+    d["jf_quantize"] = nanobind::capsule(reinterpret_cast<void*>(JfQuantizeCuda));
+    d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
+    return d;
+  });
+}

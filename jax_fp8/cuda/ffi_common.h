@@ -68,6 +68,4 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64
   return ffi::Error::Success();
 }
 
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 }  // namespace jf

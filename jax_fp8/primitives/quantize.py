@@ -92,8 +92,8 @@ def _dequantize_reference(data, scale, **params):
 
 
 def _dequantize_batch(args, dims, **params):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    data, scale = (jnp.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    data, scale = (jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
                    for a, d in zip(args, dims))
     b, B = data.shape[:2]
     y = dequantize_p.bind(data.reshape(b * B, *data.shape[2:]), scale.reshape(b * B, *scale.shape[2:]), **params)
