@@ -30,7 +30,7 @@ def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bo
     are multiplied by ``2**(127 - e)`` and cast with saturation; NaN elements stay NaN (byte 0x7F).
     Not differentiable; see :func:`quantize_dequantize` for a straight-through estimator.
     """
-    return build_mxfp8(x, dtype, rowwise, colwise, quantize_kernels)
+    return build_mxfp8(jnp.asarray(x), dtype, rowwise, colwise, quantize_kernels)
 
 
 def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3fn, pow2_scales: bool = True,
@@ -48,7 +48,7 @@ def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3
     Scale as TE's ``compute_scale_from_amax``: 1 for a zero, inf or NaN amax, else ``fp8_max / amax``
     (an infinite quotient becomes the input dtype's largest finite value); stored ``scale_inv = 1/scale``.
     """
-    return build_blockwise(x, block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, quantize_kernels)
+    return build_blockwise(jnp.asarray(x), block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, quantize_kernels)
 
 
 def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):

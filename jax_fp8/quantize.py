@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import jax.numpy as jnp
-from jax import lax
 
+from .reference import bitcast, xp_of
 from .formats import (FLOAT8_BLOCK, MX_BLOCK, cdiv, check_input, fp8_dtype, fp8_index, high_dtype,
                       usage_blocks, view_2d)
 from .tensors import BlockwiseTensor, MXFP8Tensor
@@ -36,9 +36,10 @@ def _quantize(x, kernels: Kernels, fp8, **params):
     blocks = usage_blocks(params["row_block"], params["col_block"], params["tile_block"])
     sdt = jnp.uint8 if params["scale_kind"] == SCALE_E8M0 else jnp.float32
     if x.size == 0:  # empty input: empty data and scales of the documented shapes
-        return [(jnp.zeros(x.shape, fp8), jnp.zeros((cdiv(M, bm), cdiv(K, bk)), sdt)) for bm, bk in blocks]
+        xp = xp_of(x)
+        return [(xp.zeros(x.shape, fp8), xp.zeros((cdiv(M, bm), cdiv(K, bk)), sdt)) for bm, bk in blocks]
     outs = kernels.quantize(x.reshape(1, M, K), fp8=fp8_index(fp8), **params)
-    return [(lax.bitcast_convert_type(outs[2 * i].reshape(x.shape), fp8), outs[2 * i + 1][0])
+    return [(bitcast(outs[2 * i].reshape(x.shape), fp8), outs[2 * i + 1][0])
             for i in range(len(blocks))]
 
 
@@ -95,8 +96,8 @@ def dequantize_tensor(q, dtype, usage: Optional[str], kernels: Kernels):
     scale = getattr(q, f"{usage}_scale_inv")
     bm, bk = blocks[usage]
     if data.size == 0:
-        return jnp.zeros(q.shape, out_dtype)
+        return xp_of(data).zeros(q.shape, out_dtype)
     M, K = view_2d(q.shape)
-    y = kernels.dequantize(lax.bitcast_convert_type(data, jnp.uint8).reshape(1, M, K), scale[None],
+    y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(1, M, K), scale[None],
                            fp8=fp8_index(q.fp8_dtype), block_m=bm, block_k=bk, out_dtype=np.dtype(out_dtype))
     return y.reshape(q.shape)

@@ -3,8 +3,10 @@
 The FFI kernels (CPU and CUDA) must equal these bit for bit. The functions at the bottom
 (``quantize_mxfp8``, ``quantize_blockwise``, ``dequantize``, ``e8m0_from_amax``) mirror the public API.
 
-XLA's CPU backend flushes subnormals to zero by default; run with
-``XLA_FLAGS=--xla_cpu_ftz=false`` when the reference must be exact on subnormal inputs on the CPU.
+Every function here also runs on NumPy arrays (it then computes with NumPy, same code). That matters
+for subnormals: XLA's CPU runtime flushes subnormal operands and results to zero (FTZ/DAZ), whatever
+``--xla_cpu_ftz`` says, while the definition is IEEE (as XLA on GPU and our kernels compute). Evaluate
+the reference on NumPy inputs (or on a GPU) when subnormal intermediates must be exact.
 """
 from __future__ import annotations
 
@@ -18,81 +20,107 @@ _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
 
 
+def xp_of(*arrays):
+    """The array namespace to compute in: NumPy when every input is a NumPy array, else jax.numpy."""
+    return np if all(isinstance(a, (np.ndarray, np.generic)) for a in arrays) else jnp
+
+
+def bitcast(a, dtype):
+    """Reinterpret the bits of ``a`` as ``dtype`` (same item size), in ``a``'s namespace."""
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np.asarray(a).view(dtype)
+    return lax.bitcast_convert_type(a, dtype)
+
+
 def _bits(v):
-    return lax.bitcast_convert_type(v.astype(_F32), jnp.uint32)
+    return bitcast(v.astype(_F32), jnp.uint32)
 
 
 def _from_bits(u):
-    return lax.bitcast_convert_type(u.astype(jnp.uint32), _F32)
+    return bitcast(u.astype(jnp.uint32), _F32)
 
 
 # ---- per-block math (mirrors jax_fp8/cuda/fp8_math.h) ---------------------------------------
+def _quiet():
+    """NumPy path: inf and NaN are expected values here, not errors."""
+    return np.errstate(divide="ignore", over="ignore", invalid="ignore")
+
+
 def block_amax(x, bm: int, bk: int):
     """Amax of |x| over (bm, bk) blocks of the last two dims; NaN ignored, inf counts (as TE's fmaxf)."""
-    a = jnp.abs(x.astype(_F32))
-    a = jnp.where(jnp.isnan(a), 0.0, a)
+    xp = xp_of(x)
+    a = xp.abs(x.astype(_F32))
+    a = xp.where(xp.isnan(a), np.float32(0), a)
     *lead, M, K = a.shape
     sm, sk = cdiv(M, bm), cdiv(K, bk)
     pad = [(0, 0)] * len(lead) + [(0, sm * bm - M), (0, sk * bk - K)]
-    a = jnp.pad(a, pad).reshape(*lead, sm, bm, sk, bk)
+    a = xp.pad(a, pad).reshape(*lead, sm, bm, sk, bk)
     return a.max(axis=(-3, -1))
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
     """E8M0 scale (uint8, biased 127) of a block amax, TE's float_to_e8m0(amax * (1/fp8_max))."""
+    xp = xp_of(amax)
     rcp = np.float32(1.0) / np.float32(FP8_MAX[jnp.dtype(dtype)])
-    v = jnp.asarray(amax).astype(_F32) * rcp
+    with _quiet():
+        v = xp.asarray(amax).astype(_F32) * rcp
     bits = _bits(v)
-    exp = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
+    exp = (bits >> 23) & np.uint32(0xFF)
+    mant = bits & np.uint32(0x7FFFFF)
     bump = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
-    e = exp + bump.astype(jnp.uint32)
-    e = jnp.where(v == 0, 0, e)
-    e = jnp.where(jnp.isinf(v), 0xFE, e)
-    e = jnp.where(jnp.isnan(v), 0xFF, e)
-    return e.astype(jnp.uint8)
+    e = exp + bump.astype(np.uint32)
+    e = xp.where(v == 0, np.uint32(0), e)
+    e = xp.where(xp.isinf(v), np.uint32(0xFE), e)
+    e = xp.where(xp.isnan(v), np.uint32(0xFF), e)
+    return e.astype(np.uint8)
 
 
 def e8m0_reciprocal(e):
     """Multiplier 2**(127 - e) applied before the cast (1.0 for e == 0), as fp32."""
-    e = e.astype(jnp.int32)
-    return jnp.where(e == 0, np.float32(1.0), _from_bits(((254 - e) << 23).astype(jnp.uint32)))
+    e = e.astype(np.int32)
+    return xp_of(e).where(e == 0, np.float32(1.0), _from_bits(((254 - e) << 23).astype(np.uint32)))
 
 
 def e8m0_to_float(e):
     """Dequantization scale 2**(e - 127): 2**-127 for e == 0, NaN for 0xFF."""
-    e32 = e.astype(jnp.uint32)
-    v = jnp.where(e32 == 0, np.float32(2.0**-127), _from_bits(e32 << 23))
-    return jnp.where(e32 == 0xFF, np.float32(np.nan), v)
+    xp = xp_of(e)
+    e32 = e.astype(np.uint32)
+    v = xp.where(e32 == 0, np.float32(2.0**-127), _from_bits(e32 << 23))
+    return xp.where(e32 == 0xFF, np.float32(np.nan), v)
 
 
 def block_scale_from_amax(amax, dtype, pow2: bool, eps: float, inf_value):
     """Float8 blockwise scale, TE's compute_scale_from_amax (returns the multiplier ``scale``)."""
+    xp = xp_of(amax)
     amax = amax.astype(_F32)
-    amax = jnp.where(amax < np.float32(eps), np.float32(eps), amax)
-    scale = np.float32(FP8_MAX[jnp.dtype(dtype)]) / amax
-    scale = jnp.where(jnp.isinf(scale), np.float32(inf_value), scale)
+    amax = xp.where(amax < np.float32(eps), np.float32(eps), amax)
+    with _quiet():
+        scale = np.float32(FP8_MAX[jnp.dtype(dtype)]) / amax
+    scale = xp.where(xp.isinf(scale), np.float32(inf_value), scale)
     if pow2:
         scale = _from_bits(_bits(scale) & np.uint32(0xFF800000))
-    trivial = jnp.isinf(amax) | (amax == 0) | jnp.isnan(amax)
-    return jnp.where(trivial, np.float32(1.0), scale)
+    trivial = xp.isinf(amax) | (amax == 0) | xp.isnan(amax)
+    return xp.where(trivial, np.float32(1.0), scale)
 
 
 def cast_to_fp8(v, dtype):
     """Saturating round-to-nearest-even cast of fp32 ``v``; NaN becomes the canonical byte 0x7F."""
+    xp = xp_of(v)
     m = np.float32(FP8_MAX[jnp.dtype(dtype)])
-    bits = lax.bitcast_convert_type(jnp.clip(v, -m, m).astype(dtype), jnp.uint8)
-    return jnp.where(jnp.isnan(v), jnp.uint8(_CANONICAL_FP8_NAN), bits)
+    data = bitcast(xp.clip(v, -m, m).astype(dtype), np.uint8)
+    return xp.where(xp.isnan(v), np.uint8(_CANONICAL_FP8_NAN), data)
 
 
 def expand_blocks(s, bm: int, bk: int, M: int, K: int):
     """Broadcast per-block values (..., ceil(M/bm), ceil(K/bk)) to elements (..., M, K)."""
-    s = jnp.repeat(s, bm, axis=-2)[..., :M, :]
-    return jnp.repeat(s, bk, axis=-1)[..., :K]
+    xp = xp_of(s)
+    s = xp.repeat(s, bm, axis=-2)[..., :M, :]
+    return xp.repeat(s, bk, axis=-1)[..., :K]
 
 
 def _canonical_nan(y):
-    return jnp.where(jnp.isnan(y), jnp.asarray(np.nan, y.dtype), y)
+    xp = xp_of(y)
+    return xp.where(xp.isnan(y), xp.asarray(np.nan, y.dtype), y)
 
 
 # ---- kernel contract: same inputs and outputs as the primitives -------------------------------
@@ -107,8 +135,9 @@ def quantize_blocks(x, bm, bk, *, fp8, scale_kind, pow2=True, eps=0.0):
     else:
         mult = block_scale_from_amax(amax, dtype, pow2, eps, np.float32(jnp.finfo(x.dtype).max))
         stored = np.float32(1.0) / mult
-    data = cast_to_fp8(x.astype(_F32) * expand_blocks(mult, bm, bk, M, K), dtype)
-    return data, stored
+    with _quiet():
+        scaled = x.astype(_F32) * expand_blocks(mult, bm, bk, M, K)
+    return cast_to_fp8(scaled, dtype), stored
 
 
 def quantize_usages(x, *, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
@@ -123,9 +152,10 @@ def quantize_usages(x, *, fp8, scale_kind, row_block, col_block, tile_block, pow
 def dequantize_blocks(data, scale, *, fp8, block_m, block_k, out_dtype):
     """data (..., M, K) uint8 FP8 bytes times per-block scales, rounded to ``out_dtype``."""
     M, K = data.shape[-2:]
-    values = lax.bitcast_convert_type(data, FP8_DTYPES[fp8]).astype(_F32)
-    s = e8m0_to_float(scale) if scale.dtype == jnp.uint8 else scale.astype(_F32)
-    return _canonical_nan((values * expand_blocks(s, block_m, block_k, M, K)).astype(out_dtype))
+    values = bitcast(data, FP8_DTYPES[fp8]).astype(_F32)
+    s = e8m0_to_float(scale) if scale.dtype == np.uint8 else scale.astype(_F32)
+    with _quiet():
+        return _canonical_nan((values * expand_blocks(s, block_m, block_k, M, K)).astype(out_dtype))
 
 
 # ---- public API mirror ----------------------------------------------------------------------

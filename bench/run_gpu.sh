@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One lease call: build for sm_90, run every test on the GPU backend (CUDA kernels vs the reference,
+# bit for bit), dump the compiler's resource report and SASS facts, then time everything.
+# Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
+set -uo pipefail
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+rm -rf build
+python3 -m pip install --no-build-isolation --no-deps -e . -v > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+grep -E "ptxas info|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
+so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
+cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
+echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")"
+python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
+python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,69 @@
+"""Shared test helpers: fresh random data with special values, bitwise comparison, CPU reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp8 as jf
+
+IN_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(fn, *args, **kw):
+    """Evaluate the reference ``fn`` with NumPy (IEEE subnormals; XLA's CPU runtime flushes them)."""
+    return fn(*jax.tree_util.tree_map(np.asarray, args), **kw)
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(jax.device_get(a))
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"uint{8 * a.dtype.itemsize}")
+
+
+def assert_bits_equal(a, b, what=""):
+    ba, bb = bits(a), bits(b)
+    assert ba.shape == bb.shape, f"{what}: shape {ba.shape} != {bb.shape}"
+    bad = np.flatnonzero(ba != bb)
+    assert bad.size == 0, (f"{what}: {bad.size} of {ba.size} differ; first at {np.unravel_index(bad[0], ba.shape)}: "
+                           f"{ba.flat[bad[0]]:#x} vs {bb.flat[bad[0]]:#x}")
+
+
+def assert_tensors_equal(q, r):
+    """Every leaf of two quantized tensors equal bit for bit, and the same static layout."""
+    assert type(q) is type(r)
+    assert q._aux() == r._aux(), (q._aux(), r._aux())
+    for f in ("rowwise_data", "rowwise_scale_inv", "colwise_data", "colwise_scale_inv"):
+        a, b = getattr(q, f), getattr(r, f)
+        assert (a is None) == (b is None), f
+        if a is not None:
+            assert a.dtype == b.dtype, (f, a.dtype, b.dtype)
+            assert_bits_equal(a, b, f)
+
+
+def random_input(rng: np.random.Generator, shape, dtype, specials: bool = True) -> np.ndarray:
+    """Normal data with per-row magnitudes over many binades; optionally zeros, subnormals, huge
+    values, +-inf and NaN sprinkled in (and some all-zero and all-subnormal rows)."""
+    dtype = jnp.dtype(dtype)
+    fi = jnp.finfo(dtype)
+    x = rng.standard_normal(shape).astype(np.float64)
+    if x.ndim:
+        lead = x.shape[:-1] + (1,)
+        x *= 2.0 ** rng.integers(-12, 12, size=lead)
+    if specials and x.size:
+        flat = x.reshape(-1)
+        n = flat.size
+        pick = lambda k: rng.integers(0, n, size=max(1, n * k // 1000))  # noqa: E731
+        flat[pick(5)] = 0.0
+        flat[pick(5)] = float(fi.smallest_subnormal) * rng.integers(1, 8)
+        flat[pick(3)] = float(fi.max) * rng.uniform(0.5, 1.0)
+        flat[pick(3)] = rng.choice([448.0, 449.0, 464.0, 57344.0, 61440.0, 1e5])
+        flat[pick(2)] = np.inf
+        flat[pick(2)] = -np.inf
+        flat[pick(2)] = np.nan
+        if x.ndim >= 2 and x.shape[-2] > 2:
+            x.reshape(-1, x.shape[-1])[0] = 0.0  # an all-zero row
+            x.reshape(-1, x.shape[-1])[1] = float(fi.smallest_subnormal) * rng.integers(0, 50, x.shape[-1])
+    with np.errstate(over="ignore"):
+        return np.asarray(x.astype(np.float32)).astype(dtype)
