@@ -61,7 +61,7 @@ def build_blockwise(x, block, dtype, pow2_scales: bool, amax_epsilon: float, col
     fp8 = fp8_dtype(dtype)
     try:
         block = tuple(int(b) for b in block)
-    except TypeError:
+    except (TypeError, ValueError):
         raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block!r}") from None
     if block not in BLOCKWISE_BLOCKS:
         raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block}")

@@ -1,0 +1,118 @@
+"""Float8 blockwise (1x128, 128x1, 128x128; fp32 scales): kernels against the reference, bit for bit."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp8 as jf
+from helpers import FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, on_cpu, random_input
+from jax_fp8.reference import block_scale_from_amax
+
+SHAPES = [(1, 1), (1, 129), (5, 128), (127, 100), (128, 128), (129, 257), (200, 384), (3, 50, 130), (300,)]
+
+
+def _check(x, **kw):
+    q = jf.quantize_blockwise(x, **kw)
+    r = on_cpu(jf.reference.quantize_blockwise, x, **kw)
+    assert_tensors_equal(q, r)
+    for usage in q.usage_blocks():
+        assert_bits_equal(jf.dequantize(q, usage=usage), on_cpu(jf.reference.dequantize, r, usage=usage), usage)
+    return q
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("in_dtype", IN_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=str)
+def test_matches_reference(shape, in_dtype, block):
+    rng = np.random.default_rng(abs(hash((shape, jnp.dtype(in_dtype).name, block))) % 2**32)
+    x = random_input(rng, shape, in_dtype)
+    for fp8 in FP8_DTYPES:
+        q = _check(x, block=block, dtype=fp8, colwise=True)
+        M, K = int(np.prod(shape[:-1])), shape[-1]
+        if block == (1, 128):
+            assert q.rowwise_scale_inv.shape == (M, -(-K // 128))
+            assert q.colwise_scale_inv.shape == (-(-M // 128), K)
+        else:
+            assert q.rowwise_scale_inv.shape == (-(-M // 128), -(-K // 128))
+        assert q.rowwise_scale_inv.dtype == jnp.float32 and q.rowwise_data.shape == shape
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("eps", [0.0, 1e-3, 4.0])
+def test_options(pow2, eps):
+    rng = np.random.default_rng(int(eps * 1000) + pow2)
+    x = random_input(rng, (130, 260), jnp.bfloat16)
+    x = x.at[5].set(0).at[7].multiply(1e-4) if isinstance(x, jax.Array) else x
+    for block in [(1, 128), (128, 128)]:
+        _check(x, block=block, pow2_scales=pow2, amax_epsilon=eps, colwise=True)
+        _check(x, block=block, pow2_scales=pow2, amax_epsilon=eps, colwise=True, rowwise=False)
+
+
+def test_scale_rule_hand_cases():
+    """TE's compute_scale_from_amax, worked by hand (E4M3, fp32 input unless noted)."""
+    f32max = np.float32(np.finfo(np.float32).max)
+    a = lambda *v: np.array(v, np.float32)  # noqa: E731
+    s = lambda amax, pow2=True, eps=0.0, inf=f32max: block_scale_from_amax(amax, jnp.float8_e4m3fn, pow2, eps, inf)  # noqa: E731
+    np.testing.assert_array_equal(s(a(0.0, np.inf, np.nan)), a(1, 1, 1))     # trivial amaxes -> 1
+    np.testing.assert_array_equal(s(a(448.0, 224.0, 300.0, 1.0)), a(1, 2, 1, 256))  # pow2: 1.493 -> 1, 448 -> 256
+    np.testing.assert_array_equal(s(a(300.0), pow2=False), a(np.float32(448) / np.float32(300)))
+    np.testing.assert_array_equal(s(a(0.5), eps=1.0, pow2=False), a(448.0))    # amax raised to epsilon
+    np.testing.assert_array_equal(s(a(0.0), eps=1.0, pow2=False), a(448.0))    # epsilon also lifts zero
+    np.testing.assert_array_equal(s(a(1e-45), pow2=False), a(f32max))          # 448/1e-45 = inf -> fp32 max
+    np.testing.assert_array_equal(s(a(1e-45)), a(2.0**127))                   # ... rounded down to 2^127
+    bf16max = np.float32(jnp.finfo(jnp.bfloat16).max)
+    np.testing.assert_array_equal(s(a(1e-45), pow2=False, inf=bf16max), a(bf16max))
+
+
+def test_subnormal_block_uses_input_dtype_max():
+    """A bf16 block of subnormals: 448/amax overflows, the scale becomes bf16's max (pow2: 2^127)."""
+    x = np.zeros((2, 128), np.float32)
+    x[0, :4] = [1e-40, -2e-40, 3e-40, 0.0]
+    x = x.astype(jnp.bfloat16)
+    q = _check(x)
+    np.testing.assert_array_equal(np.asarray(q.rowwise_scale_inv), np.array([[2.0**-127], [1.0]], np.float32))
+    assert np.asarray(q.rowwise_data).view(np.uint8)[0, :3].tolist() != [0, 0, 0]
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=str)
+def test_dequantize_error_bound(fp8, block):
+    rng = np.random.default_rng(21)
+    x = random_input(rng, (200, 300), jnp.float32, specials=False)
+    q = jf.quantize_blockwise(x, block=block, dtype=fp8, colwise=True)
+    mant, bias = (3, 7) if jnp.dtype(fp8) == jnp.float8_e4m3fn else (2, 15)
+    for usage, (bm, bk) in q.usage_blocks().items():
+        y = np.asarray(jf.dequantize(q, jnp.float32, usage), np.float64)
+        si = np.asarray(getattr(q, f"{usage}_scale_inv"), np.float64)
+        s = np.repeat(np.repeat(si, bm, 0)[:200], bk, 1)[:, :300]
+        assert (np.abs(y - x) <= np.abs(x) * 2.0 ** -(mant + 1) + s * 2.0 ** (-bias - mant)).all()
+
+
+def test_jit_vmap_grad():
+    rng = np.random.default_rng(2)
+    x = random_input(rng, (3, 130, 200), jnp.float16)
+    qv = jax.jit(jax.vmap(lambda v: jf.quantize_blockwise(v, block=(128, 128))))(x)
+    for i in range(3):
+        assert_tensors_equal(jax.tree_util.tree_map(lambda a: a[i], qv),
+                             on_cpu(jf.reference.quantize_blockwise, x[i], block=(128, 128)))
+    w = rng.standard_normal((130, 200)).astype(np.float32)
+    g = jax.grad(lambda v: (jf.quantize_dequantize(v, "blockwise", block=(1, 128)) * w).sum())(x[0].astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_bad_arguments():
+    x = jnp.ones((4, 128))
+    for block in [(1, 32), (128, 1), (64, 64), (2, 128), 128, "1x128"]:
+        with pytest.raises(ValueError, match="block must be"):
+            jf.quantize_blockwise(x, block=block)
+    for eps in [-1.0, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="amax_epsilon"):
+            jf.quantize_blockwise(x, amax_epsilon=eps)
+    with pytest.raises(TypeError, match="dtype must be"):
+        jf.quantize_blockwise(x, dtype=jnp.int8)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        jf.quantize_blockwise(jnp.ones((4, 128), jnp.float64) if jax.config.x64_enabled else jnp.ones((4, 128), jnp.int8))
+    with pytest.raises(ValueError, match="rank"):
+        jf.quantize_blockwise(jnp.float32(2))
+    with pytest.raises(ValueError, match="fmt"):
+        jf.quantize_dequantize(x, "nvfp4")
