@@ -185,3 +185,52 @@ def dequantize(q, dtype=None, usage=None):
     from .quantize import dequantize_tensor
 
     return dequantize_tensor(q, dtype, usage, _kernels())
+
+
+# ---- master-weight shards (jax_fp8.distributed) ----------------------------------------------
+def unshard(shard, offset, length, M: int, K: int):
+    """Place a flat shard's valid elements [offset, offset + length) into a zero (M, K) weight."""
+    xp = xp_of(shard, offset, length)
+    L = shard.shape[0]
+    j = xp.arange(L)
+    pos = offset + j
+    valid = (j < length) & (pos < M * K)
+    if xp is np:
+        flat = np.zeros(M * K, shard.dtype)
+        flat[pos[valid]] = shard[valid]
+    else:
+        flat = jnp.zeros(M * K, shard.dtype).at[jnp.where(valid, pos, M * K)].set(shard, mode="drop")
+    return flat.reshape(M, K), pos, valid
+
+
+def _usage_list(row_block, col_block, tile_block):
+    return [(bm, bk) for bm, bk in ((1, row_block), (col_block, 1), (tile_block, tile_block)) if bm and bk]
+
+
+def partial_amax(shard, offset, length, *, M, K, fp8, scale_kind, row_block, col_block, tile_block):
+    """Per-block amax over the elements this shard holds (0 elsewhere): E8M0 bytes, or fp32 amaxes."""
+    full, _, _ = unshard(shard, offset, length, M, K)
+    outs = []
+    for bm, bk in _usage_list(row_block, col_block, tile_block):
+        amax = block_amax(full, bm, bk)
+        outs.append(e8m0_from_amax(amax, FP8_DTYPES[fp8]) if scale_kind == 0 else amax)
+    return outs
+
+
+def partial_cast(shard, offset, length, *grids, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
+    """Cast the shard's elements with the global scales (E8M0 bytes or fp32 amaxes): flat FP8 bytes per
+    usage (0 past the valid elements), then, for fp32 scales, each usage's scale_inv grid."""
+    xp = xp_of(shard, offset, length, *grids)
+    dtype = FP8_DTYPES[fp8]
+    full, pos, valid = unshard(shard, offset, length, M, K)
+    datas, sinvs = [], []
+    for (bm, bk), grid in zip(_usage_list(row_block, col_block, tile_block), grids):
+        if scale_kind == 0:
+            mult = e8m0_reciprocal(grid)
+        else:
+            mult = block_scale_from_amax(grid, dtype, pow2, eps, np.float32(jnp.finfo(shard.dtype).max))
+            sinvs.append(np.float32(1.0) / mult)
+        with _quiet():
+            data = cast_to_fp8(full.astype(_F32) * expand_blocks(mult, bm, bk, M, K), dtype).reshape(-1)
+        datas.append(xp.where(valid, data[xp.where(valid, pos, 0)], np.uint8(0)))
+    return datas + sinvs

@@ -158,6 +158,128 @@ ffi::Error DequantizeCpuImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Res
   return bad("scales must be uint8 (E8M0) or float32");
 }
 
+
+// ---- master-weight shards: partial amax and partial cast --------------------------------------
+// The usages of a shard call, each as (bm, bk) blocks, in output order.
+struct Usage {
+  int bm, bk;
+};
+inline int usages_of(const QuantizeArgs& a, Usage* u) {
+  int n = 0;
+  if (a.row_block) u[n++] = {1, a.row_block};
+  if (a.col_block) u[n++] = {a.col_block, 1};
+  if (a.tile_block) u[n++] = {a.tile_block, a.tile_block};
+  return n;
+}
+
+// Valid elements of the shard: [0, n) with n = clip(min(length, L, M*K - offset), 0).
+inline int64_t shard_count(const QuantizeArgs& a, int64_t L, int64_t off, int64_t len) {
+  return std::max<int64_t>(0, std::min({len, L, a.M * a.K - off}));
+}
+
+// Walk the shard's valid elements with their (row, col) in the weight.
+template <class F>
+void for_shard(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
+  if (n <= 0) return;
+  int64_t r = off / a.K, c = off % a.K;
+  for (int64_t j = 0; j < n; ++j) {
+    f(j, r, c);
+    if (++c == a.K) c = 0, ++r;
+  }
+}
+
+template <class L>
+void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t n, Usage u, void* out) {
+  const auto* x = static_cast<const typename L::T*>(shard);
+  const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
+  std::vector<float> amax(nb, 0.0f);
+  for_shard(a, off, n, [&](int64_t j, int64_t r, int64_t c) {
+    float& m = amax[(r / u.bm) * sk + c / u.bk];
+    m = amax_step(m, L::get(x, j));
+  });
+  for (int64_t i = 0; i < nb; ++i) {
+    if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = e8m0_from_amax(amax[i], a.fp8);
+    else static_cast<float*>(out)[i] = amax[i];
+  }
+}
+
+// grid: the global scales (E8M0 bytes) or amaxes (fp32). Writes the shard's FP8 bytes (0 past n) and,
+// for fp32 scales, the scale_inv grid.
+template <class L>
+void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t off, int64_t n, Usage u,
+                  const void* grid, uint8_t* data, float* scale_inv) {
+  const auto* x = static_cast<const typename L::T*>(shard);
+  const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
+  std::vector<float> mult(nb);
+  for (int64_t i = 0; i < nb; ++i) {
+    if (a.scale_kind == kScaleE8M0) {
+      mult[i] = e8m0_reciprocal(static_cast<const uint8_t*>(grid)[i]);
+    } else {
+      BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}(static_cast<const float*>(grid)[i], scale_inv[i], mult[i]);
+    }
+  }
+  std::fill(data, data + L_, uint8_t(0));
+  for_shard(a, off, n, [&](int64_t j, int64_t r, int64_t c) {
+    data[j] = fp8_from_float(L::get(x, j) * mult[(r / u.bm) * sk + c / u.bk], a.fp8);
+  });
+}
+
+template <class F>
+void with_loader(InType t, F f) {
+  switch (t) {
+    case InType::kF32: return f(LoadF32{});
+    case InType::kBF16: return f(LoadBF16{});
+    case InType::kF16: return f(LoadF16{});
+  }
+}
+
+ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
+                              ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1, int64_t M, int64_t K,
+                              int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
+                              int64_t tile_block) {
+  QuantizeArgs a;
+  int64_t L_;
+  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, false,
+                               0.0f, &a, &L_);
+      e.failure())
+    return e;
+  IeeeFpEnv env;
+  const int64_t off = *static_cast<const int32_t*>(offset.untyped_data());
+  const int64_t n = shard_count(a, L_, off, *static_cast<const int32_t*>(length.untyped_data()));
+  Usage u[2];
+  void* outs[2] = {o0->untyped_data(), o1->untyped_data()};
+  const int nu = usages_of(a, u);
+  for (int i = 0; i < nu; ++i)
+    with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(a, shard.untyped_data(), off, n, u[i], outs[i]); });
+  return ffi::Error::Success();
+}
+
+ffi::Error PartialCastCpuImpl(ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length, ffi::AnyBuffer g0,
+                              ffi::AnyBuffer g1, ffi::Result<ffi::AnyBuffer> d0, ffi::Result<ffi::AnyBuffer> d1,
+                              ffi::Result<ffi::AnyBuffer> s0, ffi::Result<ffi::AnyBuffer> s1, int64_t M, int64_t K,
+                              int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
+                              int64_t tile_block, bool pow2, float eps) {
+  QuantizeArgs a;
+  int64_t L_;
+  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
+                               eps, &a, &L_);
+      e.failure())
+    return e;
+  IeeeFpEnv env;
+  const int64_t off = *static_cast<const int32_t*>(offset.untyped_data());
+  const int64_t n = shard_count(a, L_, off, *static_cast<const int32_t*>(length.untyped_data()));
+  Usage u[2];
+  const void* grids[2] = {g0.untyped_data(), g1.untyped_data()};
+  uint8_t* data[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
+  float* sinv[2] = {static_cast<float*>(s0->untyped_data()), static_cast<float*>(s1->untyped_data())};
+  const int nu = usages_of(a, u);
+  for (int i = 0; i < nu; ++i)
+    with_loader(a.in, [&](auto ld) {
+      partial_cast<decltype(ld)>(a, shard.untyped_data(), L_, off, n, u[i], grids[i], data[i], sinv[i]);
+    });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jf
 
@@ -187,11 +309,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpuImpl,
                                   .Attr<int64_t>("block_m")
                                   .Attr<int64_t>("block_k"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("M")
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("scale_kind")
+                                  .Attr<int64_t>("row_block")
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<int64_t>("tile_block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("M")
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("scale_kind")
+                                  .Attr<int64_t>("row_block")
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<int64_t>("tile_block")
+                                  .Attr<bool>("pow2")
+                                  .Attr<float>("eps"));
+
 NB_MODULE(_jax_fp8_cpu, m) {
   m.def("registrations", []() {
     nanobind::dict d;
     d["jf_quantize"] = nanobind::capsule(reinterpret_cast<void*>(JfQuantizeCpu));
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCpu));
+    d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCpu));
+    d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCpu));
     return d;
   });
 }

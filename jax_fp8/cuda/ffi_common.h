@@ -45,27 +45,47 @@ inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t
   return ffi::Error::Success();
 }
 
-inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64_t scale_kind,
-                                     int64_t row_block, int64_t col_block, int64_t tile_block,
+// Validates and fills the arguments shared by every quantize-style target.
+inline ffi::Error fill_quantize_args(ffi::DataType in, int64_t B, int64_t M, int64_t K, int64_t fp8,
+                                     int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block,
                                      bool pow2, float eps, QuantizeArgs* a) {
-  if (auto e = in_type_of(x.element_type(), &a->in, &a->inf_value); e.failure()) return e;
-  if (auto e = dims3(x, &a->B, &a->M, &a->K); e.failure()) return e;
+  if (auto e = in_type_of(in, &a->in, &a->inf_value); e.failure()) return e;
   if (fp8 != kE4M3 && fp8 != kE5M2) return bad("fp8 must be 0 (e4m3) or 1 (e5m2)");
   if (scale_kind != kScaleE8M0 && scale_kind != kScaleFp32) return bad("unknown scale kind");
-  a->fp8 = int(fp8);
-  a->scale_kind = int(scale_kind);
-  a->row_block = int(row_block);
-  a->col_block = int(col_block);
-  a->tile_block = int(tile_block);
-  a->pow2 = pow2;
-  a->eps = eps;
+  if (B < 0 || M < 0 || K < 0) return bad("negative dimension");
   const bool mx = scale_kind == kScaleE8M0;
   const int want = mx ? 32 : 128;
   if ((row_block && row_block != want) || (col_block && col_block != want) ||
       (tile_block && (mx || tile_block != 128)) || (tile_block && (row_block || col_block)) ||
       !(row_block || col_block || tile_block))
     return bad("unsupported block configuration");
+  *a = QuantizeArgs{a->in, B, M, K, int(fp8), int(scale_kind), int(row_block), int(col_block), int(tile_block),
+                    pow2, eps, a->inf_value};
   return ffi::Error::Success();
+}
+
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64_t scale_kind, int64_t row_block,
+                                     int64_t col_block, int64_t tile_block, bool pow2, float eps, QuantizeArgs* a) {
+  int64_t B, M, K;
+  if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
+  return fill_quantize_args(x.element_type(), B, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps,
+                            a);
+}
+
+// A master-weight shard: elements [offset, offset + length) of a row-major (M, K) weight, held in a
+// flat buffer of L elements (elements past `length` or past the weight are padding). offset and
+// length are int32 scalars in the platform's memory (device memory on GPU).
+inline ffi::Error make_shard_args(const ffi::AnyBuffer& shard, const ffi::AnyBuffer& offset,
+                                  const ffi::AnyBuffer& length, int64_t M, int64_t K, int64_t fp8,
+                                  int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block,
+                                  bool pow2, float eps, QuantizeArgs* a, int64_t* L) {
+  if (shard.dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
+  if (offset.element_type() != ffi::DataType::S32 || length.element_type() != ffi::DataType::S32 ||
+      offset.element_count() != 1 || length.element_count() != 1)
+    return bad("shard offset and length must be int32 scalars");
+  *L = shard.dimensions()[0];
+  return fill_quantize_args(shard.element_type(), 1, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
+                            eps, a);
 }
 
 }  // namespace jf

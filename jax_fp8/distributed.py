@@ -1,0 +1,169 @@
+"""Collectives for ``shard_map``: the distributed cast of sharded fp32 master weights.
+
+``quantize_master_weights`` is the ZeRO / distributed-optimizer step (as TE's master-weight cast):
+every data-parallel rank holds a flat fp32 shard of each weight, boundaries anywhere. Per weight it
+computes partial block amaxes over its shard, turns them into local scales, reduces all weights'
+scales with ONE ``lax.pmax`` over one packed buffer, and casts its shard with the global scales.
+For MXFP8 the packed buffer is uint8 E8M0 bytes (E8M0 is monotonic in the amax, so the max of the
+bytes is the byte of the max amax: half the bytes of a bf16 amax all-reduce). Float8 blockwise scales
+are not monotonic bytes, so that variant reduces fp32 amaxes. Gathering the FP8 shards
+(``gather_master_weights``) gives exactly ``quantize_*(full_master.astype(model_dtype))``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .formats import FLOAT8_BLOCK, MX_BLOCK, fp8_dtype, fp8_index, high_dtype, usage_blocks, view_2d
+from .primitives.partial import partial_amax_p, partial_cast_p
+from .quantize import BLOCKWISE_BLOCKS, SCALE_E8M0, SCALE_FP32
+from .reference import bitcast
+from .tensors import BlockwiseTensor, MXFP8Tensor
+
+Array = Any
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QuantizedShard:
+    """One rank's part of a quantized weight.
+
+    ``tensor`` is an MXFP8Tensor or BlockwiseTensor whose data fields hold this rank's flat FP8 shard
+    (shape ``(L,)``: elements ``[offset, offset + length)`` of the row-major weight, zeros past
+    ``length``) and whose scales are the global, replicated scales; ``tensor.shape`` is the full shape.
+    """
+
+    tensor: Any
+    offset: Array
+    length: Array
+
+    def tree_flatten(self):
+        return (self.tensor, self.offset, self.length), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def _as_i32(v, name):
+    v = jnp.asarray(v)
+    if v.shape != () or not jnp.issubdtype(v.dtype, jnp.integer):
+        raise ValueError(f"quantize_master_weights: each of {name} must be an integer scalar")
+    return v.astype(jnp.int32)
+
+
+def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[int]], axis_name,
+                            offsets: Optional[Sequence[Array]] = None, lengths: Optional[Sequence[Array]] = None,
+                            model_dtype=jnp.bfloat16, dtype=jnp.float8_e4m3fn, fmt: str = "mxfp8",
+                            rowwise: bool = True, colwise: bool = True, block: Sequence[int] = (1, 128),
+                            pow2_scales: bool = True, amax_epsilon: float = 0.0) -> list[QuantizedShard]:
+    """Quantize this rank's flat master-weight shards with globally consistent scales (inside shard_map).
+
+    Args:
+      shards: per weight, this rank's flat shard (rank 1, float32/bfloat16/float16) of length L_i.
+      shapes: per weight, its full shape (viewed as 2-D ``(prod(shape[:-1]), shape[-1])``).
+      axis_name: the data-parallel mesh axis the shards are split over.
+      offsets: per weight, the flat index of the shard's first element (traced int scalar). Default:
+        ``axis_index(axis_name) * L_i`` (even split, the last rank padded).
+      lengths: per weight, how many of the L_i elements belong to the weight (default L_i; clipped to
+        the weight's end, so padding past it is ignored). A shard may hold none.
+      model_dtype: the master values are first rounded to this dtype, as TE does (None keeps them).
+      dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, ``pow2_scales``,
+        ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
+      rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
+
+    Returns: a :class:`QuantizedShard` per weight. Exactly one all-reduce (a pmax) is issued for all
+    weights' scales: uint8 for MXFP8, float32 amaxes for blockwise.
+    """
+    shards, shapes = list(shards), [tuple(int(d) for d in s) for s in shapes]
+    if len(shards) != len(shapes):
+        raise ValueError(f"quantize_master_weights: {len(shards)} shards but {len(shapes)} shapes")
+    fp8 = fp8_dtype(dtype)
+    if not (rowwise or colwise):
+        raise ValueError("quantize_master_weights: at least one of rowwise, colwise must be True")
+    if fmt == "mxfp8":
+        blocks = dict(scale_kind=SCALE_E8M0, row_block=MX_BLOCK if rowwise else 0,
+                      col_block=MX_BLOCK if colwise else 0, tile_block=0)
+    elif fmt == "blockwise":
+        block = tuple(block)
+        if block not in BLOCKWISE_BLOCKS:
+            raise ValueError(f"quantize_master_weights: block must be (1, 128) or (128, 128), got {block}")
+        tile = block == (FLOAT8_BLOCK, FLOAT8_BLOCK)
+        blocks = dict(scale_kind=SCALE_FP32, row_block=0 if tile or not rowwise else FLOAT8_BLOCK,
+                      col_block=0 if tile or not colwise else FLOAT8_BLOCK, tile_block=FLOAT8_BLOCK if tile else 0)
+    else:
+        raise ValueError(f"quantize_master_weights: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
+
+    rank = lax.axis_index(axis_name)
+    xs, offs, lens = [], [], []
+    for i, s in enumerate(shards):
+        s = jnp.asarray(s)
+        if s.ndim != 1:
+            raise ValueError(f"quantize_master_weights: shard {i} must be flat (rank 1), got shape {s.shape}")
+        high_dtype(s.dtype, f"quantize_master_weights: shard {i}")
+        xs.append(s.astype(model_dtype) if model_dtype is not None else s)
+        offs.append(_as_i32(offsets[i], "offsets") if offsets is not None else (rank * s.shape[0]).astype(jnp.int32))
+        lens.append(_as_i32(lengths[i], "lengths") if lengths is not None else jnp.int32(s.shape[0]))
+
+    params = [dict(M=view_2d(shp)[0], K=view_2d(shp)[1], fp8=fp8_index(fp8), **blocks) for shp in shapes]
+    # 1-2. partial amax -> local scales (E8M0 bytes) or amaxes, all packed into one buffer
+    grids = [partial_amax_p.bind(x, o, n, **p) for x, o, n, p in zip(xs, offs, lens, params)]
+    flat = [g.reshape(-1) for gs in grids for g in gs]
+    # 3. one collective for every weight
+    packed = lax.pmax(jnp.concatenate(flat), axis_name)
+    sizes = np.cumsum([f.size for f in flat])[:-1]
+    pieces = iter(jnp.split(packed, sizes))
+    grids = [[next(pieces).reshape(g.shape) for g in gs] for gs in grids]
+    # 4. partial cast with the global scales
+    out = []
+    for x, o, n, p, gs, shp in zip(xs, offs, lens, params, grids, shapes):
+        res = partial_cast_p.bind(x, o, n, *gs, pow2=bool(pow2_scales), eps=float(amax_epsilon), **p)
+        nu = len(gs)
+        datas = [bitcast(d, fp8) for d in res[:nu]]
+        scales = gs if fmt == "mxfp8" else res[nu:]
+        out.append(QuantizedShard(_make_tensor(fmt, datas, scales, shp, x.dtype, fp8, rowwise, colwise, block,
+                                               pow2_scales, amax_epsilon), o, n))
+    return out
+
+
+def _make_tensor(fmt, datas, scales, shape, dtype, fp8, rowwise, colwise, block, pow2, eps):
+    pairs = iter(zip(datas, scales))
+    if fmt == "mxfp8":
+        row = next(pairs) if rowwise else (None, None)
+        col = next(pairs) if colwise else (None, None)
+        return MXFP8Tensor(*row, *col, shape, jnp.dtype(dtype), fp8)
+    if tuple(block) == (FLOAT8_BLOCK, FLOAT8_BLOCK):
+        tile = next(pairs)
+        row, col = (tile if rowwise else (None, None)), (tile if colwise else (None, None))
+    else:
+        row = next(pairs) if rowwise else (None, None)
+        col = next(pairs) if colwise else (None, None)
+    return BlockwiseTensor(*row, *col, shape, jnp.dtype(dtype), fp8, tuple(block), bool(pow2), float(eps))
+
+
+def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
+    """All-gather each rank's FP8 shard into the full quantized tensors (inside shard_map)."""
+    out = []
+    for qs in qshards:
+        t = qs.tensor
+        offs = lax.all_gather(qs.offset, axis_name)
+        lens = lax.all_gather(qs.length, axis_name)
+        M, K = view_2d(t.shape)
+        fields = {}
+        for usage in ("rowwise", "colwise"):
+            d = getattr(t, f"{usage}_data")
+            if d is None:
+                continue
+            g = bitcast(lax.all_gather(bitcast(d, jnp.uint8), axis_name), jnp.uint8)  # (ranks, L)
+            j = jnp.arange(g.shape[1])
+            pos = offs[:, None] + j[None, :]
+            ok = (j[None, :] < lens[:, None]) & (pos < M * K)
+            flat = jnp.zeros(M * K, jnp.uint8).at[jnp.where(ok, pos, M * K)].set(g, mode="drop")
+            fields[f"{usage}_data"] = bitcast(flat.reshape(t.shape), t.fp8_dtype)
+        out.append(dataclasses.replace(t, **fields))
+    return out

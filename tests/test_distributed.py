@@ -1,0 +1,144 @@
+"""Distributed master-weight cast on simulated CPU devices: gathered FP8 shards equal single-device
+quantization bit for bit, and the scales take exactly one all-reduce (uint8 for MXFP8)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8 as jf
+from jax_fp8._compat import shard_map
+from jax_fp8.distributed import gather_master_weights, quantize_master_weights
+from helpers import assert_tensors_equal, on_cpu, random_input
+
+SHAPES = [(64, 96), (33, 70), (1, 31), (129, 257), (5, 3), (40, 128)]
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices("cpu")[:n]), ("data",))
+
+
+def _split(rng, size, n, even):
+    """Per-rank (offset, length) of a flat weight: an even ZeRO split or random cut points (empty shards too)."""
+    if even:
+        L = -(-size // n)
+        return np.arange(n) * L, np.full(n, L), L
+    cuts = np.sort(rng.integers(0, size + 1, n - 1))
+    starts = np.r_[0, cuts]
+    lens = np.r_[cuts, size] - starts
+    return starts, lens, max(1, int(lens.max()))
+
+
+def _run(masters, n, even, seed, **kw):
+    rng = np.random.default_rng(seed)
+    bufs, offs, lens = [], [], []
+    for w in masters:
+        flat = np.asarray(w).reshape(-1)
+        o, l, L = _split(rng, flat.size, n, even)
+        buf = np.zeros((n, L), np.float32)
+        for r in range(n):
+            seg = flat[o[r]:o[r] + l[r]]  # the even split's last rank runs past the end: lengths get clipped
+            buf[r, :seg.size] = seg
+        bufs.append(buf), offs.append(o.astype(np.int32)), lens.append(l.astype(np.int32))
+    shapes = [w.shape for w in masters]
+
+    def step(bufs, offs, lens):
+        qs = quantize_master_weights([b[0] for b in bufs], shapes, "data", offsets=[o[0] for o in offs],
+                                     lengths=[l[0] for l in lens], **kw)
+        return gather_master_weights(qs, "data")
+
+    f = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=(P("data"), P("data"), P("data")), out_specs=P()))
+    return f(bufs, offs, lens), f, (bufs, offs, lens)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("even", [True, False], ids=["even", "random-cuts"])
+def test_mxfp8_gathered_equals_single_device(n, even):
+    rng = np.random.default_rng(n * 10 + even)
+    masters = [random_input(rng, s, jnp.float32) for s in SHAPES]
+    for model_dtype, fp8 in [(jnp.bfloat16, jnp.float8_e4m3fn), (None, jnp.float8_e5m2), (jnp.float16, jnp.float8_e4m3fn)]:
+        got, _, _ = _run(masters, n, even, seed=n, model_dtype=model_dtype, dtype=fp8)
+        for w, q in zip(masters, got):
+            with np.errstate(over="ignore"):  # huge fp32 values become inf in fp16, as on the device
+                x = w if model_dtype is None else w.astype(model_dtype)
+            want = jf.quantize_mxfp8(x, fp8, rowwise=True, colwise=True)
+            assert_tensors_equal(q, want)
+            assert_tensors_equal(q, on_cpu(jf.reference.quantize_mxfp8, x, dtype=fp8, rowwise=True, colwise=True))
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=str)
+@pytest.mark.parametrize("n", [2, 8])
+def test_blockwise_gathered_equals_single_device(block, n):
+    rng = np.random.default_rng(n + block[0])
+    masters = [random_input(rng, s, jnp.float32) for s in [(130, 300), (64, 96), (1, 200), (257, 129)]]
+    got, _, _ = _run(masters, n, False, seed=n + 1, fmt="blockwise", block=block, amax_epsilon=1e-6)
+    for w, q in zip(masters, got):
+        want = jf.quantize_blockwise(w.astype(jnp.bfloat16), block=block, amax_epsilon=1e-6, colwise=True)
+        assert_tensors_equal(q, want)
+
+
+def _all_reduces(hlo: str):
+    return re.findall(r"= (\w+)\[(\d+)\]\{0\} all-reduce(?:-start)?\(", hlo)
+
+
+def test_one_uint8_all_reduce_half_the_bytes_of_bf16():
+    masters = [np.ones(s, np.float32) for s in SHAPES]
+    n = 8
+    shapes = [w.shape for w in masters]
+    L = [-(-w.size // n) for w in masters]
+
+    def step(*bufs):
+        qs = quantize_master_weights([b[0] for b in bufs], shapes, "data")
+        return [q.tensor.rowwise_data[None] for q in qs]
+
+    f = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P("data")))
+    hlo = f.lower(*[np.zeros((n, l), np.float32) for l in L]).compile().as_text()
+    ars = _all_reduces(hlo)
+    assert len(ars) == 1, ars
+    dtype, count = ars[0][0], int(ars[0][1])
+    n_scales = sum(-(-M // 1) * -(-K // 32) + -(-M // 32) * K for M, K in shapes)
+    assert dtype == "u8" and count == n_scales
+    assert count * 1 * 2 == n_scales * 2  # u8 payload: half of a bf16 amax all-reduce (2 bytes per block)
+
+
+def test_blockwise_reduces_fp32_amax_once():
+    n, shapes = 4, [(130, 300), (64, 96)]
+
+    def step(*bufs):
+        qs = quantize_master_weights([b[0] for b in bufs], shapes, "data", fmt="blockwise", block=(128, 128))
+        return [q.tensor.rowwise_data[None] for q in qs]
+
+    f = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P("data")))
+    hlo = f.lower(*[np.zeros((n, -(-M * K // n)), np.float32) for M, K in shapes]).compile().as_text()
+    ars = _all_reduces(hlo)
+    assert [a[0] for a in ars] == ["f32"] and int(ars[0][1]) == 2 * 3 + 1 * 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0, 2.0**100, width=32, allow_subnormal=True), min_size=4 * 8, max_size=4 * 8))
+def test_pmax_of_e8m0_equals_e8m0_of_pmax(values):
+    """Through the real collective: max over ranks of E8M0 bytes == E8M0 of the max amax."""
+    a = np.array(values, np.float32).reshape(4, 8)
+
+    def f(a):
+        return (jax.lax.pmax(jf.e8m0_from_amax(a), "data"), jf.e8m0_from_amax(jax.lax.pmax(a, "data")))
+
+    g = jax.jit(shard_map(f, mesh=_mesh(4), in_specs=P("data"), out_specs=P("data")))
+    s1, s2 = g(a)
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+
+def test_empty_shards_and_errors():
+    """Ranks that hold nothing of a weight still join the one pmax; bad arguments are rejected."""
+    masters = [random_input(np.random.default_rng(0), (3, 40), jnp.float32)]
+    got, _, _ = _run(masters, 8, False, seed=3)  # 120 elements over 8 ranks with random cuts: some empty
+    assert_tensors_equal(got[0], jf.quantize_mxfp8(masters[0].astype(jnp.bfloat16), colwise=True))
+    with pytest.raises(ValueError, match="shapes"):
+        shard_map(lambda b: quantize_master_weights([b[0]], [], "data"), mesh=_mesh(2), in_specs=P("data"),
+                  out_specs=P())(np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="fmt"):
+        shard_map(lambda b: quantize_master_weights([b[0]], [(2, 4)], "data", fmt="x"), mesh=_mesh(2),
+                  in_specs=P("data"), out_specs=P())(np.zeros((2, 4), np.float32))
