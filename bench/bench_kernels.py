@@ -91,9 +91,32 @@ def main():
         exact = leaves_equal(jax.jit(jf.dequantize)(q), jax.jit(R_deq)(q))
         rows.append((f"{M}x{K}", "dequantize mxfp8", t_d, nb / t_d / 1e9, 100 * nb / t_d / 1e9 / copy_gbs, t_dr / t_d,
                      exact))
+        rows += partial_rows(M, K, inputs, copy_gbs, args.iters)
     print(f"\n{'size':>12} {'kernel':>22} {'time us':>9} {'GB/s':>7} {'% copy':>7} {'vs jnp':>7} {'bit-exact':>9}")
     for r in rows:
         print(f"{r[0]:>12} {r[1]:>22} {r[2] * 1e6:9.1f} {r[3]:7.0f} {r[4]:7.1f} {r[5]:7.2f} {str(r[6]):>9}")
+
+
+def partial_rows(M, K, inputs, copy_gbs, iters):
+    """Master-weight kernels on one device: a rank holding half the weight (offset M*K/4)."""
+    from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
+
+    n = M * K
+    L = n // 2
+    p = dict(M=M, K=K, fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
+    off, ln = jnp.int32(n // 4), jnp.int32(L)
+    shards = [x.reshape(-1)[:L] for x in inputs]
+    amax = lambda s: partial_amax_p.bind(s, off, ln, **p)  # noqa: E731
+    grids = jax.jit(amax)(shards[0])
+    cast = lambda s: partial_cast_p.bind(s, off, ln, *grids, pow2=False, eps=0.0, **p)  # noqa: E731
+    isz = inputs[0].dtype.itemsize
+    out = []
+    for name, fn, nbytes in [("partial amax mx r+c", amax, L * isz + 2 * (n // 32)),
+                             ("partial cast mx r+c", cast, L * isz + 2 * L + 2 * (n // 32))]:
+        t = timeit(fn, shards, iters)
+        gbs = nbytes / t / 1e9
+        out.append((f"{M}x{K}", name, t, gbs, 100 * gbs / copy_gbs, float("nan"), True))
+    return out
 
 
 def R_deq(q):

@@ -142,3 +142,58 @@ def test_empty_shards_and_errors():
     with pytest.raises(ValueError, match="fmt"):
         shard_map(lambda b: quantize_master_weights([b[0]], [(2, 4)], "data", fmt="x"), mesh=_mesh(2),
                   in_specs=P("data"), out_specs=P())(np.zeros((2, 4), np.float32))
+
+
+@pytest.mark.parametrize("fmt,blocks", [("mxfp8", dict(scale_kind=0, row_block=32, col_block=32, tile_block=0)),
+                                        ("blk1d", dict(scale_kind=1, row_block=128, col_block=128, tile_block=0)),
+                                        ("blk2d", dict(scale_kind=1, row_block=0, col_block=0, tile_block=128))])
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_partial_kernels_single_device(fmt, blocks, in_dtype):
+    """The partial-amax and partial-cast kernels on the default device (the CUDA ones on a GPU), for
+    several simulated shard layouts: each rank's outputs equal the reference's bit for bit, and the
+    host-reduced scales cast into exactly the single-device quantization."""
+    from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
+    from jax_fp8 import reference as R
+
+    rng = np.random.default_rng(len(fmt) + jnp.dtype(in_dtype).itemsize)
+    for M, K in [(130, 300), (64, 96), (3, 40)]:
+        w = random_input(rng, (M, K), in_dtype)
+        flat = np.asarray(w).reshape(-1)
+        for n, even in [(3, False), (4, True), (8, False)]:
+            offs, lens, L = _split(rng, flat.size, n, even)
+            p = dict(M=M, K=K, fp8=0, **blocks)
+            shards = []
+            for o, l in zip(offs, lens):
+                buf = np.zeros(L, flat.dtype)
+                seg = flat[o:o + l]
+                buf[:seg.size] = seg
+                shards.append((buf, np.int32(o), np.int32(l)))
+            amax = jax.jit(lambda *a: partial_amax_p.bind(*a, **p))
+            parts = [amax(*s) for s in shards]
+            for s, got in zip(shards, parts):
+                for g, r in zip(got, R.partial_amax(*s, **p)):
+                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(r).view(np.uint8))
+            glob = [np.max(np.stack([np.asarray(pp[i]) for pp in parts]), axis=0) for i in range(len(parts[0]))]
+            cast = jax.jit(lambda *a: partial_cast_p.bind(*a, pow2=True, eps=0.0, **p))
+            datas = []
+            for s in shards:
+                got, want = cast(*s, *glob), R.partial_cast(*s, *glob, pow2=True, eps=0.0, **p)
+                for g, r in zip(got, want):
+                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(r).view(np.uint8))
+                datas.append(got[:len(glob)])
+            # assemble the shards: equal to quantizing the whole weight on one device
+            if fmt == "mxfp8":
+                q = jf.quantize_mxfp8(w, rowwise=True, colwise=True)
+                full = [(q.rowwise_data, q.rowwise_scale_inv), (q.colwise_data, q.colwise_scale_inv)]
+                scales = glob
+            else:
+                q = jf.quantize_blockwise(w, block=(128, 128) if fmt == "blk2d" else (1, 128), colwise=fmt == "blk1d")
+                full = [(q.rowwise_data, q.rowwise_scale_inv)] + ([(q.colwise_data, q.colwise_scale_inv)] if fmt == "blk1d" else [])
+                scales = list(cast(*shards[0], *glob)[len(glob):])
+            for u, (data, sc) in enumerate(full):
+                np.testing.assert_array_equal(np.asarray(scales[u]).view(np.uint8), np.asarray(sc).view(np.uint8))
+                asm = np.zeros(M * K, np.uint8)
+                for (buf, o, l), d in zip(shards, datas):
+                    k = max(0, min(int(l), M * K - int(o), L))
+                    asm[o:o + k] = np.asarray(d[u])[:k]
+                np.testing.assert_array_equal(asm, np.asarray(data).view(np.uint8).reshape(-1))

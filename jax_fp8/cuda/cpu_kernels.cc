@@ -198,8 +198,8 @@ void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t
     m = amax_step(m, L::get(x, j));
   });
   for (int64_t i = 0; i < nb; ++i) {
-    if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = e8m0_from_amax(amax[i], a.fp8);
-    else static_cast<float*>(out)[i] = amax[i];
+    if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = MxRule{a.fp8}.partial(amax[i]);
+    else static_cast<float*>(out)[i] = BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}.partial(amax[i]);
   }
 }
 
@@ -213,9 +213,11 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
   std::vector<float> mult(nb);
   for (int64_t i = 0; i < nb; ++i) {
     if (a.scale_kind == kScaleE8M0) {
-      mult[i] = e8m0_reciprocal(static_cast<const uint8_t*>(grid)[i]);
+      uint8_t stored;
+      MxRule{a.fp8}.from_global(static_cast<const uint8_t*>(grid)[i], stored, mult[i]);
     } else {
-      BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}(static_cast<const float*>(grid)[i], scale_inv[i], mult[i]);
+      BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}.from_global(static_cast<const float*>(grid)[i], scale_inv[i],
+                                                               mult[i]);
     }
   }
   std::fill(data, data + L_, uint8_t(0));

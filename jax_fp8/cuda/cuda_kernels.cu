@@ -47,52 +47,93 @@ struct Load16 {
 using LoadBF16 = Load16<false>;
 using LoadF16 = Load16<true>;
 
-// One thread's VEC elements of row r starting at column col0; zeros outside the matrix.
+// Where a matrix's elements live. Dense: x[b*M*K + r*K + c]. Master-weight shard: a flat buffer
+// holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
+struct Span {
+  int64_t M, K, nTM, nTK;
+  int64_t L;                     // dense: M*K; shard: the flat buffer's length
+  const int32_t* dev_offset;     // null for dense
+  const int32_t* dev_length;
+  bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
+};
+
+enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
+
+template <class S>
+struct Outs {
+  uint8_t* data;
+  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: fp32 scale_inv (MX: unused)
+  const S* global;        // kCast: the reduced per-block values
+};
+
+// One thread's VEC elements of row r from column col0 (zeros where invalid); `mask` has bit e set
+// for valid elements. idx is the element's position in the (flat) buffer.
 template <class L>
-__device__ __forceinline__ void load_vec(const typename L::T* __restrict__ x, int64_t r, int64_t col0, int64_t M,
-                                         int64_t K, bool aligned, float (&v)[L::VEC]) {
-  if (r < M && aligned && col0 + L::VEC <= K) {
-    L::unpack(__ldg(reinterpret_cast<const uint4*>(x + r * K + col0)), v);
+__device__ __forceinline__ void load_vec(const typename L::T* __restrict__ x, int64_t r, int64_t col0,
+                                         const Span& sp, int64_t offset, int64_t length, bool aligned,
+                                         float (&v)[L::VEC], uint32_t& mask, int64_t& idx) {
+  idx = r * sp.K + col0 - offset;
+  if (r < sp.M && aligned && col0 + L::VEC <= sp.K && idx >= 0 && idx + L::VEC <= length) {
+    L::unpack(__ldg(reinterpret_cast<const uint4*>(x + idx)), v);
+    mask = (1u << L::VEC) - 1u;
   } else {
+    mask = 0;
 #pragma unroll
-    for (int e = 0; e < L::VEC; ++e) v[e] = (r < M && col0 + e < K) ? L::get(x[r * K + col0 + e]) : 0.0f;
+    for (int e = 0; e < L::VEC; ++e) {
+      const bool ok = r < sp.M && col0 + e < sp.K && idx + e >= 0 && idx + e < length;
+      v[e] = ok ? L::get(x[idx + e]) : 0.0f;
+      mask |= uint32_t(ok) << e;
+    }
   }
 }
 
-// Cast VEC elements (times their multipliers) and store them at out[col0 ...] of one row.
+// Cast VEC elements (times their multipliers) and store the valid ones at out[idx ...].
 template <int VEC>
-__device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t col0, int64_t K, bool aligned,
+__device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t idx, uint32_t mask, bool aligned,
                                           const float (&v)[VEC], const float (&mult)[VEC], int fp8) {
   uint16_t pair[VEC / 2];
 #pragma unroll
   for (int p = 0; p < VEC / 2; ++p)
     pair[p] = fp8x2_from_float(v[2 * p] * mult[2 * p], v[2 * p + 1] * mult[2 * p + 1], fp8);
-  if (aligned && col0 + VEC <= K) {
+  if (aligned && mask == (1u << VEC) - 1u) {
     if constexpr (VEC == 8) {
-      *reinterpret_cast<uint2*>(out + col0) =
+      *reinterpret_cast<uint2*>(out + idx) =
           make_uint2(pair[0] | (uint32_t(pair[1]) << 16), pair[2] | (uint32_t(pair[3]) << 16));
     } else {
-      *reinterpret_cast<uint32_t*>(out + col0) = pair[0] | (uint32_t(pair[1]) << 16);
+      *reinterpret_cast<uint32_t*>(out + idx) = pair[0] | (uint32_t(pair[1]) << 16);
     }
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      if (col0 + e < K) out[col0 + e] = uint8_t(pair[e / 2] >> (8 * (e % 2)));
+      if (mask & (1u << e)) out[idx + e] = uint8_t(pair[e / 2] >> (8 * (e % 2)));
   }
 }
 
-template <class S>
-struct Outs {
-  uint8_t* data;
-  S* scale;
-};
+// Per block: from its amax (or, when casting a shard, from the reduced global value) to the multiplier,
+// writing what the mode stores for the block when `write`.
+template <int MODE, class Rule>
+__device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, const Outs<typename Rule::ScaleT>& o,
+                                                  int64_t gi, bool write) {
+  typename Rule::ScaleT s;
+  float mult = 1.0f;
+  if constexpr (MODE == kQuantize) {
+    rule(amax, s, mult);
+  } else if constexpr (MODE == kAmax) {
+    s = rule.partial(amax);
+  } else {
+    rule.from_global(o.global[gi], s, mult);
+  }
+  constexpr bool mx = sizeof(typename Rule::ScaleT) == 1;
+  if (write && !(MODE == kCast && mx)) o.scale[gi] = s;
+  return mult;
+}
 
 // TM x TK tile per CTA. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE: one TM x TK block.
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
+// Every scale block belongs to exactly one CTA, so no atomics are needed in any mode.
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const typename L::T* __restrict__ x, int64_t M, int64_t K, int64_t nTM, int64_t nTK, Rule rule,
-                    int fp8, bool aligned, Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
-  using S = typename Rule::ScaleT;
+    tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
+                Outs<typename Rule::ScaleT> col) {
   constexpr int VEC = L::VEC;
   constexpr int CHUNKS = TK / VEC;      // 16-byte vectors per tile row
   constexpr int G = kThreads / CHUNKS;  // tile rows loaded per pass
@@ -102,135 +143,158 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x;
   const int c = tid % CHUNKS, g = tid / CHUNKS;
   int64_t t = blockIdx.x;
-  const int64_t tk = t % nTK;
-  t /= nTK;
-  const int64_t tm = t % nTM, b = t / nTM;
+  const int64_t tk = t % sp.nTK;
+  t /= sp.nTK;
+  const int64_t tm = t % sp.nTM, b = t / sp.nTM;
   const int64_t col0 = tk * TK + int64_t(c) * VEC;
   const int64_t row0 = tm * TM + g;
-  const typename L::T* xb = x + b * M * K;
+  const int64_t offset = sp.dev_offset ? *sp.dev_offset : 0;
+  const int64_t length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
+  const bool aligned = sp.aligned_base && offset % VEC == 0;
+  const int64_t base = b * sp.M * sp.K;  // dense batches; shards have b == 0
+  const typename L::T* xb = x + base;
 
   float v[NV][VEC];
+  uint32_t mask[NV];
+  int64_t idx[NV];
 #pragma unroll
-  for (int i = 0; i < NV; ++i) load_vec<L>(xb, row0 + int64_t(i) * G, col0, M, K, aligned, v[i]);
+  for (int i = 0; i < NV; ++i) load_vec<L>(xb, row0 + int64_t(i) * G, col0, sp, offset, length, aligned, v[i], mask[i], idx[i]);
 
   if constexpr (RBK > 0) {  // rowwise: the RBK / VEC lanes of a block reduce by shuffles
     constexpr int LANES = RBK / VEC;
     static_assert(LANES <= 32 && CHUNKS % LANES == 0, "row block must sit inside a warp");
-    const int64_t n_scales = cdiv(K, RBK);
+    const int64_t n_scales = cdiv(sp.K, RBK);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       float amax = 0.0f;
+      if constexpr (MODE != kCast) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
 #pragma unroll
-      for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-      S s;
-      float m;
-      rule(amax, s, m);
-      float mult[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) mult[e] = m;
+        for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+      }
       const int64_t r = row0 + int64_t(i) * G;
-      if (r < M) {
-        store_fp8<VEC>(row.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
-        if (c % LANES == 0 && col0 < K) row.scale[(b * M + r) * n_scales + col0 / RBK] = s;
+      const bool in = r < sp.M && col0 < sp.K;
+      const int64_t gi = (b * sp.M + r) * n_scales + col0 / RBK;
+      const float m = in ? block_multiplier<MODE>(rule, amax, row, gi, c % LANES == 0) : 1.0f;
+      if constexpr (MODE != kAmax) {
+        float mult[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) mult[e] = m;
+        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
       }
     }
   }
 
   if constexpr (COL) {  // columnwise: per-column partial amax over this thread's rows, reduced over G
-    __shared__ float red[G][TK];
-    float part[VEC];
+    float amax[VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      part[e] = 0.0f;
+    for (int e = 0; e < VEC; ++e) amax[e] = 0.0f;
+    if constexpr (MODE != kCast) {
+      __shared__ float red[G][TK];
 #pragma unroll
-      for (int i = 0; i < NV; ++i) part[e] = amax_step(part[e], v[i][e]);
-      red[g][c * VEC + e] = part[e];
-    }
-    __syncthreads();
-    float mult[VEC];
-    S s[VEC];
+      for (int e = 0; e < VEC; ++e) {
+        float part = 0.0f;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg) amax = fmaxf(amax, red[gg][c * VEC + e]);
-      rule(amax, s[e], mult[e]);
-    }
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int64_t r = row0 + int64_t(i) * G;
-      if (r < M) store_fp8<VEC>(col.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
-    }
-    if (g == 0) {
-      S* dst = col.scale + (b * nTM + tm) * K;
+        for (int i = 0; i < NV; ++i) part = amax_step(part, v[i][e]);
+        red[g][c * VEC + e] = part;
+      }
+      __syncthreads();
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
-        if (col0 + e < K) dst[col0 + e] = s[e];
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg) amax[e] = fmaxf(amax[e], red[gg][c * VEC + e]);
+    }
+    float mult[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const bool in = col0 + e < sp.K && tm * TM < sp.M;
+      mult[e] = in ? block_multiplier<MODE>(rule, amax[e], col, (b * sp.nTM + tm) * sp.K + col0 + e, g == 0) : 1.0f;
+    }
+    if constexpr (MODE != kAmax) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+        if (mask[i]) store_fp8<VEC>(col.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
     }
   }
 
   if constexpr (TILE) {  // one block for the whole tile: CTA-wide amax
-    __shared__ float warp_max[kThreads / 32];
     float amax = 0.0f;
+    if constexpr (MODE != kCast) {
+      __shared__ float warp_max[kThreads / 32];
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
+      for (int i = 0; i < NV; ++i)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    if (tid % 32 == 0) warp_max[tid / 32] = amax;
-    __syncthreads();
-    amax = 0.0f;
+      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+      if (tid % 32 == 0) warp_max[tid / 32] = amax;
+      __syncthreads();
+      amax = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-    S s;
-    float m;
-    rule(amax, s, m);
-    float mult[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) mult[e] = m;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int64_t r = row0 + int64_t(i) * G;
-      if (r < M) store_fp8<VEC>(row.data + (b * M + r) * K, col0, K, aligned, v[i], mult, fp8);
+      for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
     }
-    if (tid == 0) row.scale[(b * nTM + tm) * nTK + tk] = s;
+    const float m = block_multiplier<MODE>(rule, amax, row, (b * sp.nTM + tm) * sp.nTK + tk, tid == 0);
+    if constexpr (MODE != kAmax) {
+      float mult[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) mult[e] = m;
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
+    }
   }
 }
 
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
-ffi::Error launch_quantize(cudaStream_t stream, const QuantizeArgs& a, const void* x, Rule rule,
-                           Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
-  const int64_t nTM = cdiv(a.M, TM), nTK = cdiv(a.K, TK);
-  const int64_t blocks = a.B * nTM * nTK;
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
+ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp, Rule rule,
+                        Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
+  sp.nTM = cdiv(a.M, TM);
+  sp.nTK = cdiv(a.K, TK);
+  const int64_t blocks = a.B * sp.nTM * sp.nTK;
   if (blocks > 0x7FFFFFFF) return bad("tensor too large for one launch");
-  const bool aligned = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  quantize_kernel<L, Rule, TM, TK, RBK, COL, TILE><<<unsigned(blocks), kThreads, 0, stream>>>(
-      static_cast<const typename L::T*>(x), a.M, a.K, nTM, nTK, rule, a.fp8, aligned, row, col);
+  if (blocks == 0) return ffi::Error::Success();
+  sp.aligned_base = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MODE><<<unsigned(blocks), kThreads, 0, stream>>>(
+      static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col);
   return ffi::Error::Success();
 }
 
-// Picks the tile configuration for the requested usages. Outputs arrive in the order row, col / tile.
-template <class L>
-ffi::Error quantize_in(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d, void* const* s) {
+// Picks the tile configuration for the requested usages; `o` holds the usages in the order row, col
+// (or the single tile usage).
+template <class L, int MODE>
+ffi::Error tiles_in(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
+                    void* const* s, const void* const* global) {
   if (a.scale_kind == kScaleE8M0) {
     using O = Outs<uint8_t>;
     const MxRule rule{a.fp8};
-    const O o0{d[0], static_cast<uint8_t*>(s[0])}, o1{d[1], static_cast<uint8_t*>(s[1])};
-    if (a.row_block && a.col_block) return launch_quantize<L, MxRule, 32, 256, 32, true, false>(st, a, x, rule, o0, o1);
-    if (a.row_block) return launch_quantize<L, MxRule, 32, 256, 32, false, false>(st, a, x, rule, o0, O{});
-    return launch_quantize<L, MxRule, 32, 256, 0, true, false>(st, a, x, rule, O{}, o0);
+    const O o0{d[0], static_cast<uint8_t*>(s[0]), static_cast<const uint8_t*>(global[0])};
+    const O o1{d[1], static_cast<uint8_t*>(s[1]), static_cast<const uint8_t*>(global[1])};
+    if (a.row_block && a.col_block)
+      return launch_tiles<L, MxRule, 32, 256, 32, true, false, MODE>(st, a, x, sp, rule, o0, o1);
+    if (a.row_block) return launch_tiles<L, MxRule, 32, 256, 32, false, false, MODE>(st, a, x, sp, rule, o0, O{});
+    return launch_tiles<L, MxRule, 32, 256, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
   }
   using O = Outs<float>;
   const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
-  const O o0{d[0], static_cast<float*>(s[0])}, o1{d[1], static_cast<float*>(s[1])};
-  if (a.tile_block) return launch_quantize<L, BlockRule, 128, 128, 0, false, true>(st, a, x, rule, o0, O{});
+  const O o0{d[0], static_cast<float*>(s[0]), static_cast<const float*>(global[0])};
+  const O o1{d[1], static_cast<float*>(s[1]), static_cast<const float*>(global[1])};
+  if (a.tile_block) return launch_tiles<L, BlockRule, 128, 128, 0, false, true, MODE>(st, a, x, sp, rule, o0, O{});
   if (a.row_block && a.col_block)
-    return launch_quantize<L, BlockRule, 128, 128, 128, true, false>(st, a, x, rule, o0, o1);
-  if (a.row_block) return launch_quantize<L, BlockRule, 128, 128, 128, false, false>(st, a, x, rule, o0, O{});
-  return launch_quantize<L, BlockRule, 128, 128, 0, true, false>(st, a, x, rule, O{}, o0);
+    return launch_tiles<L, BlockRule, 128, 128, 128, true, false, MODE>(st, a, x, sp, rule, o0, o1);
+  if (a.row_block) return launch_tiles<L, BlockRule, 128, 128, 128, false, false, MODE>(st, a, x, sp, rule, o0, O{});
+  return launch_tiles<L, BlockRule, 128, 128, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
+}
+
+template <int MODE>
+ffi::Error run_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
+                     void* const* s, const void* const* global) {
+  switch (a.in) {
+    case InType::kF32: return tiles_in<LoadF32, MODE>(st, a, x, sp, d, s, global);
+    case InType::kBF16: return tiles_in<LoadBF16, MODE>(st, a, x, sp, d, s, global);
+    case InType::kF16: return tiles_in<LoadF16, MODE>(st, a, x, sp, d, s, global);
+  }
+  return bad("unreachable");
 }
 
 ffi::Error check_launch() {
@@ -249,13 +313,50 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   if (a.B * a.M * a.K == 0) return ffi::Error::Success();
   uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
   void* s[2] = {o1->untyped_data(), o3->untyped_data()};
-  ffi::Error err = ffi::Error::Success();
-  switch (a.in) {
-    case InType::kF32: err = quantize_in<LoadF32>(stream, a, x.untyped_data(), d, s); break;
-    case InType::kBF16: err = quantize_in<LoadBF16>(stream, a, x.untyped_data(), d, s); break;
-    case InType::kF16: err = quantize_in<LoadF16>(stream, a, x.untyped_data(), d, s); break;
-  }
-  if (err.failure()) return err;
+  const void* none[2] = {nullptr, nullptr};
+  const Span sp{a.M, a.K, 0, 0, a.M * a.K, nullptr, nullptr, false};
+  if (auto e = run_tiles<kQuantize>(stream, a, x.untyped_data(), sp, d, s, none); e.failure()) return e;
+  return check_launch();
+}
+
+ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
+                               ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1, int64_t M, int64_t K,
+                               int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
+                               int64_t tile_block) {
+  QuantizeArgs a;
+  int64_t L_;
+  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, false,
+                               0.0f, &a, &L_);
+      e.failure())
+    return e;
+  uint8_t* d[2] = {nullptr, nullptr};
+  void* s[2] = {o0->untyped_data(), o1->untyped_data()};
+  const void* none[2] = {nullptr, nullptr};
+  const Span sp{a.M, a.K, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
+                static_cast<const int32_t*>(length.untyped_data()), false};
+  if (auto e = run_tiles<kAmax>(stream, a, shard.untyped_data(), sp, d, s, none); e.failure()) return e;
+  return check_launch();
+}
+
+ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
+                               ffi::AnyBuffer g0, ffi::AnyBuffer g1, ffi::Result<ffi::AnyBuffer> d0,
+                               ffi::Result<ffi::AnyBuffer> d1, ffi::Result<ffi::AnyBuffer> s0,
+                               ffi::Result<ffi::AnyBuffer> s1, int64_t M, int64_t K, int64_t fp8, int64_t scale_kind,
+                               int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2, float eps) {
+  QuantizeArgs a;
+  int64_t L_;
+  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
+                               eps, &a, &L_);
+      e.failure())
+    return e;
+  uint8_t* d[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
+  void* s[2] = {s0->untyped_data(), s1->untyped_data()};
+  const void* global[2] = {g0.untyped_data(), g1.untyped_data()};
+  for (int i = 0; i < 2; ++i)  // padding past the shard's elements reads as zeros
+    if (d[i] && L_ > 0) cudaMemsetAsync(d[i], 0, L_, stream);
+  const Span sp{a.M, a.K, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
+                static_cast<const int32_t*>(length.untyped_data()), false};
+  if (auto e = run_tiles<kCast>(stream, a, shard.untyped_data(), sp, d, s, global); e.failure()) return e;
   return check_launch();
 }
 
@@ -386,11 +487,51 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCudaImpl,
                                   .Attr<int64_t>("block_m")
                                   .Attr<int64_t>("block_k"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("M")
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("scale_kind")
+                                  .Attr<int64_t>("row_block")
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<int64_t>("tile_block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("M")
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("fp8")
+                                  .Attr<int64_t>("scale_kind")
+                                  .Attr<int64_t>("row_block")
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<int64_t>("tile_block")
+                                  .Attr<bool>("pow2")
+                                  .Attr<float>("eps"));
+
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
     d["jf_quantize"] = nanobind::capsule(reinterpret_cast<void*>(JfQuantizeCuda));
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
+    d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
+    d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
     return d;
   });
 }

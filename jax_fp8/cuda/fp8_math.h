@@ -161,6 +161,13 @@ struct MxRule {
     mult = e8m0_reciprocal(stored);
   }
   JF_HD static float dequant_scale(ScaleT s) { return e8m0_to_float(s); }
+  // Master-weight shards: what a rank contributes to the all-reduce (its local E8M0 byte, whose max
+  // over ranks is the byte of the global amax) and how the reduced value gives (stored, mult).
+  JF_HD ScaleT partial(float amax) const { return e8m0_from_amax(amax, kind); }
+  JF_HD void from_global(ScaleT g, ScaleT& stored, float& mult) const {
+    stored = g;
+    mult = e8m0_reciprocal(g);
+  }
 };
 struct BlockRule {
   using ScaleT = float;
@@ -173,6 +180,9 @@ struct BlockRule {
     stored = 1.0f / mult;  // scale_inv, round to nearest
   }
   JF_HD static float dequant_scale(ScaleT s) { return s; }
+  // fp32 scales are not monotonic bytes: ranks all-reduce the amax itself.
+  JF_HD ScaleT partial(float amax) const { return amax; }
+  JF_HD void from_global(float g, ScaleT& stored, float& mult) const { (*this)(g, stored, mult); }
 };
 
 // ---- bf16 / fp16 <-> fp32 -------------------------------------------------------------------
