@@ -26,6 +26,7 @@ struct LoadF32 {
     o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
     o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
   }
+  __device__ static void set(uint4& r, int e, T v) { (&r.x)[e] = __float_as_uint(v); }
 };
 template <bool kHalf>
 struct Load16 {
@@ -43,6 +44,7 @@ struct Load16 {
       o[2 * i + 1] = get(uint16_t(w[i] >> 16));
     }
   }
+  __device__ static void set(uint4& r, int e, T v) { (&r.x)[e / 2] |= uint32_t(v) << (16 * (e % 2)); }
 };
 using LoadBF16 = Load16<false>;
 using LoadF16 = Load16<true>;
@@ -66,22 +68,26 @@ struct Outs {
   const S* global;        // kCast: the reduced per-block values
 };
 
-// One thread's VEC elements of row r from column col0 (zeros where invalid); `mask` has bit e set
-// for valid elements. idx is the element's position in the (flat) buffer.
-template <class L>
+// One thread's VEC elements of row r from column col0, kept packed in the input dtype (zeros where
+// invalid) to halve the registers of 16-bit inputs; `mask` has bit e set for valid elements and idx
+// is the first element's position in the buffer. Dense matrices skip the shard window checks.
+template <class L, bool SHARD>
 __device__ __forceinline__ void load_vec(const typename L::T* __restrict__ x, int64_t r, int64_t col0,
                                          const Span& sp, int64_t offset, int64_t length, bool aligned,
-                                         float (&v)[L::VEC], uint32_t& mask, int64_t& idx) {
+                                         uint4& raw, uint32_t& mask, int64_t& idx) {
   idx = r * sp.K + col0 - offset;
-  if (r < sp.M && aligned && col0 + L::VEC <= sp.K && idx >= 0 && idx + L::VEC <= length) {
-    L::unpack(__ldg(reinterpret_cast<const uint4*>(x + idx)), v);
+  const bool rows_ok = r < sp.M;
+  const bool full = rows_ok && col0 + L::VEC <= sp.K && (!SHARD || (idx >= 0 && idx + L::VEC <= length));
+  if (full && aligned) {
+    raw = __ldg(reinterpret_cast<const uint4*>(x + idx));
     mask = (1u << L::VEC) - 1u;
   } else {
+    raw = make_uint4(0, 0, 0, 0);
     mask = 0;
 #pragma unroll
     for (int e = 0; e < L::VEC; ++e) {
-      const bool ok = r < sp.M && col0 + e < sp.K && idx + e >= 0 && idx + e < length;
-      v[e] = ok ? L::get(x[idx + e]) : 0.0f;
+      const bool ok = rows_ok && col0 + e < sp.K && (!SHARD || (idx + e >= 0 && idx + e < length));
+      if (ok) L::set(raw, e, x[idx + e]);
       mask |= uint32_t(ok) << e;
     }
   }
@@ -154,11 +160,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t base = b * sp.M * sp.K;  // dense batches; shards have b == 0
   const typename L::T* xb = x + base;
 
-  float v[NV][VEC];
+  constexpr bool SHARD = MODE != kQuantize;
+  uint4 raw[NV];
   uint32_t mask[NV];
   int64_t idx[NV];
 #pragma unroll
-  for (int i = 0; i < NV; ++i) load_vec<L>(xb, row0 + int64_t(i) * G, col0, sp, offset, length, aligned, v[i], mask[i], idx[i]);
+  for (int i = 0; i < NV; ++i)
+    load_vec<L, SHARD>(xb, row0 + int64_t(i) * G, col0, sp, offset, length, aligned, raw[i], mask[i], idx[i]);
 
   if constexpr (RBK > 0) {  // rowwise: the RBK / VEC lanes of a block reduce by shuffles
     constexpr int LANES = RBK / VEC;
@@ -166,10 +174,12 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n_scales = cdiv(sp.K, RBK);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
+      float v[VEC];
+      L::unpack(raw[i], v);
       float amax = 0.0f;
       if constexpr (MODE != kCast) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
 #pragma unroll
         for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
       }
@@ -181,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
         float mult[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) mult[e] = m;
-        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
+        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v, mult, fp8);
       }
     }
   }
@@ -192,13 +202,18 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < VEC; ++e) amax[e] = 0.0f;
     if constexpr (MODE != kCast) {
       __shared__ float red[G][TK];
+      float part[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float part = 0.0f;
+      for (int e = 0; e < VEC; ++e) part[e] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < NV; ++i) part = amax_step(part, v[i][e]);
-        red[g][c * VEC + e] = part;
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC];
+        L::unpack(raw[i], v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) part[e] = amax_step(part[e], v[e]);
       }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) red[g][c * VEC + e] = part[e];
       __syncthreads();
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
@@ -213,8 +228,11 @@ __global__ void __launch_bounds__(kThreads)
     }
     if constexpr (MODE != kAmax) {
 #pragma unroll
-      for (int i = 0; i < NV; ++i)
-        if (mask[i]) store_fp8<VEC>(col.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC];
+        L::unpack(raw[i], v);
+        if (mask[i]) store_fp8<VEC>(col.data + base, idx[i], mask[i], aligned, v, mult, fp8);
+      }
     }
   }
 
@@ -223,9 +241,12 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (MODE != kCast) {
       __shared__ float warp_max[kThreads / 32];
 #pragma unroll
-      for (int i = 0; i < NV; ++i)
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC];
+        L::unpack(raw[i], v);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[i][e]);
+        for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
+      }
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
       if (tid % 32 == 0) warp_max[tid / 32] = amax;
@@ -240,8 +261,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) mult[e] = m;
 #pragma unroll
-      for (int i = 0; i < NV; ++i)
-        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v[i], mult, fp8);
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC];
+        L::unpack(raw[i], v);
+        if (mask[i]) store_fp8<VEC>(row.data + base, idx[i], mask[i], aligned, v, mult, fp8);
+      }
     }
   }
 }
@@ -352,8 +376,9 @@ ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   uint8_t* d[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
   void* s[2] = {s0->untyped_data(), s1->untyped_data()};
   const void* global[2] = {g0.untyped_data(), g1.untyped_data()};
-  for (int i = 0; i < 2; ++i)  // padding past the shard's elements reads as zeros
-    if (d[i] && L_ > 0) cudaMemsetAsync(d[i], 0, L_, stream);
+  const int n_usages = (a.row_block != 0) + (a.col_block != 0) + (a.tile_block != 0);
+  for (int i = 0; i < n_usages; ++i)  // padding past the shard's elements reads as zeros
+    if (L_ > 0) cudaMemsetAsync(d[i], 0, L_, stream);
   const Span sp{a.M, a.K, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
                 static_cast<const int32_t*>(length.untyped_data()), false};
   if (auto e = run_tiles<kCast>(stream, a, shard.untyped_data(), sp, d, s, global); e.failure()) return e;
