@@ -18,6 +18,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Word i of a 16-byte vector by name (an indexed pointer into a register vector can go to local memory).
+__device__ __forceinline__ uint32_t& word(uint4& r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
+
 struct LoadF32 {
   using T = float;
   static constexpr int VEC = 4;
@@ -26,7 +29,7 @@ struct LoadF32 {
     o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
     o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
   }
-  __device__ static void set(uint4& r, int e, T v) { (&r.x)[e] = __float_as_uint(v); }
+  __device__ static void set(uint4& r, int e, T v) { word(r, e) = __float_as_uint(v); }
 };
 template <bool kHalf>
 struct Load16 {
@@ -44,7 +47,7 @@ struct Load16 {
       o[2 * i + 1] = get(uint16_t(w[i] >> 16));
     }
   }
-  __device__ static void set(uint4& r, int e, T v) { (&r.x)[e / 2] |= uint32_t(v) << (16 * (e % 2)); }
+  __device__ static void set(uint4& r, int e, T v) { word(r, e / 2) |= uint32_t(v) << (16 * (e % 2)); }
 };
 using LoadBF16 = Load16<false>;
 using LoadF16 = Load16<true>;
