@@ -167,3 +167,9 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
             fields[f"{usage}_data"] = bitcast(flat.reshape(t.shape), t.fp8_dtype)
         out.append(dataclasses.replace(t, **fields))
     return out
+
+
+from .gather import Quantizer, all_gather_dequantized, all_gather_first_dim  # noqa: E402  (public re-export)
+
+__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard", "Quantizer",
+           "all_gather_first_dim", "all_gather_dequantized"]

@@ -1,0 +1,122 @@
+"""Sequence-parallel all-gather: both paths equal quantizing the full tensor, on 2, 3, 4, 8 CPU devices."""
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8 as jf
+from jax_fp8._compat import shard_map
+from jax_fp8.distributed import Quantizer, all_gather_dequantized, all_gather_first_dim
+from helpers import assert_tensors_equal, random_input
+
+QUANTIZERS = {
+    "mx-row": Quantizer("mxfp8"),
+    "mx-rowcol": Quantizer("mxfp8", rowwise=True, colwise=True),
+    "mx-col-e5m2": Quantizer("mxfp8", jnp.float8_e5m2, rowwise=False, colwise=True),
+    "f8-1d": Quantizer("blockwise", rowwise=True, colwise=True),
+    "f8-2d": Quantizer("blockwise", block=(128, 128)),
+}
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices("cpu")[:n]), ("sp",))
+
+
+def _gathered(fn, x, n):
+    f = jax.jit(shard_map(fn, mesh=_mesh(n), in_specs=P("sp"), out_specs=P()))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = f(x)
+    return out, f, [str(m.message) for m in w]
+
+
+def _all_gather_dtypes(f, x):
+    """Element types of the all-gathers in the lowered program (before XLA's CPU backend widens bf16)."""
+    hlo = f.lower(x).as_text()
+    return set(re.findall(r'"stablehlo.all_gather".*-> tensor<[\dx]*x(\w+)>', hlo))
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("n,local_rows", [(8, 100), (8, 128), (3, 96), (3, 41), (2, 256), (4, 32)])
+def test_unquantized_input_equals_full_quantization(name, n, local_rows):
+    qz = QUANTIZERS[name]
+    rng = np.random.default_rng(n * 1000 + local_rows)
+    x = random_input(rng, (n * local_rows, 160), jnp.bfloat16)
+    got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
+    assert_tensors_equal(got, qz.quantize(x))
+    fast = local_rows % qz.block_rows == 0
+    assert bool(warns) == (not fast), warns
+    dtypes = _all_gather_dtypes(f, x)
+    if fast:  # FP8 data and uint8 / fp32 scales travel; no high-precision gather
+        assert dtypes <= {"f8E4M3FN", "f8E5M2", "ui8", "f32"} and dtypes & {"f8E4M3FN", "f8E5M2"}, dtypes
+    else:
+        assert dtypes == {"bf16"}, dtypes
+
+
+@pytest.mark.parametrize("name", ["mx-rowcol", "f8-1d", "f8-2d"])
+@pytest.mark.parametrize("n,local_rows", [(8, 128), (8, 100), (3, 50)])
+def test_quantized_input(name, n, local_rows):
+    """Already quantized: fast path gathers it as is (== quantizing the full tensor); the fallback
+    dequantizes, gathers, requantizes (== quantizing the gathered dequantized values)."""
+    qz = QUANTIZERS[name]
+    rng = np.random.default_rng(local_rows + n)
+    x = random_input(rng, (n, local_rows, 3, 64), jnp.float32).reshape(n * local_rows, 3, 64)
+    got, f, warns = _gathered(lambda v: all_gather_first_dim(qz.quantize(v), "sp", qz), x, n)
+    if (local_rows * 3) % qz.block_rows == 0:
+        assert not warns
+        assert_tensors_equal(got, qz.quantize(x))
+    else:
+        assert warns
+        local = [jf.dequantize(qz.quantize(x[r * local_rows:(r + 1) * local_rows])) for r in range(n)]
+        assert_tensors_equal(got, qz.quantize(jnp.concatenate(local)))
+        assert _all_gather_dtypes(f, x) == {"f32"}
+
+
+def test_missing_usage_is_requantized():
+    n, rows = 4, 64
+    x = random_input(np.random.default_rng(1), (n * rows, 96), jnp.bfloat16)
+    want_q = Quantizer("mxfp8", rowwise=True, colwise=True)
+    got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize_mxfp8(v), "sp", want_q), x, n)
+    assert not warns and got.has_colwise and got.has_rowwise
+    local = [jf.dequantize(jf.quantize_mxfp8(x[r * rows:(r + 1) * rows])) for r in range(n)]
+    assert_tensors_equal(got, want_q.quantize(jnp.concatenate(local)))
+
+
+@pytest.mark.parametrize("local_rows", [64, 100])
+def test_gradients_match_unquantized_all_gather(local_rows):
+    n = 4
+    rng = np.random.default_rng(local_rows)
+    x = random_input(rng, (n * local_rows, 96), jnp.float32, specials=False)
+    w = jnp.asarray(rng.standard_normal((n * local_rows, 96)).astype(np.float32))
+    qz = Quantizer("mxfp8", rowwise=True, colwise=True)
+
+    def loss(fn):
+        def per_rank(v, w):
+            return (fn(v) * w).sum()[None]
+        f = shard_map(per_rank, mesh=_mesh(n), in_specs=(P("sp"), P()), out_specs=P("sp"))
+        return jax.jit(jax.grad(lambda v: f(v, w).sum()))(x)
+
+    g_ref = loss(lambda v: lax.all_gather(v, "sp", axis=0, tiled=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g_q = loss(lambda v: all_gather_dequantized(v, "sp", qz, "colwise"))
+    g_hi = loss(lambda v: all_gather_first_dim(v, "sp"))
+    np.testing.assert_array_equal(np.asarray(g_q), np.asarray(g_ref))
+    np.testing.assert_array_equal(np.asarray(g_hi), np.asarray(g_ref))
+    np.testing.assert_allclose(np.asarray(g_ref), n * np.asarray(w), rtol=0)  # each rank's copy contributes
+
+
+def test_quantizer_errors():
+    with pytest.raises(ValueError, match="fmt"):
+        Quantizer("nvfp4")
+    with pytest.raises(ValueError, match="at least one"):
+        Quantizer(rowwise=False)
+    with pytest.raises(ValueError, match="block"):
+        Quantizer("blockwise", block=(32, 32))
+    with pytest.raises(TypeError, match="dtype"):
+        Quantizer(dtype=jnp.float16)
