@@ -38,8 +38,8 @@ def timeit(f, args, iters=20, reps=5):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
     args = ap.parse_args()
     h = args.hidden
     shapes = [s for _ in range(args.layers) for s in [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)]]
