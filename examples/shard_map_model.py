@@ -58,7 +58,11 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=256)
     args = ap.parse_args(argv)
     nd, ns = args.data, args.seq
-    devs = jax.devices()[: nd * ns]
+    devs = jax.devices()
+    if len(devs) < nd * ns:  # e.g. one GPU: run the mesh on the (simulated) CPU devices instead
+        print(f"{len(devs)} {jax.default_backend()} device(s) < {nd * ns}: using the CPU devices")
+        devs = jax.devices("cpu")
+    devs = devs[: nd * ns]
     mesh = Mesh(np.array(devs).reshape(nd, ns), ("data", "seq"))
     sizes = [128, args.width, args.width, 16]
     shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]

@@ -56,6 +56,7 @@ using LoadF16 = Load16<true>;
 // holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
 struct Span {
   int64_t M, K, nTM, nTK;
+  int64_t nTM_launch;            // tile rows launched: all (dense) or enough to cover a shard
   int64_t L;                     // dense: M*K; shard: the flat buffer's length
   const int32_t* dev_offset;     // null for dense
   const int32_t* dev_length;
@@ -119,7 +120,8 @@ __device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t idx
 }
 
 // Per block: from its amax (or, when casting a shard, from the reduced global value) to the multiplier,
-// writing what the mode stores for the block when `write`.
+// writing what the mode stores for the block when `write` (kQuantize: the scale; kAmax: the rank's
+// partial value; kCast: nothing, scale_inv_kernel fills the fp32 grids).
 template <int MODE, class Rule>
 __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, const Outs<typename Rule::ScaleT>& o,
                                                   int64_t gi, bool write) {
@@ -132,8 +134,7 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   } else {
     rule.from_global(o.global[gi], s, mult);
   }
-  constexpr bool mx = sizeof(typename Rule::ScaleT) == 1;
-  if (write && !(MODE == kCast && mx)) o.scale[gi] = s;
+  if (write && MODE != kCast) o.scale[gi] = s;
   return mult;
 }
 
@@ -154,10 +155,12 @@ __global__ void __launch_bounds__(kThreads)
   int64_t t = blockIdx.x;
   const int64_t tk = t % sp.nTK;
   t /= sp.nTK;
-  const int64_t tm = t % sp.nTM, b = t / sp.nTM;
+  const int64_t offset = sp.dev_offset ? *sp.dev_offset : 0;
+  // a shard launches only the tile rows from the one holding its first element
+  const int64_t tm = (sp.dev_offset ? offset / sp.K / TM : 0) + t % sp.nTM_launch, b = t / sp.nTM_launch;
+  if (tm >= sp.nTM) return;
   const int64_t col0 = tk * TK + int64_t(c) * VEC;
   const int64_t row0 = tm * TM + g;
-  const int64_t offset = sp.dev_offset ? *sp.dev_offset : 0;
   const int64_t length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
   const bool aligned = sp.aligned_base && offset % VEC == 0;
   const int64_t base = b * sp.M * sp.K;  // dense batches; shards have b == 0
@@ -200,11 +203,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   if constexpr (COL) {  // columnwise: per-column partial amax over this thread's rows, reduced over G
-    float amax[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) amax[e] = 0.0f;
+    __shared__ __align__(16) float red[G][TK];  // partial amax per (row group, column)
+    __shared__ __align__(16) float col_mult[TK];
     if constexpr (MODE != kCast) {
-      __shared__ float red[G][TK];
       float part[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) part[e] = 0.0f;
@@ -216,20 +217,34 @@ __global__ void __launch_bounds__(kThreads)
         for (int e = 0; e < VEC; ++e) part[e] = amax_step(part[e], v[e]);
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) red[g][c * VEC + e] = part[e];
+      for (int q = 0; q < VEC / 4; ++q)
+        reinterpret_cast<float4*>(&red[g][c * VEC])[q] = make_float4(part[4 * q], part[4 * q + 1], part[4 * q + 2], part[4 * q + 3]);
       __syncthreads();
-#pragma unroll
-      for (int e = 0; e < VEC; ++e)
-#pragma unroll
-        for (int gg = 0; gg < G; ++gg) amax[e] = fmaxf(amax[e], red[gg][c * VEC + e]);
     }
-    float mult[VEC];
+    // One thread per tile column finishes the reduction, applies the rule once and writes the column's
+    // scale (coalesced); the multipliers go back through shared memory.
+    static_assert(TK <= kThreads, "one thread per column");
+    if (tid < TK) {
+      const int64_t colj = tk * TK + tid;
+      float m = 1.0f;
+      if (colj < sp.K && tm * TM < sp.M) {
+        float a = 0.0f;
+        if constexpr (MODE != kCast) {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const bool in = col0 + e < sp.K && tm * TM < sp.M;
-      mult[e] = in ? block_multiplier<MODE>(rule, amax[e], col, (b * sp.nTM + tm) * sp.K + col0 + e, g == 0) : 1.0f;
+          for (int gg = 0; gg < G; ++gg) a = fmaxf(a, red[gg][tid]);
+        }
+        m = block_multiplier<MODE>(rule, a, col, (b * sp.nTM + tm) * sp.K + colj, true);
+      }
+      col_mult[tid] = m;
     }
+    __syncthreads();
     if constexpr (MODE != kAmax) {
+      float mult[VEC];
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        const float4 m4 = reinterpret_cast<const float4*>(&col_mult[c * VEC])[q];
+        mult[4 * q] = m4.x, mult[4 * q + 1] = m4.y, mult[4 * q + 2] = m4.z, mult[4 * q + 3] = m4.w;
+      }
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         float v[VEC];
@@ -278,7 +293,9 @@ ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* 
                         Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
   sp.nTM = cdiv(a.M, TM);
   sp.nTK = cdiv(a.K, TK);
-  const int64_t blocks = a.B * sp.nTM * sp.nTK;
+  // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
+  sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, a.K) + 1, TM) + 1) : sp.nTM;
+  const int64_t blocks = a.B * sp.nTM_launch * sp.nTK;
   if (blocks > 0x7FFFFFFF) return bad("tensor too large for one launch");
   if (blocks == 0) return ffi::Error::Success();
   sp.aligned_base = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -341,9 +358,28 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
   void* s[2] = {o1->untyped_data(), o3->untyped_data()};
   const void* none[2] = {nullptr, nullptr};
-  const Span sp{a.M, a.K, 0, 0, a.M * a.K, nullptr, nullptr, false};
+  const Span sp{a.M, a.K, 0, 0, 0, a.M * a.K, nullptr, nullptr, false};
   if (auto e = run_tiles<kQuantize>(stream, a, x.untyped_data(), sp, d, s, none); e.failure()) return e;
   return check_launch();
+}
+
+// Number of scale blocks of usage i (in the order row, col / tile).
+int64_t grid_elems(const QuantizeArgs& a, int i) {
+  int64_t sizes[3];
+  int n = 0;
+  if (a.row_block) sizes[n++] = a.M * cdiv(a.K, a.row_block);
+  if (a.col_block) sizes[n++] = cdiv(a.M, a.col_block) * a.K;
+  if (a.tile_block) sizes[n++] = cdiv(a.M, a.tile_block) * cdiv(a.K, a.tile_block);
+  return i < n ? sizes[i] : 0;
+}
+
+__global__ void scale_inv_kernel(const float* __restrict__ amax, float* __restrict__ scale_inv, int64_t n,
+                                 BlockRule rule) {
+  const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  if (i < n) {
+    float mult;
+    rule(amax[i], scale_inv[i], mult);
+  }
 }
 
 ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
@@ -359,7 +395,11 @@ ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   uint8_t* d[2] = {nullptr, nullptr};
   void* s[2] = {o0->untyped_data(), o1->untyped_data()};
   const void* none[2] = {nullptr, nullptr};
-  const Span sp{a.M, a.K, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
+  // blocks outside the launched tiles hold none of the shard: partial value 0 (E8M0 0 / amax 0.0)
+  const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
+  for (int i = 0; i < 2; ++i) cudaMemsetAsync(s[i], 0, grid_elems(a, i) * item, stream);
+  if (a.M * a.K == 0) return check_launch();
+  const Span sp{a.M, a.K, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
                 static_cast<const int32_t*>(length.untyped_data()), false};
   if (auto e = run_tiles<kAmax>(stream, a, shard.untyped_data(), sp, d, s, none); e.failure()) return e;
   return check_launch();
@@ -382,7 +422,17 @@ ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   const int n_usages = (a.row_block != 0) + (a.col_block != 0) + (a.tile_block != 0);
   for (int i = 0; i < n_usages; ++i)  // padding past the shard's elements reads as zeros
     if (L_ > 0) cudaMemsetAsync(d[i], 0, L_, stream);
-  const Span sp{a.M, a.K, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
+  if (a.scale_kind == kScaleFp32) {  // every rank derives the same scale_inv grids from the global amaxes
+    const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
+    for (int i = 0; i < n_usages; ++i) {
+      const int64_t n = grid_elems(a, i);
+      if (n > 0)
+        scale_inv_kernel<<<unsigned(cdiv(n, kThreads)), kThreads, 0, stream>>>(
+            static_cast<const float*>(global[i]), static_cast<float*>(s[i]), n, rule);
+    }
+  }
+  if (a.M * a.K == 0) return check_launch();
+  const Span sp{a.M, a.K, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
                 static_cast<const int32_t*>(length.untyped_data()), false};
   if (auto e = run_tiles<kCast>(stream, a, shard.untyped_data(), sp, d, s, global); e.failure()) return e;
   return check_launch();
@@ -415,32 +465,41 @@ struct Store16 {
   __device__ static void store1(T* out, int64_t i, float y) { out[i] = conv(y); }
 };
 
+// Exact FP8 decode of two bytes through the hardware's fp8x2 -> half2 conversion.
+__device__ __forceinline__ float2 fp8x2_to_float2(uint16_t two, int fp8) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, fp8 == kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// grid.x walks 8-element column vectors, grid.y (strided) the B*M rows; block sizes are powers of two,
+// so block indices are shifts (no 64-bit division per element).
 template <class Rule, class St>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int64_t B, int64_t M,
-                      int64_t K, int bm, int bk, int fp8, bool aligned, typename St::T* __restrict__ out) {
-  const int64_t nvec = cdiv(K, 8), sm = cdiv(M, bm), sk = cdiv(K, bk);
-  const int64_t total = B * M * nvec;
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < total; v += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t rr = v / nvec, col0 = (v % nvec) * 8;
-    const int64_t b = rr / M, r = rr % M;
-    const typename Rule::ScaleT* srow = s + (b * sm + r / bm) * sk;
+                      int64_t K, int bm_log2, int bk_log2, int fp8, bool aligned, typename St::T* __restrict__ out) {
+  const int64_t col0 = (blockIdx.x * int64_t(kThreads) + threadIdx.x) * 8;
+  if (col0 >= K) return;
+  const int64_t sm = cdiv(M, int64_t(1) << bm_log2), sk = cdiv(K, int64_t(1) << bk_log2);
+  const bool full = aligned && col0 + 8 <= K;
+  for (int64_t rr = blockIdx.y; rr < B * M; rr += gridDim.y) {
+    const int64_t b = B == 1 ? 0 : rr / M, r = rr - b * M;
+    const typename Rule::ScaleT* srow = s + (b * sm + (r >> bm_log2)) * sk;
     const int64_t base = rr * K;
-    const bool full = aligned && col0 + 8 <= K;
     if (full) {
       const uint2 raw = __ldg(reinterpret_cast<const uint2*>(d + base + col0));
       float y[8];
-      const float one = Rule::dequant_scale(srow[col0 / bk]);
+      const float one = Rule::dequant_scale(srow[col0 >> bk_log2]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const uint8_t byte = uint8_t(((e < 4 ? raw.x : raw.y) >> (8 * (e % 4))) & 0xFFu);
-        const float sc = bk == 1 ? Rule::dequant_scale(srow[col0 + e]) : one;
-        y[e] = fp8_to_float(byte, fp8) * sc;
+      for (int p = 0; p < 4; ++p) {
+        const float2 f = fp8x2_to_float2(uint16_t(((p < 2 ? raw.x : raw.y) >> (16 * (p % 2))) & 0xFFFFu), fp8);
+        y[2 * p] = f.x * (bk_log2 == 0 ? Rule::dequant_scale(srow[col0 + 2 * p]) : one);
+        y[2 * p + 1] = f.y * (bk_log2 == 0 ? Rule::dequant_scale(srow[col0 + 2 * p + 1]) : one);
       }
       St::store(out, base + col0, y, true);
     } else {
       for (int e = 0; e < 8 && col0 + e < K; ++e)
-        St::store1(out, base + col0 + e, fp8_to_float(d[base + col0 + e], fp8) * Rule::dequant_scale(srow[(col0 + e) / bk]));
+        St::store1(out, base + col0 + e,
+                   fp8_to_float(d[base + col0 + e], fp8) * Rule::dequant_scale(srow[(col0 + e) >> bk_log2]));
     }
   }
 }
@@ -448,12 +507,11 @@ __global__ void __launch_bounds__(kThreads)
 template <class Rule, class St>
 void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
                        int bm, int bk, int fp8) {
-  const int64_t total = B * M * cdiv(K, 8);
-  const int64_t grid = std::min<int64_t>(cdiv(total, kThreads), 132 * 32);
+  const dim3 grid(unsigned(cdiv(cdiv(K, 8), kThreads)), unsigned(std::min<int64_t>(B * M, 65535)));
   const bool aligned = K % 8 == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
-  dequantize_kernel<Rule, St><<<unsigned(grid), kThreads, 0, st>>>(
-      static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, bm, bk, fp8, aligned,
-      static_cast<typename St::T*>(out));
+  dequantize_kernel<Rule, St><<<grid, kThreads, 0, st>>>(
+      static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, __builtin_ctz(bm),
+      __builtin_ctz(bk), fp8, aligned, static_cast<typename St::T*>(out));
 }
 
 template <class Rule>
@@ -473,7 +531,8 @@ ffi::Error DequantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::Any
                               ffi::Result<ffi::AnyBuffer> out, int64_t fp8, int64_t block_m, int64_t block_k) {
   int64_t B, M, K;
   if (auto e = dims3(data, &B, &M, &K); e.failure()) return e;
-  if (block_m < 1 || block_k < 1 || (block_k != 1 && block_k % 8 != 0)) return bad("unsupported block size");
+  const auto pow2 = [](int64_t v) { return v >= 1 && (v & (v - 1)) == 0; };
+  if (!pow2(block_m) || !pow2(block_k) || (block_k != 1 && block_k % 8 != 0)) return bad("unsupported block size");
   if (B * M * K == 0) return ffi::Error::Success();
   if (scale.element_type() == ffi::DataType::U8)
     return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, int(block_m),
@@ -553,6 +612,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCudaImpl,
                                   .Attr<bool>("pow2")
                                   .Attr<float>("eps"));
 
+// Device-to-device copy (cudaMemcpyAsync): the benchmark's bandwidth roofline, not part of the API.
+ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  return jf::check_launch();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfCopyCuda, CopyCudaImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
@@ -560,6 +627,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
     d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
     d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
+    d["jf_device_copy"] = nanobind::capsule(reinterpret_cast<void*>(JfCopyCuda));
     return d;
   });
 }
