@@ -32,27 +32,68 @@ struct LoadF16 {
   static float get(const T* p, int64_t i) { return f16_to_float(p[i]); }
 };
 
+// out[k] = cast(v[k] * m[k]) for k < n, m a per-element array (STRIDE 1) or one value (STRIDE 0).
+// The FP8 kind is a compile-time constant so the loop has no branches and vectorizes.
+template <int KIND, int STRIDE>
+void cast_span(const float* v, const float* m, uint8_t* out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) out[k] = fp8_from_float_sw(v[k] * m[k * STRIDE], KIND);
+}
+template <int STRIDE>
+void cast_span(const float* v, const float* m, uint8_t* out, int64_t n, int fp8) {
+  if (fp8 == kE4M3) cast_span<kE4M3, STRIDE>(v, m, out, n);
+  else cast_span<kE5M2, STRIDE>(v, m, out, n);
+}
+
+// max(acc, amax of v[0, n)) with eight independent lanes, so the compiler vectorizes it.
+inline float amax_span(const float* v, int64_t n, float acc) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int e = 0; e < 8; ++e) lane[e] = amax_step(lane[e], v[k + e]);
+  for (; k < n; ++k) acc = amax_step(acc, v[k]);
+  for (int e = 0; e < 8; ++e) acc = lane[e] > acc ? lane[e] : acc;
+  return acc;
+}
+
+// Apply f(k0, k1, j) to each block [k0, k1) of width bk along a row of K elements.
+template <class F>
+inline void for_col_blocks(int64_t K, int bk, F f) {
+  for (int64_t j = 0, k0 = 0; k0 < K; ++j, k0 += bk) f(k0, std::min(K, k0 + bk), j);
+}
+
 // Quantize one usage: blocks of bm rows x bk cols of every (M, K) matrix in the batch.
-// Walks one block-row at a time, rows contiguous, so the loops stream through memory.
+// Walks one block-row at a time; each row is widened to fp32 once, and the inner loops are plain
+// contiguous loops (no per-element division) that the compiler can vectorize.
 template <class L, class Rule>
 void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, int bm, int bk,
                      const Rule& rule, int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
-  std::vector<float> amax(sk), mult(sk);
+  std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < sm; ++i) {
       const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
       std::fill(amax.begin(), amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) {
-        const typename L::T* row = x + (b * M + r) * K;
-        for (int64_t k = 0; k < K; ++k) amax[k / bk] = amax_step(amax[k / bk], L::get(row, k));
+        const typename L::T* xr = x + (b * M + r) * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
+        if (bk == 1) {
+          for (int64_t k = 0; k < K; ++k) amax[k] = amax_step(amax[k], row[k]);
+        } else {
+          for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
+            amax[j] = amax_span(row.data() + k0, k1 - k0, amax[j]);
+          });
+        }
       }
       typename Rule::ScaleT* srow = scale + (b * sm + i) * sk;
       for (int64_t j = 0; j < sk; ++j) rule(amax[j], srow[j], mult[j]);
+      if (bk > 1)  // per-element multipliers: one long vectorized cast loop per row
+        for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) { std::fill(&mult_k[k0], &mult_k[0] + k1, mult[j]); });
+      const float* mk = bk == 1 ? mult.data() : mult_k.data();
       for (int64_t r = r0; r < r1; ++r) {
-        const typename L::T* row = x + (b * M + r) * K;
+        const typename L::T* xr = x + (b * M + r) * K;
         uint8_t* out = data + (b * M + r) * K;
-        for (int64_t k = 0; k < K; ++k) out[k] = fp8_from_float(L::get(row, k) * mult[k / bk], fp8);
+        for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
+        cast_span<1>(row.data(), mk, out, K, fp8);
       }
     }
   }
@@ -110,12 +151,17 @@ template <class Rule, class Store>
 void dequantize_blocks(const uint8_t* data, const typename Rule::ScaleT* scale, int64_t B, int64_t M,
                        int64_t K, int bm, int bk, int fp8, Store store) {
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
+  float lut[256];  // every FP8 byte decoded once
+  for (int i = 0; i < 256; ++i) lut[i] = fp8_to_float(uint8_t(i), fp8);
+  std::vector<float> s(sk);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < M; ++r) {
       const typename Rule::ScaleT* srow = scale + (b * sm + r / bm) * sk;
+      for (int64_t j = 0; j < sk; ++j) s[j] = Rule::dequant_scale(srow[j]);
       const int64_t base = (b * M + r) * K;
-      for (int64_t k = 0; k < K; ++k)
-        store(base + k, fp8_to_float(data[base + k], fp8) * Rule::dequant_scale(srow[k / bk]));
+      for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
+        for (int64_t k = k0; k < k1; ++k) store(base + k, lut[data[base + k]] * s[j]);
+      });
     }
 }
 
@@ -177,14 +223,24 @@ inline int64_t shard_count(const QuantizeArgs& a, int64_t L, int64_t off, int64_
   return std::max<int64_t>(0, std::min({len, L, a.M * a.K - off}));
 }
 
-// Walk the shard's valid elements with their (row, col) in the weight.
+// Walk the shard's valid elements [0, n) one row segment at a time: f(j0, r, c0, c1) covers shard
+// elements j0 .. j0 + (c1 - c0) of weight row r, columns [c0, c1).
 template <class F>
-void for_shard(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
-  if (n <= 0) return;
-  int64_t r = off / a.K, c = off % a.K;
-  for (int64_t j = 0; j < n; ++j) {
-    f(j, r, c);
-    if (++c == a.K) c = 0, ++r;
+void for_shard_rows(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
+  for (int64_t j = 0; j < n;) {
+    const int64_t r = (off + j) / a.K, c0 = (off + j) % a.K;
+    const int64_t c1 = std::min(a.K, c0 + (n - j));
+    f(j, r, c0, c1);
+    j += c1 - c0;
+  }
+}
+
+// Apply f(c, j) over columns [c0, c1) with j the column's block index, without a division per element.
+template <class F>
+inline void for_cols(int64_t c0, int64_t c1, int bk, F f) {
+  for (int64_t j = c0 / bk, c = c0; c < c1; ++j) {
+    const int64_t end = std::min(c1, (j + 1) * bk);
+    for (; c < end; ++c) f(c, j);
   }
 }
 
@@ -193,9 +249,9 @@ void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t
   const auto* x = static_cast<const typename L::T*>(shard);
   const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
   std::vector<float> amax(nb, 0.0f);
-  for_shard(a, off, n, [&](int64_t j, int64_t r, int64_t c) {
-    float& m = amax[(r / u.bm) * sk + c / u.bk];
-    m = amax_step(m, L::get(x, j));
+  for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
+    float* arow = amax.data() + (r / u.bm) * sk;
+    for_cols(c0, c1, u.bk, [&](int64_t c, int64_t j) { arow[j] = amax_step(arow[j], L::get(x, j0 + c - c0)); });
   });
   for (int64_t i = 0; i < nb; ++i) {
     if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = MxRule{a.fp8}.partial(amax[i]);
@@ -221,8 +277,19 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
     }
   }
   std::fill(data, data + L_, uint8_t(0));
-  for_shard(a, off, n, [&](int64_t j, int64_t r, int64_t c) {
-    data[j] = fp8_from_float(L::get(x, j) * mult[(r / u.bm) * sk + c / u.bk], a.fp8);
+  std::vector<float> row(a.K);
+  for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
+    const float* mrow = mult.data() + (r / u.bm) * sk;
+    for (int64_t c = c0; c < c1; ++c) row[c] = L::get(x, j0 + c - c0);
+    if (u.bk == 1) {
+      cast_span<1>(row.data() + c0, mrow + c0, data + j0, c1 - c0, a.fp8);
+    } else {
+      for (int64_t c = c0; c < c1;) {
+        const int64_t j = c / u.bk, end = std::min(c1, (j + 1) * u.bk);
+        cast_span<0>(row.data() + c, mrow + j, data + j0 + c - c0, end - c, a.fp8);
+        c = end;
+      }
+    }
   });
 }
 

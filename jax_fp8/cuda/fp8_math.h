@@ -63,25 +63,26 @@ constexpr uint8_t kFp8NaN = 0x7F;  // canonical NaN byte for both formats (what 
 // exponent bias `bias` (round to nearest even, subnormals included). Returns the magnitude bits;
 // a result past the largest exponent carries into the exponent field (the caller saturates).
 JF_HD uint32_t round_magnitude(float a, int mant, int bias) {
+  // Both candidates are computed and one selected, so loops over elements stay branch-free.
   const float min_normal = u2f(uint32_t(127 + 1 - bias) << 23);
-  if (a < min_normal) {
-    // Subnormal: count units of 2^(1-bias-mant); adding 2^23 rounds the count to nearest even.
-    const float units = a * u2f(uint32_t(127 + bias + mant - 1) << 23);
-    return f2u(units + 8388608.0f) - 0x4B000000u;
-  }
+  // Subnormal: count units of 2^(1-bias-mant); adding 2^23 rounds the count to nearest even.
+  const float units = a * u2f(uint32_t(127 + bias + mant - 1) << 23);
+  const uint32_t sub = f2u(units + 8388608.0f) - 0x4B000000u;
   const int shift = 23 - mant;
   uint32_t u = f2u(a);
   u += ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
-  return (u >> shift) - (uint32_t(127 - bias) << mant);
+  const uint32_t normal = (u >> shift) - (uint32_t(127 - bias) << mant);
+  return a < min_normal ? sub : normal;
 }
 
 // Saturating round-to-nearest-even cast (TE's satfinite): |v| >= max gives +-max, NaN gives 0x7F.
 JF_HD uint8_t fp8_from_float_sw(float v, int kind) {
-  if (is_nan(v)) return kFp8NaN;
-  const uint8_t sign = uint8_t((f2u(v) >> 24) & 0x80u);
+  const uint32_t sign = (f2u(v) >> 24) & 0x80u;
   const float a = abs_f(v);
-  if (a >= fp8_max(kind)) return sign | (kind == kE4M3 ? 0x7E : 0x7B);
-  return sign | uint8_t(kind == kE4M3 ? round_magnitude(a, 3, 7) : round_magnitude(a, 2, 15));
+  const bool e4m3 = kind == kE4M3;
+  const uint32_t mag = e4m3 ? round_magnitude(a, 3, 7) : round_magnitude(a, 2, 15);
+  const uint32_t sat = a >= fp8_max(kind) ? (e4m3 ? 0x7Eu : 0x7Bu) : mag;
+  return uint8_t(is_nan(v) ? kFp8NaN : (sign | sat));
 }
 
 #if defined(__CUDACC__)
