@@ -17,9 +17,6 @@ namespace jf {
 namespace {
 
 constexpr int kThreads = 256;
-// Resident CTAs per SM the register budget must allow for the small MXFP8 tiles of 16-bit inputs: more
-// CTAs keep more loads in flight while others reduce and store (larger tiles would spill under the cap).
-constexpr int ctas_per_sm(int tile_rows, int in_bytes) { return tile_rows <= 32 && in_bytes == 2 ? 3 : 1; }
 
 // Word i of a 16-byte vector by name (an indexed pointer into a register vector can go to local memory).
 __device__ __forceinline__ uint32_t& word(uint4& r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
@@ -144,7 +141,7 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
 // TM x TK tile per CTA. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE: one TM x TK block.
 // Every scale block belongs to exactly one CTA, so no atomics are needed in any mode.
 template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
-__global__ void __launch_bounds__(kThreads, ctas_per_sm(TM, sizeof(typename L::T)))
+__global__ void __launch_bounds__(kThreads)
     tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
                 Outs<typename Rule::ScaleT> col) {
   constexpr int VEC = L::VEC;
