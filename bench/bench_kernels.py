@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--sizes", default="8192x8192,16384x16384,32768x16384")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", default="", help="time only kernels whose name contains this")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
@@ -81,17 +82,21 @@ def main():
         n = M * K
         # roofline: a device-to-device cudaMemcpy where our CUDA module is loaded, else XLA's x*2
         t_xla = timeit(lambda x: x * 2, inputs, args.iters)
-        t_copy = timeit(device_copy, inputs, args.iters) if jax.default_backend() == "gpu" else t_xla
+        gpu = jax.default_backend() == "gpu"
+        t_copy = timeit(device_copy, inputs, args.iters) if gpu else t_xla
         copy_gbs = 2 * n * dtype.itemsize / t_copy / 1e9
-        rows.append((f"{M}x{K}", "device copy (memcpy)", t_copy, copy_gbs, 100.0, float("nan"), "-"))
+        rows.append((f"{M}x{K}", "device copy (memcpy)" if gpu else "copy = xla x*2", t_copy, copy_gbs, 100.0,
+                     float("nan"), "-"))
         xla_gbs = 2 * n * dtype.itemsize / t_xla / 1e9
         rows.append((f"{M}x{K}", "xla elementwise x*2", t_xla, xla_gbs, 100 * xla_gbs / copy_gbs, float("nan"), "-"))
-        for name, ours, ref, nbytes in cases(M, K, dtype.itemsize):
+        for name, ours, ref, nbytes in [c for c in cases(M, K, dtype.itemsize) if args.only in c[0]]:
             t_o = timeit(ours, inputs, args.iters)
             t_r = timeit(ref, inputs, args.iters)
             exact = leaves_equal(jax.jit(ours)(inputs[0]), jax.jit(ref)(inputs[0]))
             gbs = nbytes / t_o / 1e9
             rows.append((f"{M}x{K}", name, t_o, gbs, 100 * gbs / copy_gbs, t_r / t_o, exact))
+        if args.only not in "dequantize mxfp8":
+            continue
         q = jax.jit(lambda x: jf.quantize_mxfp8(x))(inputs[0])
         qs = [jax.jit(lambda x: jf.quantize_mxfp8(x))(x) for x in inputs]
         t_d = timeit(lambda q: jf.dequantize(q), qs, args.iters)
@@ -100,7 +105,8 @@ def main():
         exact = leaves_equal(jax.jit(jf.dequantize)(q), jax.jit(R_deq)(q))
         rows.append((f"{M}x{K}", "dequantize mxfp8", t_d, nb / t_d / 1e9, 100 * nb / t_d / 1e9 / copy_gbs, t_dr / t_d,
                      exact))
-        rows += partial_rows(M, K, inputs, copy_gbs, args.iters)
+        if not args.only:
+            rows += partial_rows(M, K, inputs, copy_gbs, args.iters)
     print(f"\n{'size':>12} {'kernel':>22} {'time us':>9} {'GB/s':>7} {'% copy':>7} {'vs jnp':>7} {'bit-exact':>9}")
     for r in rows:
         print(f"{r[0]:>12} {r[1]:>22} {r[2] * 1e6:9.1f} {r[3]:7.0f} {r[4]:7.1f} {r[5]:7.2f} {str(r[6]):>9}")

@@ -52,6 +52,18 @@ def test_no_specials_large_random():
         _check(x, jnp.float8_e4m3fn, True, True)
 
 
+@pytest.mark.parametrize("shape", [(4500, 64), (4500, 40), (3, 1500, 24)], ids=str)
+def test_many_rows(shape):
+    """Tall inputs: the GPU dequantize kernel walks several rows per thread (grid-stride over rows)."""
+    x = random_input(np.random.default_rng(shape[-1]), shape, jnp.bfloat16)
+    for out in (jnp.bfloat16, jnp.float16, jnp.float32):
+        q = jf.quantize_mxfp8(x, rowwise=True, colwise=True)
+        r = on_cpu(jf.reference.quantize_mxfp8, x, rowwise=True, colwise=True)
+        assert_tensors_equal(q, r)
+        for usage in ("rowwise", "colwise"):
+            assert_bits_equal(jf.dequantize(q, out, usage), on_cpu(jf.reference.dequantize, r, out, usage), usage)
+
+
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_special_blocks(fp8):
     """Whole blocks of zeros, subnormals, inf, NaN, huge values; NaN stays NaN (0x7F)."""

@@ -481,6 +481,7 @@ __global__ void __launch_bounds__(kThreads)
   if (col0 >= K) return;
   const int64_t sm = cdiv(M, int64_t(1) << bm_log2), sk = cdiv(K, int64_t(1) << bk_log2);
   const bool full = aligned && col0 + 8 <= K;
+#pragma unroll 4
   for (int64_t rr = blockIdx.y; rr < B * M; rr += gridDim.y) {
     const int64_t b = B == 1 ? 0 : rr / M, r = rr - b * M;
     const typename Rule::ScaleT* srow = s + (b * sm + (r >> bm_log2)) * sk;
@@ -507,7 +508,10 @@ __global__ void __launch_bounds__(kThreads)
 template <class Rule, class St>
 void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
                        int bm, int bk, int fp8) {
-  const dim3 grid(unsigned(cdiv(cdiv(K, 8), kThreads)), unsigned(std::min<int64_t>(B * M, 65535)));
+  // Enough CTAs to fill the chip a few times over; each thread then walks many rows, unrolled so that
+  // several rows' loads are in flight at once.
+  const int64_t gx = cdiv(cdiv(K, 8), kThreads);
+  const dim3 grid(unsigned(gx), unsigned(std::min<int64_t>(B * M, std::max<int64_t>(1, 132 * 16 / gx))));
   const bool aligned = K % 8 == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
   dequantize_kernel<Rule, St><<<grid, kThreads, 0, st>>>(
       static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, __builtin_ctz(bm),
