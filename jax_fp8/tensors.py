@@ -14,15 +14,16 @@ from .formats import FLOAT8_BLOCK, MX_BLOCK
 Array = Any
 
 
+@dataclasses.dataclass(frozen=True)
 class _QuantizedBase:
-    """Fields shared by every quantized tensor (see the subclasses)."""
+    """Fields shared by every quantized tensor: the four leaves, then static layout (see the subclasses)."""
 
     rowwise_data: Optional[Array]
     rowwise_scale_inv: Optional[Array]
     colwise_data: Optional[Array]
     colwise_scale_inv: Optional[Array]
-    shape: tuple
-    dtype: np.dtype
+    shape: tuple  # the quantized tensor's shape (its 2-D view: (prod(shape[:-1]), shape[-1]))
+    dtype: np.dtype  # the high-precision dtype that was quantized
     fp8_dtype: np.dtype
 
     def _aux(self) -> tuple:
@@ -64,14 +65,6 @@ class MXFP8Tensor(_QuantizedBase):
     ``(M, K) = (prod(shape[:-1]), shape[-1])``. Fields not asked for are None.
     """
 
-    rowwise_data: Optional[Array]
-    rowwise_scale_inv: Optional[Array]
-    colwise_data: Optional[Array]
-    colwise_scale_inv: Optional[Array]
-    shape: tuple
-    dtype: np.dtype
-    fp8_dtype: np.dtype
-
     row_block = (1, MX_BLOCK)
     col_block = (MX_BLOCK, 1)
 
@@ -97,13 +90,6 @@ class BlockwiseTensor(_QuantizedBase):
     same arrays as ``rowwise_*``. Data has the input's shape; dequantized value = data * scale_inv.
     """
 
-    rowwise_data: Optional[Array]
-    rowwise_scale_inv: Optional[Array]
-    colwise_data: Optional[Array]
-    colwise_scale_inv: Optional[Array]
-    shape: tuple
-    dtype: np.dtype
-    fp8_dtype: np.dtype
     block: tuple = (1, FLOAT8_BLOCK)
     pow2_scales: bool = True
     amax_epsilon: float = 0.0

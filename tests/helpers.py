@@ -67,3 +67,14 @@ def random_input(rng: np.random.Generator, shape, dtype, specials: bool = True) 
             x.reshape(-1, x.shape[-1])[1] = float(fi.smallest_subnormal) * rng.integers(0, 50, x.shape[-1])
     with np.errstate(over="ignore"):
         return np.asarray(x.astype(np.float32)).astype(dtype)
+
+
+def check_against_reference(quantize, reference, x, **kw):
+    """quantize(x, **kw) equals the (NumPy-evaluated) reference bit for bit, and so does dequantize
+    of every usage it holds. Returns the kernel's tensor."""
+    q = quantize(x, **kw)
+    r = on_cpu(reference, x, **kw)
+    assert_tensors_equal(q, r)
+    for usage in q.usage_blocks():
+        assert_bits_equal(jf.dequantize(q, usage=usage), on_cpu(jf.reference.dequantize, r, usage=usage), usage)
+    return q

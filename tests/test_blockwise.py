@@ -5,19 +5,15 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from helpers import FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, on_cpu, random_input
+from helpers import (FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, check_against_reference,
+                     on_cpu, random_input)
 from jax_fp8.reference import block_scale_from_amax
 
 SHAPES = [(1, 1), (1, 129), (5, 128), (127, 100), (128, 128), (129, 257), (200, 384), (3, 50, 130), (300,)]
 
 
 def _check(x, **kw):
-    q = jf.quantize_blockwise(x, **kw)
-    r = on_cpu(jf.reference.quantize_blockwise, x, **kw)
-    assert_tensors_equal(q, r)
-    for usage in q.usage_blocks():
-        assert_bits_equal(jf.dequantize(q, usage=usage), on_cpu(jf.reference.dequantize, r, usage=usage), usage)
-    return q
+    return check_against_reference(jf.quantize_blockwise, jf.reference.quantize_blockwise, x, **kw)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

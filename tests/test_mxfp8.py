@@ -8,19 +8,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_fp8 as jf
-from helpers import FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, on_cpu, random_input
+from helpers import (FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, check_against_reference,
+                     on_cpu, random_input)
 
 SHAPES = [(1, 1), (1, 33), (5, 32), (31, 17), (32, 32), (33, 65), (64, 256), (70, 100), (129, 257),
           (3, 5, 40), (2, 3, 33, 64), (1000,)]
 
 
 def _check(x, dtype, rowwise, colwise):
-    q = jf.quantize_mxfp8(x, dtype=dtype, rowwise=rowwise, colwise=colwise)
-    r = on_cpu(jf.reference.quantize_mxfp8, x, dtype=dtype, rowwise=rowwise, colwise=colwise)
-    assert_tensors_equal(q, r)
-    for usage in q.usage_blocks():
-        assert_bits_equal(jf.dequantize(q, usage=usage), on_cpu(jf.reference.dequantize, r, usage=usage), usage)
-    return q
+    return check_against_reference(jf.quantize_mxfp8, jf.reference.quantize_mxfp8, x, dtype=dtype, rowwise=rowwise,
+                                   colwise=colwise)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

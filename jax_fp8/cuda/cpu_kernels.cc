@@ -354,65 +354,10 @@ ffi::Error PartialCastCpuImpl(ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block")
-                                  .Attr<bool>("pow2")
-                                  .Attr<float>("eps"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("block_m")
-                                  .Attr<int64_t>("block_k"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("M")
-                                  .Attr<int64_t>("K")
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("M")
-                                  .Attr<int64_t>("K")
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block")
-                                  .Attr<bool>("pow2")
-                                  .Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpuImpl, JF_BIND_QUANTIZE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpuImpl, JF_BIND_DEQUANTIZE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpuImpl, JF_BIND_PARTIAL_AMAX(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpuImpl, JF_BIND_PARTIAL_CAST(ffi::Ffi::Bind()));
 
 NB_MODULE(_jax_fp8_cpu, m) {
   m.def("registrations", []() {

@@ -551,70 +551,12 @@ ffi::Error DequantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::Any
 }  // namespace jf
 
 namespace ffi = xla::ffi;
+#define JF_CUDA_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block")
-                                  .Attr<bool>("pow2")
-                                  .Attr<float>("eps"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("block_m")
-                                  .Attr<int64_t>("block_k"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("M")
-                                  .Attr<int64_t>("K")
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("M")
-                                  .Attr<int64_t>("K")
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("scale_kind")
-                                  .Attr<int64_t>("row_block")
-                                  .Attr<int64_t>("col_block")
-                                  .Attr<int64_t>("tile_block")
-                                  .Attr<bool>("pow2")
-                                  .Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCudaImpl, JF_BIND_QUANTIZE(JF_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCudaImpl, JF_BIND_DEQUANTIZE(JF_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCudaImpl, JF_BIND_PARTIAL_AMAX(JF_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCudaImpl, JF_BIND_PARTIAL_CAST(JF_CUDA_BIND));
 
 // Device-to-device copy (cudaMemcpyAsync): the benchmark's bandwidth roofline, not part of the API.
 ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
@@ -622,7 +564,7 @@ ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   return jf::check_launch();
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfCopyCuda, CopyCudaImpl,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                              JF_CUDA_BIND JF_ARG JF_RET);
 
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {

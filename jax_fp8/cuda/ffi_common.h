@@ -89,3 +89,23 @@ inline ffi::Error make_shard_args(const ffi::AnyBuffer& shard, const ffi::AnyBuf
 }
 
 }  // namespace jf
+
+// ---- FFI signatures, shared by the CPU handlers and the CUDA ones (which bind a stream first) -----
+// Macros because a binding is a single move-only builder expression.
+#define JF_ARG .Arg<::xla::ffi::AnyBuffer>()
+#define JF_RET .Ret<::xla::ffi::AnyBuffer>()
+#define JF_BLOCK_ATTRS                                                                                  \
+  .Attr<int64_t>("fp8").Attr<int64_t>("scale_kind").Attr<int64_t>("row_block").Attr<int64_t>("col_block") \
+      .Attr<int64_t>("tile_block")
+#define JF_SCALE_OPTIONS .Attr<bool>("pow2").Attr<float>("eps")
+#define JF_SHARD_ATTRS .Attr<int64_t>("M").Attr<int64_t>("K") JF_BLOCK_ATTRS
+// x -> (data, scale) x 2
+#define JF_BIND_QUANTIZE(b) b JF_ARG JF_RET JF_RET JF_RET JF_RET JF_BLOCK_ATTRS JF_SCALE_OPTIONS
+// data, scale -> out
+#define JF_BIND_DEQUANTIZE(b) \
+  b JF_ARG JF_ARG JF_RET.Attr<int64_t>("fp8").Attr<int64_t>("block_m").Attr<int64_t>("block_k")
+// shard, offset, length -> partial-value grids x 2
+#define JF_BIND_PARTIAL_AMAX(b) b JF_ARG JF_ARG JF_ARG JF_RET JF_RET JF_SHARD_ATTRS
+// shard, offset, length, global grids x 2 -> data x 2, scale_inv x 2
+#define JF_BIND_PARTIAL_CAST(b) \
+  b JF_ARG JF_ARG JF_ARG JF_ARG JF_ARG JF_RET JF_RET JF_RET JF_RET JF_SHARD_ATTRS JF_SCALE_OPTIONS
