@@ -16,6 +16,11 @@ except ImportError:  # pragma: no cover
 
 from jax.interpreters import ad, batching, mlir
 
+try:  # jax >= 0.4.38
+    from jax import ffi
+except ImportError:  # pragma: no cover
+    from jax.extend import ffi  # type: ignore[no-redef]
+
 #: ``jnp.float8_e8m0fnu`` where this jax has it, else None.
 E8M0_DTYPE = getattr(jnp, "float8_e8m0fnu", None)
 
@@ -29,4 +34,4 @@ def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
 
 
-__all__ = ["Primitive", "ad", "batching", "mlir", "shard_map", "E8M0_DTYPE", "jax"]
+__all__ = ["Primitive", "ad", "batching", "ffi", "mlir", "shard_map", "E8M0_DTYPE"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-import jax
+from ._compat import ffi
 
 #: platform name for lowering -> True when our FFI kernels are registered for it
 AVAILABLE: dict[str, bool] = {"cpu": False, "cuda": False}
@@ -22,7 +22,7 @@ def _register(module_name: str, platform: str, xla_platform: str) -> None:
         LOAD_ERRORS[platform] = str(e)
         return
     for name, capsule in mod.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
+        ffi.register_ffi_target(name, capsule, platform=xla_platform)
     AVAILABLE[platform] = True
 
 

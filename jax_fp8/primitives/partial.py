@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import jax
 import numpy as np
 from jax.core import ShapedArray
 from jax._src import dispatch as _dispatch
 
 from .. import _ffi, reference
-from .._compat import Primitive, mlir
+from .._compat import Primitive, ffi, mlir
 from ..formats import cdiv, usage_blocks
 
 partial_amax_p = Primitive("jf_partial_amax")
@@ -65,7 +64,7 @@ def _pad(avals, n):
 
 def _amax_ffi(ctx, shard, offset, length, **p):
     n = len(ctx.avals_out)
-    outs = jax.ffi.ffi_lowering("jf_partial_amax")(
+    outs = ffi.ffi_lowering("jf_partial_amax")(
         ctx.replace(avals_out=_pad(ctx.avals_out, 2)), shard, offset, length, **{k: np.int64(p[k]) for k in _INT_ATTRS})
     return outs[:n]
 
@@ -75,7 +74,7 @@ def _cast_ffi(ctx, shard, offset, length, *grids, pow2, eps, **p):
     grids = list(grids) + [mlir.ir_constant(np.zeros((0,), np.uint8))] * (2 - nu)
     datas, sinvs = ctx.avals_out[:nu], ctx.avals_out[nu:]
     avals_out = _pad(datas, 2) + _pad(sinvs, 2)
-    outs = jax.ffi.ffi_lowering("jf_partial_cast")(
+    outs = ffi.ffi_lowering("jf_partial_cast")(
         ctx.replace(avals_in=_pad(ctx.avals_in, 5), avals_out=avals_out), shard, offset, length, *grids,
         pow2=np.bool_(pow2), eps=np.float32(eps), **{k: np.int64(p[k]) for k in _INT_ATTRS})
     return list(outs[:nu]) + list(outs[2:2 + len(sinvs)])

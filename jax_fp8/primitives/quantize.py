@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, reference
-from .._compat import Primitive, ad, batching, mlir
+from .._compat import Primitive, ffi, ad, batching, mlir
 from ..formats import cdiv, usage_blocks
 from ..quantize import SCALE_E8M0, Kernels
 
@@ -45,7 +44,7 @@ def _quantize_ffi_lowering(ctx, x, **params):
     n = len(ctx.avals_out)
     padded = list(ctx.avals_out) + [ShapedArray((0,), np.uint8)] * (_MAX_RESULTS - n)
     attrs = {k: np.int64(params[k]) for k in ("fp8", "scale_kind", "row_block", "col_block", "tile_block")}
-    outs = jax.ffi.ffi_lowering("jf_quantize")(ctx.replace(avals_out=padded), x, pow2=np.bool_(params["pow2"]),
+    outs = ffi.ffi_lowering("jf_quantize")(ctx.replace(avals_out=padded), x, pow2=np.bool_(params["pow2"]),
                                                eps=np.float32(params["eps"]), **attrs)
     return outs[:n]
 
@@ -83,7 +82,7 @@ dequantize_p.def_abstract_eval(_dequantize_abstract)
 
 
 def _dequantize_ffi_lowering(ctx, data, scale, *, fp8, block_m, block_k, out_dtype):
-    return jax.ffi.ffi_lowering("jf_dequantize")(ctx, data, scale, fp8=np.int64(fp8), block_m=np.int64(block_m),
+    return ffi.ffi_lowering("jf_dequantize")(ctx, data, scale, fp8=np.int64(fp8), block_m=np.int64(block_m),
                                                  block_k=np.int64(block_k))
 
 
