@@ -55,10 +55,14 @@ inline float amax_span(const float* v, int64_t n, float acc) {
   return acc;
 }
 
-// Apply f(k0, k1, j) to each block [k0, k1) of width bk along a row of K elements.
+// Apply f(c, end, j) to each piece [c, end) of columns [c0, c1) that lies in one block j of width bk.
 template <class F>
-inline void for_col_blocks(int64_t K, int bk, F f) {
-  for (int64_t j = 0, k0 = 0; k0 < K; ++j, k0 += bk) f(k0, std::min(K, k0 + bk), j);
+inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
+  for (int64_t c = c0; c < c1;) {
+    const int64_t j = c / bk, end = std::min(c1, (j + 1) * bk);
+    f(c, end, j);
+    c = end;
+  }
 }
 
 // Quantize one usage: blocks of bm rows x bk cols of every (M, K) matrix in the batch.
@@ -79,7 +83,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, in
         if (bk == 1) {
           for (int64_t k = 0; k < K; ++k) amax[k] = amax_step(amax[k], row[k]);
         } else {
-          for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
+          for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
             amax[j] = amax_span(row.data() + k0, k1 - k0, amax[j]);
           });
         }
@@ -87,7 +91,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, in
       typename Rule::ScaleT* srow = scale + (b * sm + i) * sk;
       for (int64_t j = 0; j < sk; ++j) rule(amax[j], srow[j], mult[j]);
       if (bk > 1)  // per-element multipliers: one long vectorized cast loop per row
-        for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) { std::fill(&mult_k[k0], &mult_k[0] + k1, mult[j]); });
+        for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) { std::fill(&mult_k[k0], &mult_k[0] + k1, mult[j]); });
       const float* mk = bk == 1 ? mult.data() : mult_k.data();
       for (int64_t r = r0; r < r1; ++r) {
         const typename L::T* xr = x + (b * M + r) * K;
@@ -159,7 +163,7 @@ void dequantize_blocks(const uint8_t* data, const typename Rule::ScaleT* scale, 
       const typename Rule::ScaleT* srow = scale + (b * sm + r / bm) * sk;
       for (int64_t j = 0; j < sk; ++j) s[j] = Rule::dequant_scale(srow[j]);
       const int64_t base = (b * M + r) * K;
-      for_col_blocks(K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
+      for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
         for (int64_t k = k0; k < k1; ++k) store(base + k, lut[data[base + k]] * s[j]);
       });
     }
@@ -235,23 +239,21 @@ void for_shard_rows(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
   }
 }
 
-// Apply f(c, j) over columns [c0, c1) with j the column's block index, without a division per element.
-template <class F>
-inline void for_cols(int64_t c0, int64_t c1, int bk, F f) {
-  for (int64_t j = c0 / bk, c = c0; c < c1; ++j) {
-    const int64_t end = std::min(c1, (j + 1) * bk);
-    for (; c < end; ++c) f(c, j);
-  }
-}
-
 template <class L>
 void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t n, Usage u, void* out) {
   const auto* x = static_cast<const typename L::T*>(shard);
   const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
-  std::vector<float> amax(nb, 0.0f);
+  std::vector<float> amax(nb, 0.0f), row(a.K);
   for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
     float* arow = amax.data() + (r / u.bm) * sk;
-    for_cols(c0, c1, u.bk, [&](int64_t c, int64_t j) { arow[j] = amax_step(arow[j], L::get(x, j0 + c - c0)); });
+    for (int64_t c = c0; c < c1; ++c) row[c] = L::get(x, j0 + c - c0);
+    if (u.bk == 1) {
+      for (int64_t c = c0; c < c1; ++c) arow[c] = amax_step(arow[c], row[c]);
+    } else {
+      for_blocks_in(c0, c1, u.bk, [&](int64_t c, int64_t end, int64_t j) {
+        arow[j] = amax_span(row.data() + c, end - c, arow[j]);
+      });
+    }
   });
   for (int64_t i = 0; i < nb; ++i) {
     if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = MxRule{a.fp8}.partial(amax[i]);
@@ -284,11 +286,9 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
     if (u.bk == 1) {
       cast_span<1>(row.data() + c0, mrow + c0, data + j0, c1 - c0, a.fp8);
     } else {
-      for (int64_t c = c0; c < c1;) {
-        const int64_t j = c / u.bk, end = std::min(c1, (j + 1) * u.bk);
+      for_blocks_in(c0, c1, u.bk, [&](int64_t c, int64_t end, int64_t j) {
         cast_span<0>(row.data() + c, mrow + j, data + j0 + c - c0, end - c, a.fp8);
-        c = end;
-      }
+      });
     }
   });
 }
