@@ -120,3 +120,15 @@ def test_quantizer_errors():
         Quantizer("blockwise", block=(32, 32))
     with pytest.raises(TypeError, match="dtype"):
         Quantizer(dtype=jnp.float16)
+
+
+def test_quantized_input_without_quantizer_keeps_its_format():
+    n, rows = 4, 64
+    x = random_input(np.random.default_rng(5), (n * rows, 256), jnp.bfloat16)
+    for quantize in (lambda v: jf.quantize_mxfp8(v, jnp.float8_e5m2, True, True),
+                     lambda v: jf.quantize_blockwise(v, block=(128, 128), pow2_scales=False)):
+        got, _, warns = _gathered(lambda v: all_gather_first_dim(quantize(v), "sp"), x, n)
+        fast = rows % Quantizer.of(quantize(x)).block_rows == 0
+        assert bool(warns) == (not fast)
+        local = [jf.dequantize(quantize(x[r * rows:(r + 1) * rows])) for r in range(n)]
+        assert_tensors_equal(got, quantize(x) if fast else quantize(jnp.concatenate(local)))

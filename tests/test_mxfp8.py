@@ -208,3 +208,17 @@ def test_e8m0_dtype_view():
     assert e.dtype == jnp.float8_e8m0fnu
     np.testing.assert_array_equal(np.asarray(e.astype(jnp.float32)),
                                   2.0 ** (np.asarray(q.rowwise_scale_inv).astype(np.float64) - 127))
+
+
+def test_tensors_pass_through_scan():
+    """Quantized tensors are pytrees: a scan can carry and produce them."""
+    xs = random_input(np.random.default_rng(8), (5, 40, 64), jnp.float32, specials=False)
+
+    def body(carry, x):
+        q = jf.quantize_mxfp8(x, colwise=True)
+        return q, jf.dequantize(q, usage="colwise")
+
+    init = jf.quantize_mxfp8(jnp.zeros((40, 64)), colwise=True)
+    last, ys = jax.lax.scan(body, init, xs)
+    assert_tensors_equal(last, jf.quantize_mxfp8(xs[-1], colwise=True))
+    assert_bits_equal(ys[2], jf.dequantize(jf.quantize_mxfp8(xs[2], colwise=True), usage="colwise"))
