@@ -19,11 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import FLOAT8_BLOCK, MX_BLOCK, fp8_dtype, fp8_index, high_dtype, usage_blocks, view_2d
+from .formats import fp8_dtype, fp8_index, high_dtype, view_2d
 from .primitives.partial import partial_amax_p, partial_cast_p
-from .quantize import BLOCKWISE_BLOCKS, SCALE_E8M0, SCALE_FP32
+from .quantize import assemble, check_block, usage_params
 from .reference import bitcast
-from .tensors import BlockwiseTensor, MXFP8Tensor
 
 Array = Any
 
@@ -86,18 +85,10 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     fp8 = fp8_dtype(dtype)
     if not (rowwise or colwise):
         raise ValueError("quantize_master_weights: at least one of rowwise, colwise must be True")
-    if fmt == "mxfp8":
-        blocks = dict(scale_kind=SCALE_E8M0, row_block=MX_BLOCK if rowwise else 0,
-                      col_block=MX_BLOCK if colwise else 0, tile_block=0)
-    elif fmt == "blockwise":
-        block = tuple(block)
-        if block not in BLOCKWISE_BLOCKS:
-            raise ValueError(f"quantize_master_weights: block must be (1, 128) or (128, 128), got {block}")
-        tile = block == (FLOAT8_BLOCK, FLOAT8_BLOCK)
-        blocks = dict(scale_kind=SCALE_FP32, row_block=0 if tile or not rowwise else FLOAT8_BLOCK,
-                      col_block=0 if tile or not colwise else FLOAT8_BLOCK, tile_block=FLOAT8_BLOCK if tile else 0)
-    else:
+    if fmt not in ("mxfp8", "blockwise"):
         raise ValueError(f"quantize_master_weights: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
+    block = check_block(block, "quantize_master_weights") if fmt == "blockwise" else tuple(block)
+    blocks = usage_params(fmt, rowwise, colwise, block)
 
     rank = lax.axis_index(axis_name)
     xs, offs, lens = [], [], []
@@ -125,25 +116,10 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         res = partial_cast_p.bind(x, o, n, *gs, pow2=bool(pow2_scales), eps=float(amax_epsilon), **p)
         nu = len(gs)
         datas = [bitcast(d, fp8) for d in res[:nu]]
-        scales = gs if fmt == "mxfp8" else res[nu:]
-        out.append(QuantizedShard(_make_tensor(fmt, datas, scales, shp, x.dtype, fp8, rowwise, colwise, block,
-                                               pow2_scales, amax_epsilon), o, n))
+        scales = gs if fmt == "mxfp8" else res[nu:]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
+        out.append(QuantizedShard(assemble(fmt, zip(datas, scales), rowwise, colwise, shp, x.dtype, fp8, block,
+                                           pow2_scales, amax_epsilon), o, n))
     return out
-
-
-def _make_tensor(fmt, datas, scales, shape, dtype, fp8, rowwise, colwise, block, pow2, eps):
-    pairs = iter(zip(datas, scales))
-    if fmt == "mxfp8":
-        row = next(pairs) if rowwise else (None, None)
-        col = next(pairs) if colwise else (None, None)
-        return MXFP8Tensor(*row, *col, shape, jnp.dtype(dtype), fp8)
-    if tuple(block) == (FLOAT8_BLOCK, FLOAT8_BLOCK):
-        tile = next(pairs)
-        row, col = (tile if rowwise else (None, None)), (tile if colwise else (None, None))
-    else:
-        row = next(pairs) if rowwise else (None, None)
-        col = next(pairs) if colwise else (None, None)
-    return BlockwiseTensor(*row, *col, shape, jnp.dtype(dtype), fp8, tuple(block), bool(pow2), float(eps))
 
 
 def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:

@@ -19,7 +19,7 @@ from jax import lax
 
 from .api import dequantize, quantize_blockwise, quantize_mxfp8
 from .formats import FLOAT8_BLOCK, MX_BLOCK, fp8_dtype, view_2d
-from .quantize import BLOCKWISE_BLOCKS
+from .quantize import check_block
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
@@ -41,10 +41,9 @@ class Quantizer:
             raise ValueError(f"Quantizer: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
         if not (self.rowwise or self.colwise):
             raise ValueError("Quantizer: at least one of rowwise, colwise must be True")
-        if self.fmt == "blockwise" and tuple(self.block) not in BLOCKWISE_BLOCKS:
-            raise ValueError(f"Quantizer: block must be (1, 128) or (128, 128), got {self.block}")
         object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
-        object.__setattr__(self, "block", tuple(self.block))
+        block = check_block(self.block, "Quantizer") if self.fmt == "blockwise" else (1, FLOAT8_BLOCK)
+        object.__setattr__(self, "block", block)
 
     @classmethod
     def of(cls, q: Union[MXFP8Tensor, BlockwiseTensor]) -> "Quantizer":
@@ -66,14 +65,17 @@ class Quantizer:
             return MX_BLOCK if self.colwise else 1
         return FLOAT8_BLOCK if self.colwise or self.block == (FLOAT8_BLOCK, FLOAT8_BLOCK) else 1
 
+    def _format(self) -> tuple:
+        """What fixes the bits of a usage (MXFP8 has no block or scale options)."""
+        if self.fmt == "mxfp8":
+            return (self.fmt, self.dtype)
+        return (self.fmt, self.dtype, self.block, bool(self.pow2_scales), float(self.amax_epsilon))
+
     def satisfied_by(self, q) -> bool:
         """Whether ``q`` already holds every usage this quantizer asks for, in this format."""
         other = Quantizer.of(q)
-        same = (other.fmt, other.dtype, other.block, other.pow2_scales, other.amax_epsilon) == \
-               (self.fmt, self.dtype, self.block if self.fmt == "blockwise" else other.block,
-                self.pow2_scales if self.fmt == "blockwise" else other.pow2_scales,
-                self.amax_epsilon if self.fmt == "blockwise" else other.amax_epsilon)
-        return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)
+        return (other._format() == self._format() and (other.rowwise or not self.rowwise)
+                and (other.colwise or not self.colwise))
 
 
 def _gather(a, axis_name):

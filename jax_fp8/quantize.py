@@ -43,44 +43,66 @@ def _quantize(x, kernels: Kernels, fp8, **params):
             for i in range(len(blocks))]
 
 
+def usage_params(fmt: str, rowwise: bool, colwise: bool, block=(1, FLOAT8_BLOCK)) -> dict:
+    """The kernels' scale kind and per-usage blocks for a format and the usages asked for."""
+    if fmt == "mxfp8":
+        return dict(scale_kind=SCALE_E8M0, row_block=MX_BLOCK if rowwise else 0,
+                    col_block=MX_BLOCK if colwise else 0, tile_block=0)
+    if tuple(block) == (FLOAT8_BLOCK, FLOAT8_BLOCK):  # one set of tiles serves both usages
+        return dict(scale_kind=SCALE_FP32, row_block=0, col_block=0, tile_block=FLOAT8_BLOCK)
+    return dict(scale_kind=SCALE_FP32, row_block=FLOAT8_BLOCK if rowwise else 0,
+                col_block=FLOAT8_BLOCK if colwise else 0, tile_block=0)
+
+
+def assemble(fmt: str, pairs, rowwise: bool, colwise: bool, shape, dtype, fp8, block=(1, FLOAT8_BLOCK),
+             pow2_scales: bool = True, amax_epsilon: float = 0.0):
+    """Build the tensor from the kernels' (data, scale) pairs, given in usage_params' order."""
+    pairs = iter(pairs)
+    if tuple(block) == (FLOAT8_BLOCK, FLOAT8_BLOCK) and fmt == "blockwise":
+        tile = next(pairs)
+        row, col = (tile if rowwise else (None, None)), (tile if colwise else (None, None))
+    else:
+        row = next(pairs) if rowwise else (None, None)
+        col = next(pairs) if colwise else (None, None)
+    if fmt == "mxfp8":
+        return MXFP8Tensor(*row, *col, tuple(shape), jnp.dtype(dtype), fp8)
+    return BlockwiseTensor(*row, *col, tuple(shape), jnp.dtype(dtype), fp8, tuple(block), bool(pow2_scales),
+                           float(amax_epsilon))
+
+
+def check_block(block, where: str) -> tuple:
+    """Validate a Float8 blockwise block shape."""
+    try:
+        block = tuple(int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block!r}") from None
+    if block not in BLOCKWISE_BLOCKS:
+        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block}")
+    return block
+
+
 def build_mxfp8(x, dtype, rowwise: bool, colwise: bool, kernels: Kernels) -> MXFP8Tensor:
     x = check_input(x)
     fp8 = fp8_dtype(dtype)
     if not (rowwise or colwise):
         raise ValueError("quantize_mxfp8: at least one of rowwise, colwise must be True")
-    outs = iter(_quantize(x, kernels, fp8, scale_kind=SCALE_E8M0, row_block=MX_BLOCK if rowwise else 0,
-                          col_block=MX_BLOCK if colwise else 0, tile_block=0, pow2=False, eps=0.0))
-    row = next(outs) if rowwise else (None, None)
-    col = next(outs) if colwise else (None, None)
-    return MXFP8Tensor(*row, *col, tuple(x.shape), jnp.dtype(x.dtype), fp8)
+    pairs = _quantize(x, kernels, fp8, **usage_params("mxfp8", rowwise, colwise), pow2=False, eps=0.0)
+    return assemble("mxfp8", pairs, rowwise, colwise, x.shape, x.dtype, fp8)
 
 
 def build_blockwise(x, block, dtype, pow2_scales: bool, amax_epsilon: float, colwise: bool, rowwise: bool,
                     kernels: Kernels) -> BlockwiseTensor:
     x = check_input(x)
     fp8 = fp8_dtype(dtype)
-    try:
-        block = tuple(int(b) for b in block)
-    except (TypeError, ValueError):
-        raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block!r}") from None
-    if block not in BLOCKWISE_BLOCKS:
-        raise ValueError(f"quantize_blockwise: block must be (1, 128) or (128, 128), got {block}")
+    block = check_block(block, "quantize_blockwise")
     eps = float(amax_epsilon)
     if not (math.isfinite(eps) and eps >= 0.0):
         raise ValueError(f"quantize_blockwise: amax_epsilon must be finite and >= 0, got {amax_epsilon}")
     if not (rowwise or colwise):
         raise ValueError("quantize_blockwise: at least one of rowwise, colwise must be True")
-    common = dict(scale_kind=SCALE_FP32, pow2=bool(pow2_scales), eps=eps)
-    if block == (1, FLOAT8_BLOCK):
-        outs = iter(_quantize(x, kernels, fp8, row_block=FLOAT8_BLOCK if rowwise else 0,
-                              col_block=FLOAT8_BLOCK if colwise else 0, tile_block=0, **common))
-        row = next(outs) if rowwise else (None, None)
-        col = next(outs) if colwise else (None, None)
-    else:  # 128x128 tiles serve both usages
-        (tile,) = _quantize(x, kernels, fp8, row_block=0, col_block=0, tile_block=FLOAT8_BLOCK, **common)
-        row = tile if rowwise else (None, None)
-        col = tile if colwise else (None, None)
-    return BlockwiseTensor(*row, *col, tuple(x.shape), jnp.dtype(x.dtype), fp8, block, bool(pow2_scales), eps)
+    pairs = _quantize(x, kernels, fp8, **usage_params("blockwise", rowwise, colwise, block),
+                      pow2=bool(pow2_scales), eps=eps)
+    return assemble("blockwise", pairs, rowwise, colwise, x.shape, x.dtype, fp8, block, pow2_scales, eps)
 
 
 def dequantize_tensor(q, dtype, usage: Optional[str], kernels: Kernels):
