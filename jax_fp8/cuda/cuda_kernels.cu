@@ -68,7 +68,7 @@ enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
 template <class S>
 struct Outs {
   uint8_t* data;
-  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: fp32 scale_inv (MX: unused)
+  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: unused (scale_inv_kernel)
   const S* global;        // kCast: the reduced per-block values
 };
 
