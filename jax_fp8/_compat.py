@@ -1,7 +1,6 @@
 """Imports that moved between jax releases (0.5 through 0.11+)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 try:  # jax >= 0.6

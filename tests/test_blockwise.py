@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from helpers import (FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_tensors_equal, check_against_reference,
-                     on_cpu, random_input)
+from helpers import FP8_DTYPES, IN_DTYPES, assert_tensors_equal, check_against_reference, on_cpu, random_input
 from jax_fp8.reference import block_scale_from_amax
 
 SHAPES = [(1, 1), (1, 129), (5, 128), (127, 100), (128, 128), (129, 257), (200, 384), (3, 50, 130), (300,)]

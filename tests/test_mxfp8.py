@@ -1,5 +1,4 @@
 """MXFP8: FFI kernels (CPU here, CUDA on a GPU backend) against the jax.numpy reference, bit for bit."""
-import itertools
 
 import jax
 import jax.numpy as jnp
