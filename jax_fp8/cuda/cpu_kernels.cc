@@ -210,17 +210,6 @@ ffi::Error DequantizeCpuImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Res
 
 
 // ---- master-weight shards: partial amax and partial cast --------------------------------------
-// The usages of a shard call, each as (bm, bk) blocks, in output order.
-struct Usage {
-  int bm, bk;
-};
-inline int usages_of(const QuantizeArgs& a, Usage* u) {
-  int n = 0;
-  if (a.row_block) u[n++] = {1, a.row_block};
-  if (a.col_block) u[n++] = {a.col_block, 1};
-  if (a.tile_block) u[n++] = {a.tile_block, a.tile_block};
-  return n;
-}
 
 // Valid elements of the shard: [0, n) with n = clip(min(length, L, M*K - offset), 0).
 inline int64_t shard_count(const QuantizeArgs& a, int64_t L, int64_t off, int64_t len) {
@@ -242,7 +231,7 @@ void for_shard_rows(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
 template <class L>
 void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t n, Usage u, void* out) {
   const auto* x = static_cast<const typename L::T*>(shard);
-  const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
+  const int64_t sk = cdiv(a.K, u.bk), nb = u.blocks(a);
   std::vector<float> amax(nb, 0.0f), row(a.K);
   for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
     float* arow = amax.data() + (r / u.bm) * sk;
@@ -267,7 +256,7 @@ template <class L>
 void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t off, int64_t n, Usage u,
                   const void* grid, uint8_t* data, float* scale_inv) {
   const auto* x = static_cast<const typename L::T*>(shard);
-  const int64_t sk = cdiv(a.K, u.bk), nb = cdiv(a.M, u.bm) * sk;
+  const int64_t sk = cdiv(a.K, u.bk), nb = u.blocks(a);
   std::vector<float> mult(nb);
   for (int64_t i = 0; i < nb; ++i) {
     if (a.scale_kind == kScaleE8M0) {

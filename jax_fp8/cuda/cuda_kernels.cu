@@ -363,15 +363,6 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   return check_launch();
 }
 
-// Number of scale blocks of usage i (in the order row, col / tile).
-int64_t grid_elems(const QuantizeArgs& a, int i) {
-  int64_t sizes[3];
-  int n = 0;
-  if (a.row_block) sizes[n++] = a.M * cdiv(a.K, a.row_block);
-  if (a.col_block) sizes[n++] = cdiv(a.M, a.col_block) * a.K;
-  if (a.tile_block) sizes[n++] = cdiv(a.M, a.tile_block) * cdiv(a.K, a.tile_block);
-  return i < n ? sizes[i] : 0;
-}
 
 __global__ void scale_inv_kernel(const float* __restrict__ amax, float* __restrict__ scale_inv, int64_t n,
                                  BlockRule rule) {
@@ -397,7 +388,9 @@ ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   const void* none[2] = {nullptr, nullptr};
   // blocks outside the launched tiles hold none of the shard: partial value 0 (E8M0 0 / amax 0.0)
   const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
-  for (int i = 0; i < 2; ++i) cudaMemsetAsync(s[i], 0, grid_elems(a, i) * item, stream);
+  Usage u[2];
+  const int n_usages = usages_of(a, u);
+  for (int i = 0; i < n_usages; ++i) cudaMemsetAsync(s[i], 0, u[i].blocks(a) * item, stream);
   if (a.M * a.K == 0) return check_launch();
   const Span sp{a.M, a.K, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
                 static_cast<const int32_t*>(length.untyped_data()), false};
@@ -419,13 +412,14 @@ ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   uint8_t* d[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
   void* s[2] = {s0->untyped_data(), s1->untyped_data()};
   const void* global[2] = {g0.untyped_data(), g1.untyped_data()};
-  const int n_usages = (a.row_block != 0) + (a.col_block != 0) + (a.tile_block != 0);
+  Usage u[2];
+  const int n_usages = usages_of(a, u);
   for (int i = 0; i < n_usages; ++i)  // padding past the shard's elements reads as zeros
     if (L_ > 0) cudaMemsetAsync(d[i], 0, L_, stream);
   if (a.scale_kind == kScaleFp32) {  // every rank derives the same scale_inv grids from the global amaxes
     const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
     for (int i = 0; i < n_usages; ++i) {
-      const int64_t n = grid_elems(a, i);
+      const int64_t n = u[i].blocks(a);
       if (n > 0)
         scale_inv_kernel<<<unsigned(cdiv(n, kThreads)), kThreads, 0, stream>>>(
             static_cast<const float*>(global[i]), static_cast<float*>(s[i]), n, rule);

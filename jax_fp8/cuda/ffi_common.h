@@ -72,6 +72,19 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64
                             a);
 }
 
+// The usages of a call, each as (bm, bk) blocks, in the kernels' output order: row, col, tile.
+struct Usage {
+  int bm, bk;
+  int64_t blocks(const QuantizeArgs& a) const { return cdiv(a.M, bm) * cdiv(a.K, bk); }
+};
+inline int usages_of(const QuantizeArgs& a, Usage* u) {
+  int n = 0;
+  if (a.row_block) u[n++] = {1, a.row_block};
+  if (a.col_block) u[n++] = {a.col_block, 1};
+  if (a.tile_block) u[n++] = {a.tile_block, a.tile_block};
+  return n;
+}
+
 // A master-weight shard: elements [offset, offset + length) of a row-major (M, K) weight, held in a
 // flat buffer of L elements (elements past `length` or past the weight are padding). offset and
 // length are int32 scalars in the platform's memory (device memory on GPU).
