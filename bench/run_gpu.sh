@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lease call: build for sm_90, run every test on the GPU backend (CUDA kernels vs the reference,
-# bit for bit), dump the compiler's resource report and SASS facts, then time everything.
+# bit for bit), dump the compiler's resource report and SASS facts, then time everything: through
+# JAX against the XLA-fused reference (bench_kernels.py) and per kernel with CUDA events (kernel_bench.cu).
 # Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -12,6 +13,10 @@ python3 -m pip install --no-build-isolation --no-deps -e . -v > "$OUT/build.log"
 grep -E "ptxas info|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
 so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
-echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")"
+echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")" | tee "$OUT/sass_summary.txt"
+rm -f "$OUT/sass.txt"  # too large to bring back
 python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
 python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
+bash bench/build_kernel_bench.sh > "$OUT/kernel_bench_build.log" 2>&1 || cat "$OUT/kernel_bench_build.log"
+for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | tee "$OUT/kernel_bench.log"

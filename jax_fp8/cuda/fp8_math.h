@@ -49,8 +49,12 @@ JF_HD bool is_inf(float f) { return (f2u(f) & 0x7FFFFFFFu) == 0x7F800000u; }
 JF_HD float abs_f(float f) { return u2f(f2u(f) & 0x7FFFFFFFu); }
 // Block amax step as TE: fmaxf ignores NaN elements, inf counts.
 JF_HD float amax_step(float acc, float v) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(acc, fabsf(v));  // one max with |v|; fmaxf returns the non-NaN operand (acc is never NaN)
+#else
   const float a = abs_f(v);
   return (a > acc) ? a : acc;  // NaN compares false: ignored
+#endif
 }
 
 // ---- FP8 element formats --------------------------------------------------------------------

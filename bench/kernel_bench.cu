@@ -1,0 +1,282 @@
+// Kernel-level benchmark of the CUDA quantize/dequantize kernels, without Python or XLA: CUDA-event
+// timing of many back-to-back launches over three rotating inputs (so L2 holds none of them), median
+// of several runs, against a device-to-device cudaMemcpy. Used to choose the kernels' launch
+// configuration (registers per thread, dequantize unroll and grid); bench_kernels.py times the
+// shipped configuration through JAX against the XLA-fused reference.
+// Before timing, every configuration is checked bit for bit against a host loop over the shared
+// per-block math (fp8_math.h) on an odd-shaped input.
+//
+//   bash bench/build_kernel_bench.sh && bench/.bin/kernel_bench [M K]   (default 32768 16384)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dequantize.cuh"
+#include "quantize_tiles.cuh"
+
+using namespace jf;
+
+#define CUDA_OK(x)                                                                \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+// bf16 test data: random sign, mantissa and exponent in [2^-8, 2^8], so blocks get varied scales.
+__global__ void fill_bf16(uint16_t* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ seed ^ uint32_t(i >> 32) * 0x85EBCA77u;
+    h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12; h *= 0x297A2D39u; h ^= h >> 15;
+    x[i] = uint16_t(((h >> 31) << 15) | ((127 - 8 + (h >> 8) % 17) << 7) | (h & 0x7Fu));
+  }
+}
+
+struct Buf {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t bytes) : n(bytes) { CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 1))); }
+  ~Buf() { cudaFree(p); }
+  template <class T> T* as() const { return static_cast<T*>(p); }
+};
+
+// Median over `reps` runs of the mean time of `iters` back-to-back launches (CUDA events), in us.
+double time_us(const std::function<void(int)>& launch, int iters = 30, int reps = 7) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) launch(i);
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(a);
+    for (int i = 0; i < iters; ++i) launch(i % 3);
+    cudaEventRecord(b);
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(1000.0 * ms / iters);
+  }
+  CUDA_OK(cudaGetLastError());
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// One quantize configuration: outputs (data, scale) for up to two usages.
+struct Outputs {
+  Buf d0, s0, d1, s1;
+  Outputs(int64_t n, int64_t s0n, int64_t s1n, size_t item) : d0(n), s0(s0n * item), d1(n), s1(s1n * item) {}
+};
+
+using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, Outputs&)>;
+
+template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
+Launch quantize_cfg() {
+  return [](const QuantizeArgs& a, const void* x, const Span& sp, Outputs& o) {
+    using S = typename Rule::ScaleT;
+    Rule rule;
+    if constexpr (std::is_same_v<Rule, MxRule>) rule = MxRule{a.fp8};
+    else rule = BlockRule{a.fp8, false, 0.0f, 3.38953139e38f};
+    Outs<S> r{o.d0.as<uint8_t>(), o.s0.as<S>(), nullptr};
+    Outs<S> c{o.d1.as<uint8_t>(), o.s1.as<S>(), nullptr};
+    if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
+    launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE, kQuantize>(nullptr, a, x, sp, rule, r, c);
+  };
+}
+
+struct Case {
+  std::string name;
+  bool mx;
+  int row_bk, col_bm, tile;  // usages: 1 x row_bk, col_bm x 1, tile x tile (0: absent)
+  Launch launch;
+};
+
+// Host reference of one usage: bm x bk blocks through the shared rule and the software cast.
+template <class Rule>
+void host_usage(const std::vector<uint16_t>& x, int64_t M, int64_t K, int bm, int bk, const Rule& rule, int fp8,
+                std::vector<uint8_t>& data, std::vector<typename Rule::ScaleT>& scale) {
+  const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
+  data.assign(M * K, 0);
+  scale.assign(sm * sk, 0);
+  for (int64_t bi = 0; bi < sm; ++bi)
+    for (int64_t bj = 0; bj < sk; ++bj) {
+      float amax = 0.0f;
+      for (int64_t r = bi * bm; r < std::min(M, (bi + 1) * bm); ++r)
+        for (int64_t c = bj * bk; c < std::min(K, (bj + 1) * bk); ++c) amax = amax_step(amax, bf16_to_float(x[r * K + c]));
+      float mult;
+      rule(amax, scale[bi * sk + bj], mult);
+      for (int64_t r = bi * bm; r < std::min(M, (bi + 1) * bm); ++r)
+        for (int64_t c = bj * bk; c < std::min(K, (bj + 1) * bk); ++c)
+          data[r * K + c] = fp8_from_float_sw(bf16_to_float(x[r * K + c]) * mult, fp8);
+    }
+}
+
+template <class T>
+bool same(const Buf& dev, const std::vector<T>& host) {
+  std::vector<T> got(host.size());
+  CUDA_OK(cudaMemcpy(got.data(), dev.p, host.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  return std::memcmp(got.data(), host.data(), host.size() * sizeof(T)) == 0;
+}
+
+QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) {
+  return QuantizeArgs{InType::kBF16, 1, M, K, kE4M3, c.mx ? kScaleE8M0 : kScaleFp32, c.row_bk, c.col_bm, c.tile,
+                      false, 0.0f, 3.38953139e38f};
+}
+Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, 0, M * K, nullptr, nullptr, false}; }
+
+// Each usage of the case against the host reference on an odd-shaped input.
+bool check(const Case& c) {
+  const int64_t M = 1000, K = 1064;
+  std::vector<uint16_t> hx(M * K);
+  Buf x(M * K * 2);
+  fill_bf16<<<64, 256>>>(x.as<uint16_t>(), M * K, 7);
+  CUDA_OK(cudaMemcpy(hx.data(), x.p, M * K * 2, cudaMemcpyDeviceToHost));
+  const size_t item = c.mx ? 1 : 4;
+  const int b = c.mx ? 32 : 128;
+  Outputs o(M * K, M * K, M * K, item);
+  c.launch(args_of(c, M, K), x.p, dense_span(M, K), o);
+  CUDA_OK(cudaDeviceSynchronize());
+  bool ok = true;
+  int u = 0;
+  const auto usage = [&](int bm, int bk) {
+    const Buf& d = u == 0 ? o.d0 : o.d1;
+    const Buf& s = u == 0 ? o.s0 : o.s1;
+    ++u;
+    std::vector<uint8_t> data;
+    if (c.mx) {
+      std::vector<uint8_t> sc;
+      host_usage(hx, M, K, bm, bk, MxRule{kE4M3}, kE4M3, data, sc);
+      ok = ok && same(d, data) && same(s, sc);
+    } else {
+      std::vector<float> sc;
+      host_usage(hx, M, K, bm, bk, BlockRule{kE4M3, false, 0.0f, 3.38953139e38f}, kE4M3, data, sc);
+      ok = ok && same(d, data) && same(s, sc);
+    }
+  };
+  if (c.row_bk) usage(1, b);
+  if (c.col_bm) usage(b, 1);
+  if (c.tile) usage(b, b);
+  return ok;
+}
+
+int main(int argc, char** argv) {
+  const int64_t M = argc > 2 ? std::atoll(argv[1]) : 32768, K = argc > 2 ? std::atoll(argv[2]) : 16384;
+  const int64_t n = M * K;
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs; bf16 %lldx%lld\n", prop.name, prop.multiProcessorCount, (long long)M, (long long)K);
+  std::vector<Buf*> xs;
+  for (int i = 0; i < 3; ++i) {
+    xs.push_back(new Buf(n * 2));
+    fill_bf16<<<1024, 256>>>(xs[i]->as<uint16_t>(), n, 1234u + i);
+  }
+  Buf copy_out(n * 2);
+  const double t_copy = time_us([&](int i) {
+    cudaMemcpyAsync(copy_out.p, xs[i]->p, n * 2, cudaMemcpyDeviceToDevice);
+  });
+  const double copy_gbs = 2.0 * n * 2 / t_copy / 1e3;
+  std::printf("%-34s %9s %8s %7s\n", "kernel", "us", "GB/s", "%copy");
+  std::printf("%-34s %9.1f %8.0f %7.1f\n", "cudaMemcpy d2d", t_copy, copy_gbs, 100.0);
+  const auto report = [&](const std::string& name, double us, double bytes, const char* exact) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("%-34s %9.1f %8.0f %7.1f  %s\n", name.c_str(), us, gbs, 100.0 * gbs / copy_gbs, exact);
+  };
+
+#define CFG(name, mx, rb, cb, tile, Rule, TM, TK) \
+  Case{name, mx, rb, cb, tile, quantize_cfg<Rule, TM, TK, rb, cb != 0, tile != 0>()}
+  const std::vector<Case> cases = {
+      CFG("mx row", true, 32, 0, 0, MxRule, 32, 256),
+      CFG("mx row+col", true, 32, 32, 0, MxRule, 32, 256),
+      CFG("mx col", true, 0, 32, 0, MxRule, 32, 256),
+      CFG("f8 1x128", false, 128, 0, 0, BlockRule, 128, 128),
+      CFG("f8 1x128+128x1", false, 128, 128, 0, BlockRule, 128, 128),
+      CFG("f8 128x128", false, 0, 0, 128, BlockRule, 128, 128),
+  };
+  for (const Case& c : cases) {
+    const int64_t b = c.mx ? 32 : 128;
+    const int64_t item = c.mx ? 1 : 4;
+    const int usages = (c.row_bk > 0) + (c.col_bm > 0) + (c.tile > 0);
+    const int64_t n_scales = c.tile ? n / (b * b) : n / b;
+    Outputs o(n, n_scales, n_scales, item);
+    const bool ok = check(c);
+    const QuantizeArgs a = args_of(c, M, K);
+    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K), o); });
+    report(c.name, us,
+           double(n) * 2 + usages * double(n + n_scales * item), ok ? "exact" : "MISMATCH");
+  }
+
+  // Partial amax / cast of a master-weight shard: half the weight, from element n/4.
+  {
+    const int64_t L = n / 2;
+    Buf offlen(8);
+    const int32_t hv[2] = {int32_t(n / 4), int32_t(L)};
+    CUDA_OK(cudaMemcpy(offlen.p, hv, 8, cudaMemcpyHostToDevice));
+    const int32_t* off = offlen.as<int32_t>();
+    QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
+    Outputs o(L, n / 32, n / 32, 1);
+    const Span sp{M, K, 0, 0, 0, 0, L, off, off + 1, false};
+    const MxRule rule{kE4M3};
+    const double ua = time_us([&](int i) {
+      launch_tiles<LoadBF16, MxRule, 32, 256, 32, true, false, kAmax>(
+          nullptr, a, xs[i]->p, sp, rule, Outs<uint8_t>{nullptr, o.s0.as<uint8_t>(), nullptr},
+          Outs<uint8_t>{nullptr, o.s1.as<uint8_t>(), nullptr});
+    });
+    report("partial amax mx r+c (kernel)", ua, double(L) * 2 + 2.0 * (n / 32), "-");
+    const double uc = time_us([&](int i) {
+      launch_tiles<LoadBF16, MxRule, 32, 256, 32, true, false, kCast>(
+          nullptr, a, xs[i]->p, sp, rule, Outs<uint8_t>{o.d0.as<uint8_t>(), nullptr, o.s0.as<uint8_t>()},
+          Outs<uint8_t>{o.d1.as<uint8_t>(), nullptr, o.s1.as<uint8_t>()});
+    });
+    report("partial cast mx r+c (kernel)", uc, double(L) * 2 + 2.0 * L + 2.0 * (n / 32), "-");
+  }
+
+  // Dequantize MXFP8 rowwise -> bf16: vector width and grid size.
+  {
+    Buf d(n), s(n / 32), out(n * 2);
+    const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 0, 0, false, 0.0f, 0.0f};
+    Outputs q(n, n / 32, 0, 1);
+    launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false, kQuantize>(
+        nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3}, Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr},
+        Outs<uint8_t>{});
+    // host reference on the first 64 rows
+    const int64_t R = std::min<int64_t>(64, M);
+    std::vector<uint8_t> hd(R * K), hs(R * cdiv(K, 32));
+    CUDA_OK(cudaMemcpy(hd.data(), q.d0.p, hd.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(hs.data(), q.s0.p, hs.size(), cudaMemcpyDeviceToHost));
+    std::vector<uint16_t> want(R * K);
+    for (int64_t i = 0; i < R * K; ++i)
+      want[i] = bf16_from_float(fp8_to_float(hd[i], kE4M3) * e8m0_to_float(hs[(i / K) * cdiv(K, 32) + (i % K) / 32]));
+    const double bytes = double(n) + n / 32 + 2.0 * n;
+    const auto run = [&](auto unroll, int per_sm) {
+      constexpr int U = decltype(unroll)::value;
+      const auto go = [&](int) {
+        launch_dequantize<MxRule, Store16<false>, 16, U>(nullptr, q.d0.p, q.s0.p, out.p, 1, M, K, 1, 32, kE4M3,
+                                                             per_sm);
+      };
+      go(0);
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint16_t> got(R * K);
+      CUDA_OK(cudaMemcpy(got.data(), out.p, got.size() * 2, cudaMemcpyDeviceToHost));
+      const bool ok = std::memcmp(got.data(), want.data(), got.size() * 2) == 0;
+      report("dequant mx->bf16 unroll " + std::to_string(U) + " ctas/sm " + std::to_string(per_sm),
+             time_us(go), bytes, ok ? "exact" : "MISMATCH");
+    };
+    using U2 = std::integral_constant<int, 2>;
+    using U4 = std::integral_constant<int, 4>;
+    using U8 = std::integral_constant<int, 8>;
+    for (int per_sm : {16, 32}) {
+      run(U2{}, per_sm);
+      run(U4{}, per_sm);
+      run(U8{}, per_sm);
+    }
+  }
+  for (Buf* b : xs) delete b;
+  return 0;
+}

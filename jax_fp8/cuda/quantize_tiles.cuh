@@ -1,0 +1,437 @@
+// The CUDA quantize kernel: every usage (rowwise, columnwise, 2-D tile) and every mode (quantize a
+// dense tensor; partial amax or partial cast of a master-weight shard) from one tiled kernel.
+//
+// One CTA of 256 threads owns a TM x TK tile of one (M, K) matrix. Each thread loads 16-byte vectors
+// of one fixed column chunk on rows g, g+G, ... and keeps them in registers, so the input is read
+// from HBM exactly once and every usage is cast from the same registers: rowwise blocks reduce by
+// warp shuffles, columnwise blocks by a small shared-memory reduction, 2-D tiles by a CTA reduction.
+// Tiles inside the matrix (and the shard window) take a path without per-vector bounds checks: at
+// these rates the kernel is bound by instruction issue as much as by HBM, and the checks cost more
+// than the block math (bench/RESULTS.md, run 11). The per-block math is fp8_math.h, shared with the
+// CPU kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "ffi_common.h"
+#include "fp8_math.h"
+
+namespace jf {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Word i of a 16-byte vector by name (an indexed pointer into a register vector can go to local memory).
+__device__ __forceinline__ uint32_t& word(uint4& r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }
+
+struct LoadF32 {
+  using T = float;
+  static constexpr int VEC = 4;
+  __device__ static void unpack(uint4 r, float* o) {
+    o[0] = __uint_as_float(r.x); o[1] = __uint_as_float(r.y);
+    o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
+  }
+  __device__ static void set(uint4& r, int e, T v) { word(r, e) = __float_as_uint(v); }
+};
+template <bool kHalf>
+struct Load16 {
+  using T = uint16_t;
+  static constexpr int VEC = 8;
+  __device__ static float get(T v) {
+    if constexpr (kHalf) return __half2float(__ushort_as_half(v));
+    else return bf16_to_float(v);
+  }
+  __device__ static void unpack(uint4 r, float* o) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = get(uint16_t(w[i] & 0xFFFFu));
+      o[2 * i + 1] = get(uint16_t(w[i] >> 16));
+    }
+  }
+  __device__ static void set(uint4& r, int e, T v) { word(r, e / 2) |= uint32_t(v) << (16 * (e % 2)); }
+};
+using LoadBF16 = Load16<false>;
+using LoadF16 = Load16<true>;
+
+// Where a matrix's elements live. Dense: x[b*M*K + r*K + c]. Master-weight shard: a flat buffer
+// holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
+struct Span {
+  int64_t M, K, nTM, nTK;
+  int64_t nTM_launch;            // tile rows walked: all (dense) or enough to cover a shard
+  int64_t n_tiles;               // B * nTM_launch * nTK
+  int64_t L;                     // dense: M*K; shard: the flat buffer's length
+  const int32_t* dev_offset;     // null for dense
+  const int32_t* dev_length;
+  bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
+};
+
+enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
+
+template <class S>
+struct Outs {
+  uint8_t* data;
+  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: unused (scale_inv_kernel)
+  const S* global;        // kCast: the reduced per-block values
+};
+
+// The shard window of a call (the whole matrix when dense), read once per CTA.
+struct Window {
+  int64_t offset, length;
+  int64_t first_tm;       // a shard walks only the tile rows from the one holding its first element
+  bool aligned;           // 16-byte vectors of the buffer line up with VEC-element column chunks
+};
+
+// Which of the VEC elements of row r from column col0 are valid (bit e), and the buffer position of
+// the first. Dense matrices skip the shard window checks.
+template <int VEC, bool SHARD, bool INTERIOR>
+__device__ __forceinline__ uint32_t vec_mask(int64_t r, int64_t col0, const Span& sp, const Window& w, int64_t& idx) {
+  idx = r * sp.K + col0 - w.offset;
+  if (INTERIOR) return (1u << VEC) - 1u;
+  if (r >= sp.M) return 0;
+  if (col0 + VEC <= sp.K && (!SHARD || (idx >= 0 && idx + VEC <= w.length))) return (1u << VEC) - 1u;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e)
+    mask |= uint32_t(col0 + e < sp.K && (!SHARD || (idx + e >= 0 && idx + e < w.length))) << e;
+  return mask;
+}
+
+// Cast VEC elements (times their multipliers) and store the valid ones at out[idx ...].
+template <int VEC>
+__device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t idx, uint32_t mask, bool aligned,
+                                          const float (&v)[VEC], const float (&mult)[VEC], int fp8) {
+  uint16_t pair[VEC / 2];
+#pragma unroll
+  for (int p = 0; p < VEC / 2; ++p)
+    pair[p] = fp8x2_from_float(v[2 * p] * mult[2 * p], v[2 * p + 1] * mult[2 * p + 1], fp8);
+  if (aligned && mask == (1u << VEC) - 1u) {
+    if constexpr (VEC == 8) {
+      *reinterpret_cast<uint2*>(out + idx) =
+          make_uint2(pair[0] | (uint32_t(pair[1]) << 16), pair[2] | (uint32_t(pair[3]) << 16));
+    } else {
+      *reinterpret_cast<uint32_t*>(out + idx) = pair[0] | (uint32_t(pair[1]) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      if (mask & (1u << e)) out[idx + e] = uint8_t(pair[e / 2] >> (8 * (e % 2)));
+  }
+}
+
+// A tile all of whose vectors are full and aligned (inside the matrix and the shard window): its
+// loads and stores skip the per-vector checks.
+template <int TM, int TK, bool SHARD>
+__device__ __forceinline__ bool tile_interior(int64_t tm, int64_t tk, const Span& sp, const Window& w) {
+  if (!w.aligned || (tm + 1) * TM > sp.M || (tk + 1) * TK > sp.K) return false;
+  const int64_t first = tm * TM * sp.K + tk * TK - w.offset;                  // buffer positions increase
+  const int64_t end = ((tm + 1) * TM - 1) * sp.K + (tk + 1) * TK - w.offset;  // with (row, col)
+  return !SHARD || (first >= 0 && end <= w.length);
+}
+
+// Tile t: batch b, tile row tm (a shard's walk starts at the tile row of its first element), tile
+// column tk. 32-bit division: the launch checks the tile count.
+struct TilePos {
+  int64_t b, tm, tk;
+};
+__device__ __forceinline__ TilePos tile_pos(int64_t t, const Span& sp, const Window& w) {
+  const uint32_t u = uint32_t(t), nk = uint32_t(sp.nTK), nm = uint32_t(sp.nTM_launch);
+  const uint32_t q = u / nk;
+  return {int64_t(q / nm), w.first_tm + int64_t(q % nm), int64_t(u % nk)};
+}
+
+// One 16-byte vector of row r from column col0; vectors cut by the matrix edge or the shard window
+// are gathered element by element, zeros where invalid.
+template <class L, bool SHARD, bool INTERIOR>
+__device__ __forceinline__ uint4 load_vector(const typename L::T* __restrict__ xb, int64_t r, int64_t col0,
+                                             const Span& sp, const Window& w) {
+  int64_t idx;
+  const uint32_t mask = vec_mask<L::VEC, SHARD, INTERIOR>(r, col0, sp, w, idx);
+  if (INTERIOR || (w.aligned && mask == (1u << L::VEC) - 1u)) return __ldg(reinterpret_cast<const uint4*>(xb + idx));
+  uint4 raw = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int e = 0; e < L::VEC; ++e)
+    if (mask & (1u << e)) L::set(raw, e, xb[idx + e]);
+  return raw;
+}
+
+// Per block: from its amax (or, when casting a shard, from the reduced global value g) to the
+// multiplier, writing what the mode stores for the block when `write` (kQuantize: the scale; kAmax:
+// the rank's partial value; kCast: nothing, scale_inv_kernel fills the fp32 grids).
+template <int MODE, class Rule>
+__device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, typename Rule::ScaleT g,
+                                                  const Outs<typename Rule::ScaleT>& o, int64_t gi, bool write) {
+  typename Rule::ScaleT s;
+  float mult = 1.0f;
+  if constexpr (MODE == kQuantize) {
+    rule(amax, s, mult);
+  } else if constexpr (MODE == kAmax) {
+    s = rule.partial(amax);
+  } else {
+    rule.from_global(g, s, mult);
+  }
+  if (write && MODE != kCast) o.scale[gi] = s;
+  return mult;
+}
+
+// The TM x TK tile geometry: thread tid holds VEC-element chunk c of rows g, g+G, ..., NV vectors.
+template <class L, int TM, int TK>
+struct Geom {
+  static constexpr int VEC = L::VEC;
+  static constexpr int CHUNKS = TK / VEC;      // 16-byte vectors per tile row
+  static constexpr int G = kThreads / CHUNKS;  // tile rows per pass
+  static constexpr int NV = TM / G;            // vectors per thread
+  static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
+};
+
+// Quantizes the CTA's tile. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE: one TM x TK
+// block. Every scale block belongs to exactly one tile, so no atomics are needed in any mode.
+// MINB: CTAs per SM that the register allocation must allow.
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
+                Outs<typename Rule::ScaleT> col) {
+  using Gm = Geom<L, TM, TK>;
+  using S = typename Rule::ScaleT;
+  constexpr int VEC = Gm::VEC, CHUNKS = Gm::CHUNKS, G = Gm::G, NV = Gm::NV;
+  constexpr bool SHARD = MODE != kQuantize;
+  Window w;
+  w.offset = sp.dev_offset ? *sp.dev_offset : 0;
+  w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
+  w.first_tm = sp.dev_offset ? w.offset / sp.K / TM : 0;
+  w.aligned = sp.aligned_base && w.offset % VEC == 0;
+  const TilePos p = tile_pos(blockIdx.x, sp, w);
+  if (p.tm >= sp.nTM) return;
+  const int tid = threadIdx.x;
+  const int c = tid % CHUNKS, g = tid / CHUNKS;
+  const int64_t col0 = p.tk * TK + int64_t(c) * VEC;
+  const int64_t row0 = p.tm * TM + g;
+  const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
+  const int64_t n_row_scales = RBK > 0 ? cdiv(sp.K, RBK) : 0;
+  const auto row_gi = [&](int i) { return (p.b * sp.M + row0 + int64_t(i) * G) * n_row_scales + col0 / (RBK > 0 ? RBK : 1); };
+  const int64_t col_gi = (p.b * sp.nTM + p.tm) * sp.K + p.tk * TK + tid;
+  const int64_t tile_gi = (p.b * sp.nTM + p.tm) * sp.nTK + p.tk;
+
+  const auto run = [&](auto interior) {
+    constexpr bool INTERIOR = decltype(interior)::value;
+    const bool aligned = INTERIOR || w.aligned;
+    uint4 raw[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) raw[i] = load_vector<L, SHARD, INTERIOR>(x + base, row0 + int64_t(i) * G, col0, sp, w);
+    // Rowwise blocks: the LANES threads of a block hold NV vectors (rows) each, and lane gl applies
+    // the rule for row gl % NV only (NV <= LANES), so each thread evaluates the rule once, not NV times.
+    constexpr int LANES = RBK > 0 ? RBK / VEC : 1;
+    static_assert(RBK == 0 || (LANES <= 32 && CHUNKS % LANES == 0 && NV <= LANES), "row block inside a warp");
+    const int gl = c % LANES, mi = gl % NV;
+    const bool row_in = INTERIOR || (row0 + int64_t(mi) * G < sp.M && col0 - gl * VEC < sp.K);
+    // A shard cast's reduced scales are loaded with the tile, not after it.
+    S g_row = {}, g_col = {};
+    if constexpr (MODE == kCast) {
+      if constexpr (RBK > 0)
+        if (row_in) g_row = row.global[row_gi(mi)];
+      if constexpr (TILE) g_row = row.global[tile_gi];
+      if constexpr (COL)
+        if (tid < TK && p.tk * TK + tid < sp.K) g_col = col.global[col_gi];
+    }
+    // Casts vector i with multipliers `mult` into `out` (the vector's mask and position recomputed
+    // here rather than kept live across the reductions).
+    const auto store = [&](uint8_t* out, int i, const float (&v)[VEC], const float (&mult)[VEC]) {
+      int64_t idx;
+      const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row0 + int64_t(i) * G, col0, sp, w, idx);
+      if (mask) store_fp8<VEC>(out + base, idx, mask, aligned, v, mult, fp8);
+    };
+
+    if constexpr (RBK > 0) {
+      float my_amax = 0.0f;  // the block amax of row mi
+      if constexpr (MODE != kCast) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float v[VEC];
+          L::unpack(raw[i], v);
+          float amax = 0.0f;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
+#pragma unroll
+          for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+          my_amax = mi == i ? amax : my_amax;
+        }
+      }
+      const float my_m = row_in ? block_multiplier<MODE>(rule, my_amax, g_row, row, row_gi(mi), gl < NV) : 1.0f;
+      if constexpr (MODE != kAmax) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          const float m = __shfl_sync(0xFFFFFFFFu, my_m, i, LANES);  // row i's multiplier, from lane i
+          float v[VEC], mult[VEC];
+          L::unpack(raw[i], v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) mult[e] = m;
+          store(row.data, i, v, mult);
+        }
+      }
+    }
+
+    if constexpr (COL) {  // columnwise: per-column partial amax over this thread's rows, reduced over G
+      __shared__ __align__(16) float red[G][TK];  // partial amax per (row group, column)
+      __shared__ __align__(16) float col_mult[TK];
+      if constexpr (MODE != kCast) {
+        float part[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) part[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float v[VEC];
+          L::unpack(raw[i], v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) part[e] = amax_step(part[e], v[e]);
+        }
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q)
+          reinterpret_cast<float4*>(&red[g][c * VEC])[q] =
+              make_float4(part[4 * q], part[4 * q + 1], part[4 * q + 2], part[4 * q + 3]);
+        __syncthreads();
+      }
+      // One thread per tile column finishes the reduction, applies the rule once and writes the
+      // column's scale (coalesced); the multipliers go back through shared memory.
+      static_assert(TK <= kThreads, "one thread per column");
+      if (tid < TK) {
+        float m = 1.0f;
+        if (p.tk * TK + tid < sp.K && p.tm * TM < sp.M) {
+          float a = 0.0f;
+          if constexpr (MODE != kCast) {
+#pragma unroll
+            for (int gg = 0; gg < G; ++gg) a = fmaxf(a, red[gg][tid]);
+          }
+          m = block_multiplier<MODE>(rule, a, g_col, col, col_gi, true);
+        }
+        col_mult[tid] = m;
+      }
+      __syncthreads();
+      if constexpr (MODE != kAmax) {
+        float mult[VEC];
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+          const float4 m4 = reinterpret_cast<const float4*>(&col_mult[c * VEC])[q];
+          mult[4 * q] = m4.x, mult[4 * q + 1] = m4.y, mult[4 * q + 2] = m4.z, mult[4 * q + 3] = m4.w;
+        }
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float v[VEC];
+          L::unpack(raw[i], v);
+          store(col.data, i, v, mult);
+        }
+      }
+    }
+
+    if constexpr (TILE) {  // one block for the whole tile: CTA-wide amax
+      float amax = 0.0f;
+      if constexpr (MODE != kCast) {
+        __shared__ float warp_max[kThreads / 32];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float v[VEC];
+          L::unpack(raw[i], v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+        if (tid % 32 == 0) warp_max[tid / 32] = amax;
+        __syncthreads();
+        amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kThreads / 32; ++k) amax = fmaxf(amax, warp_max[k]);
+      }
+      const float m = block_multiplier<MODE>(rule, amax, g_row, row, tile_gi, tid == 0);
+      if constexpr (MODE != kAmax) {
+        float mult[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) mult[e] = m;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float v[VEC];
+          L::unpack(raw[i], v);
+          store(row.data, i, v, mult);
+        }
+      }
+    }
+  };
+  if (tile_interior<TM, TK, SHARD>(p.tm, p.tk, sp, w)) run(std::true_type{});
+  else run(std::false_type{});
+}
+
+// CTAs per SM for the register allocation (the highest that compiles without spills and measured
+// fastest, bench/kernel_bench.cu, RESULTS.md run 12). fp32 tiles of 8-16 vectors per thread need the
+// registers: the compiler's allocation.
+template <class L, class Rule, bool COL, int MODE>
+constexpr int min_blocks_for() {
+  if (L::VEC != 8) return 1;
+  if (!std::is_same_v<Rule, MxRule>) return 2;
+  if (MODE == kAmax) return 4;
+  return COL ? 3 : (MODE == kCast ? 3 : 4);
+}
+
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE,
+          int MINB = min_blocks_for<L, Rule, COL, MODE>()>
+ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp, Rule rule,
+                        Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
+  sp.nTM = cdiv(a.M, TM);
+  sp.nTK = cdiv(a.K, TK);
+  // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
+  sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, a.K) + 1, TM) + 1) : sp.nTM;
+  sp.n_tiles = a.B * sp.nTM_launch * sp.nTK;
+  if (sp.n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  if (sp.n_tiles == 0) return ffi::Error::Success();
+  sp.aligned_base = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MODE, MINB><<<unsigned(sp.n_tiles), kThreads, 0, stream>>>(
+      static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col);
+  return ffi::Error::Success();
+}
+
+// Picks the tile configuration for the requested usages; `d`/`s`/`global` hold the usages in the order
+// row, col (or the single tile usage).
+template <class L, int MODE>
+ffi::Error tiles_in(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
+                    void* const* s, const void* const* global) {
+  if (a.scale_kind == kScaleE8M0) {
+    using O = Outs<uint8_t>;
+    const MxRule rule{a.fp8};
+    const O o0{d[0], static_cast<uint8_t*>(s[0]), static_cast<const uint8_t*>(global[0])};
+    const O o1{d[1], static_cast<uint8_t*>(s[1]), static_cast<const uint8_t*>(global[1])};
+    if (a.row_block && a.col_block)
+      return launch_tiles<L, MxRule, 32, 256, 32, true, false, MODE>(st, a, x, sp, rule, o0, o1);
+    if (a.row_block) return launch_tiles<L, MxRule, 32, 256, 32, false, false, MODE>(st, a, x, sp, rule, o0, O{});
+    return launch_tiles<L, MxRule, 32, 256, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
+  }
+  using O = Outs<float>;
+  const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
+  const O o0{d[0], static_cast<float*>(s[0]), static_cast<const float*>(global[0])};
+  const O o1{d[1], static_cast<float*>(s[1]), static_cast<const float*>(global[1])};
+  if (a.tile_block) return launch_tiles<L, BlockRule, 128, 128, 0, false, true, MODE>(st, a, x, sp, rule, o0, O{});
+  if (a.row_block && a.col_block)
+    return launch_tiles<L, BlockRule, 128, 128, 128, true, false, MODE>(st, a, x, sp, rule, o0, o1);
+  if (a.row_block) return launch_tiles<L, BlockRule, 128, 128, 128, false, false, MODE>(st, a, x, sp, rule, o0, O{});
+  return launch_tiles<L, BlockRule, 128, 128, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
+}
+
+template <int MODE>
+ffi::Error run_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
+                     void* const* s, const void* const* global) {
+  switch (a.in) {
+    case InType::kF32: return tiles_in<LoadF32, MODE>(st, a, x, sp, d, s, global);
+    case InType::kBF16: return tiles_in<LoadBF16, MODE>(st, a, x, sp, d, s, global);
+    case InType::kF16: return tiles_in<LoadF16, MODE>(st, a, x, sp, d, s, global);
+  }
+  return bad("unreachable");
+}
+
+inline ffi::Error check_launch() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8 CUDA: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jf
