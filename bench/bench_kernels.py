@@ -70,7 +70,6 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="time only kernels whose name contains this")
-    ap.add_argument("--small", type=int, default=64, help="small-tensor test: this many 1024x1024 weights in one jit")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
@@ -111,8 +110,6 @@ def main():
     print(f"\n{'size':>12} {'kernel':>22} {'time us':>9} {'GB/s':>7} {'% copy':>7} {'vs jnp':>7} {'bit-exact':>9}")
     for r in rows:
         print(f"{r[0]:>12} {r[1]:>22} {r[2] * 1e6:9.1f} {r[3]:7.0f} {r[4]:7.1f} {r[5]:7.2f} {str(r[6]):>9}")
-    if args.small and not args.only:
-        small_tensors(args.small, dtype, args.iters)
 
 
 def partial_rows(M, K, inputs, copy_gbs, iters):
@@ -135,23 +132,6 @@ def partial_rows(M, K, inputs, copy_gbs, iters):
         gbs = nbytes / t / 1e9
         out.append((f"{M}x{K}", name, t, gbs, 100 * gbs / copy_gbs, float("nan"), "tests"))  # checked by test_distributed
     return out
-
-
-def small_tensors(n: int, dtype, iters: int):
-    """Launch overhead inside one jitted step: n separate 1024x1024 MXFP8 row+col quantizations (one
-    custom call each, as for a model's many weights) against one call on the same bytes stacked."""
-    keys = jax.random.split(jax.random.key(0), 3 * n)
-    sets = [[(jax.random.normal(keys[s * n + i], (1024, 1024), jnp.float32) * 4).astype(dtype) for i in range(n)]
-            for s in range(3)]
-    many = lambda xs: [jf.quantize_mxfp8(x, colwise=True) for x in xs]  # noqa: E731
-    ref = lambda xs: [jf.reference.quantize_mxfp8(x, colwise=True) for x in xs]  # noqa: E731
-    stacked = [jnp.concatenate(xs) for xs in sets]
-    one = lambda x: jf.quantize_mxfp8(x, colwise=True)  # noqa: E731
-    t_many, t_ref, t_one = (timeit(many, sets, iters), timeit(ref, sets, iters), timeit(one, stacked, iters))
-    exact = leaves_equal(jax.jit(many)(sets[0]), jax.jit(ref)(sets[0]))
-    print(f"\n{n} x 1024x1024 mxfp8 row+col in one jit: {t_many * 1e6:.1f} us ({t_many / n * 1e6:.2f} us per tensor, "
-          f"bit-exact {exact}); jnp reference {t_ref * 1e6:.1f} us ({t_ref / t_many:.2f}x ours); "
-          f"one call on the {n * 1024}x1024 stack {t_one * 1e6:.1f} us ({t_many / t_one:.2f}x of it)")
 
 
 def R_deq(q):

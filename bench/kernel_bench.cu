@@ -69,23 +69,30 @@ double time_us(const std::function<void(int)>& launch, int iters = 30, int reps 
   return t[t.size() / 2];
 }
 
-// One quantize configuration: outputs (data, scale) for up to two usages.
+// Output pointers (data, scale) for up to two usages, and buffers that own them.
+struct OutPtrs {
+  uint8_t* d0;
+  void* s0;
+  uint8_t* d1;
+  void* s1;
+};
 struct Outputs {
   Buf d0, s0, d1, s1;
   Outputs(int64_t n, int64_t s0n, int64_t s1n, size_t item) : d0(n), s0(s0n * item), d1(n), s1(s1n * item) {}
+  OutPtrs ptrs() const { return {d0.as<uint8_t>(), s0.p, d1.as<uint8_t>(), s1.p}; }
 };
 
-using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, Outputs&)>;
+using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, const OutPtrs&)>;
 
 template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
 Launch quantize_cfg() {
-  return [](const QuantizeArgs& a, const void* x, const Span& sp, Outputs& o) {
+  return [](const QuantizeArgs& a, const void* x, const Span& sp, const OutPtrs& o) {
     using S = typename Rule::ScaleT;
     Rule rule;
     if constexpr (std::is_same_v<Rule, MxRule>) rule = MxRule{a.fp8};
     else rule = BlockRule{a.fp8, false, 0.0f, 3.38953139e38f};
-    Outs<S> r{o.d0.as<uint8_t>(), o.s0.as<S>(), nullptr};
-    Outs<S> c{o.d1.as<uint8_t>(), o.s1.as<S>(), nullptr};
+    Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
+    Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
     launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE, kQuantize>(nullptr, a, x, sp, rule, r, c);
   };
@@ -141,7 +148,7 @@ bool check(const Case& c) {
   const size_t item = c.mx ? 1 : 4;
   const int b = c.mx ? 32 : 128;
   Outputs o(M * K, M * K, M * K, item);
-  c.launch(args_of(c, M, K), x.p, dense_span(M, K), o);
+  c.launch(args_of(c, M, K), x.p, dense_span(M, K), o.ptrs());
   CUDA_OK(cudaDeviceSynchronize());
   bool ok = true;
   int u = 0;
@@ -207,9 +214,31 @@ int main(int argc, char** argv) {
     Outputs o(n, n_scales, n_scales, item);
     const bool ok = check(c);
     const QuantizeArgs a = args_of(c, M, K);
-    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K), o); });
+    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K), o.ptrs()); });
     report(c.name, us,
            double(n) * 2 + usages * double(n + n_scales * item), ok ? "exact" : "MISMATCH");
+  }
+
+  // Many small weights (launch overhead on the GPU side, no host dispatch): 64 launches on separate
+  // 1024x1024 tensors back to back against one launch on the same bytes stacked as (64*1024) x 1024,
+  // whose outputs are identical (column blocks of 32 rows never cross a 1024-row boundary).
+  if (n >= 64 * 1024 * 1024) {
+    const int64_t T = 64, m = 1024, k = 1024;
+    const Case& c = cases[1];  // mx row+col
+    Outputs o(T * m * k, T * m * k / 32, T * m * k / 32, 1);
+    const QuantizeArgs one = args_of(c, m, k), all = args_of(c, T * m, k);
+    const OutPtrs op = o.ptrs();
+    const double t_many = time_us([&](int i) {
+      for (int64_t j = 0; j < T; ++j) {
+        const OutPtrs v{op.d0 + j * m * k, static_cast<uint8_t*>(op.s0) + j * m * k / 32, op.d1 + j * m * k,
+                        static_cast<uint8_t*>(op.s1) + j * m * k / 32};
+        c.launch(one, xs[i]->as<uint16_t>() + j * m * k, dense_span(m, k), v);
+      }
+    });
+    const double t_one = time_us([&](int i) { c.launch(all, xs[i]->p, dense_span(T * m, k), op); });
+    std::printf("%lld launches of mx row+col on 1024x1024: %.1f us (%.2f us per tensor); one launch on the "
+                "%lldx1024 stack: %.1f us (%.2f us per tensor)\n",
+                (long long)T, t_many, t_many / T, (long long)(T * m), t_one, t_one / T);
   }
 
   // Partial amax / cast of a master-weight shard: half the weight, from element n/4.
