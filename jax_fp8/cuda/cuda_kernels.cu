@@ -52,9 +52,12 @@ ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   uint8_t* d[2] = {nullptr, nullptr};
   void* s[2] = {o0->untyped_data(), o1->untyped_data()};
   const void* none[2] = {nullptr, nullptr};
-  if (a.M * a.K == 0) return ffi::Error::Success();
-  // The kernel writes every block: partial values in the tile rows holding the shard, 0 (E8M0 0 /
-  // amax 0.0) in the others.
+  // blocks outside the launched tiles hold none of the shard: partial value 0 (E8M0 0 / amax 0.0)
+  const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
+  Usage u[2];
+  const int n_usages = usages_of(a, u);
+  for (int i = 0; i < n_usages; ++i) cudaMemsetAsync(s[i], 0, u[i].blocks(a) * item, stream);
+  if (a.M * a.K == 0) return check_launch();
   const Span sp{a.M, a.K, 0, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
                 static_cast<const int32_t*>(length.untyped_data()), false};
   if (auto e = run_tiles<kAmax>(stream, a, shard.untyped_data(), sp, d, s, none); e.failure()) return e;

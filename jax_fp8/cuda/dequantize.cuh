@@ -17,9 +17,11 @@ constexpr int kDeqThreads = 256;
 struct StoreF32 {
   using T = float;
   __device__ static void store8(T* out, int64_t i, const float* y) {
-    float4* o = reinterpret_cast<float4*>(out + i);
-    o[0] = make_float4(canonical_f32(y[0]), canonical_f32(y[1]), canonical_f32(y[2]), canonical_f32(y[3]));
-    o[1] = make_float4(canonical_f32(y[4]), canonical_f32(y[5]), canonical_f32(y[6]), canonical_f32(y[7]));
+    uint32_t w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __float_as_uint(canonical_f32(y[k]));
+    *reinterpret_cast<uint4*>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(out + i + 4) = make_uint4(w[4], w[5], w[6], w[7]);
   }
   __device__ static void store1(T* out, int64_t i, float y) { out[i] = canonical_f32(y); }
 };
@@ -60,22 +62,18 @@ struct Fp8Vec<16> {
 // grid.x walks VEC-element column vectors, grid.y (strided) the B*M rows; block sizes are powers of
 // two, so block indices are shifts (no 64-bit division per element). A vector shares one scale unless
 // blocks are narrower than it (columnwise scales: one per column).
-template <class Rule, class St, int VEC, int UNROLL, int MINB>
-__global__ void __launch_bounds__(kDeqThreads, MINB)
+template <class Rule, class St, int VEC, int UNROLL>
+__global__ void __launch_bounds__(kDeqThreads)
     dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int64_t B, int64_t M,
                       int64_t K, int bm_log2, int bk_log2, int fp8, bool aligned, typename St::T* __restrict__ out) {
   const int64_t col0 = (blockIdx.x * int64_t(kDeqThreads) + threadIdx.x) * VEC;
   if (col0 >= K) return;
-  // shifts and 32-bit divisions only: a 64-bit division is a subroutine call with a stack frame
-  const int64_t sm = (M + (int64_t(1) << bm_log2) - 1) >> bm_log2, sk = (K + (int64_t(1) << bk_log2) - 1) >> bk_log2;
+  const int64_t sm = cdiv(M, int64_t(1) << bm_log2), sk = cdiv(K, int64_t(1) << bk_log2);
   const bool full = aligned && col0 + VEC <= K;
   const bool per_elem = (1 << bk_log2) < VEC;
-  // (b, r) of row rr, stepped per row; M <= gridDim.y < 2^16 whenever a division is needed
-  const uint32_t gy = gridDim.y, m32 = M <= gy ? uint32_t(M) : 1u;
-  const int64_t step_b = M <= gy ? gy / m32 : 0, step_r = M <= gy ? gy % m32 : gy;
-  int64_t b = M <= gy ? blockIdx.y / m32 : 0, r = M <= gy ? blockIdx.y % m32 : blockIdx.y;
 #pragma unroll UNROLL
   for (int64_t rr = blockIdx.y; rr < B * M; rr += gridDim.y) {
+    const int64_t b = B == 1 ? 0 : rr / M, r = rr - b * M;
     const typename Rule::ScaleT* srow = s + (b * sm + (r >> bm_log2)) * sk;
     const int64_t base = rr * K;
     if (full) {
@@ -97,16 +95,13 @@ __global__ void __launch_bounds__(kDeqThreads, MINB)
         St::store1(out, base + col0 + e,
                    fp8_to_float(d[base + col0 + e], fp8) * Rule::dequant_scale(srow[(col0 + e) >> bk_log2]));
     }
-    b += step_b, r += step_r;
-    if (r >= M) b += 1, r -= M;
   }
 }
 
 // Enough CTAs to fill the chip several times over; each thread then walks many rows, UNROLL rows' loads
 // in flight at once. Defaults measured fastest (bench/kernel_bench.cu, bench/RESULTS.md): 16-byte
-// loads, 2 rows in flight, 32 CTAs' worth of rows per SM. MINB 3 (at most 80 registers) is the
-// highest occupancy at which every instantiation compiles without spills.
-template <class Rule, class St, int VEC = 16, int UNROLL = 2, int MINB = 3>
+// loads, 2 rows in flight, 32 CTAs' worth of rows per SM.
+template <class Rule, class St, int VEC = 16, int UNROLL = 2>
 void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
                        int bm, int bk, int fp8, int ctas_per_sm = 32) {
   int dev = 0, sms = 0;
@@ -115,7 +110,7 @@ void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out,
   const int64_t gx = cdiv(cdiv(K, VEC), kDeqThreads);
   const int64_t gy = std::min<int64_t>(B * M, std::max<int64_t>(1, int64_t(sms) * ctas_per_sm / gx));
   const bool aligned = K % VEC == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
-  dequantize_kernel<Rule, St, VEC, UNROLL, MINB><<<dim3(unsigned(gx), unsigned(gy)), kDeqThreads, 0, st>>>(
+  dequantize_kernel<Rule, St, VEC, UNROLL><<<dim3(unsigned(gx), unsigned(gy)), kDeqThreads, 0, st>>>(
       static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, __builtin_ctz(bm),
       __builtin_ctz(bk), fp8, aligned, static_cast<typename St::T*>(out));
 }

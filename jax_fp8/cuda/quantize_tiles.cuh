@@ -177,36 +177,6 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   return mult;
 }
 
-// Zeros bytes [begin, end) of p, shared by every thread of the launch: 16-byte stores in the middle.
-__device__ __forceinline__ void zero_bytes(uint8_t* p, int64_t begin, int64_t end) {
-  if (begin >= end) return;
-  const int64_t gid = blockIdx.x * int64_t(kThreads) + threadIdx.x, n = int64_t(gridDim.x) * kThreads;
-  const int64_t base = int64_t(reinterpret_cast<uintptr_t>(p));
-  const int64_t a0 = min(end, ((base + begin + 15) & ~int64_t(15)) - base);
-  const int64_t a1 = max(a0, ((base + end) & ~int64_t(15)) - base);
-  for (int64_t i = begin + gid; i < a0; i += n) p[i] = 0;
-  for (int64_t i = a1 + gid; i < end; i += n) p[i] = 0;
-  for (int64_t i = a0 + 16 * gid; i < a1; i += 16 * n) *reinterpret_cast<uint4*>(p + i) = make_uint4(0, 0, 0, 0);
-}
-
-// Partial amax of a shard: the launch covers the tile rows holding the shard and writes every block in
-// them; the grid rows outside (no shard element: partial value 0) are zeroed here by the same CTAs,
-// instead of a memset of the whole grids before the kernel.
-template <int TM, int RBK, bool COL, bool TILE, class S>
-__device__ __forceinline__ void zero_outside_shard(const Span& sp, const Window& w, const Outs<S>& row,
-                                                   const Outs<S>& col) {
-  const int64_t tm_end = w.first_tm + sp.nTM_launch;
-  const auto zero_grid = [&](S* grid, int64_t rows, int64_t row_elems, int64_t lo_row, int64_t hi_row) {
-    uint8_t* g = reinterpret_cast<uint8_t*>(grid);
-    const int64_t row_bytes = row_elems * int64_t(sizeof(S));
-    zero_bytes(g, 0, min(rows, lo_row) * row_bytes);  // a shard past the weight's end starts past it
-    zero_bytes(g, min(rows, hi_row) * row_bytes, rows * row_bytes);
-  };
-  if constexpr (RBK > 0) zero_grid(row.scale, sp.M, cdiv(sp.K, RBK), w.first_tm * TM, tm_end * TM);
-  if constexpr (COL) zero_grid(col.scale, sp.nTM, sp.K, w.first_tm, tm_end);
-  if constexpr (TILE) zero_grid(row.scale, sp.nTM, sp.nTK, w.first_tm, tm_end);
-}
-
 // The TM x TK tile geometry: thread tid holds VEC-element chunk c of rows g, g+G, ..., NV vectors.
 template <class L, int TM, int TK>
 struct Geom {
@@ -233,7 +203,6 @@ __global__ void __launch_bounds__(kThreads, MINB)
   w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
   w.first_tm = sp.dev_offset ? w.offset / sp.K / TM : 0;
   w.aligned = sp.aligned_base && w.offset % VEC == 0;
-  if constexpr (MODE == kAmax) zero_outside_shard<TM, RBK, COL, TILE>(sp, w, row, col);
   const TilePos p = tile_pos(blockIdx.x, sp, w);
   if (p.tm >= sp.nTM) return;
   const int tid = threadIdx.x;
