@@ -116,7 +116,8 @@ void host_usage(const std::vector<uint16_t>& x, int64_t M, int64_t K, int bm, in
     for (int64_t bj = 0; bj < sk; ++bj) {
       float amax = 0.0f;
       for (int64_t r = bi * bm; r < std::min(M, (bi + 1) * bm); ++r)
-        for (int64_t c = bj * bk; c < std::min(K, (bj + 1) * bk); ++c) amax = amax_step(amax, bf16_to_float(x[r * K + c]));
+        for (int64_t c = bj * bk; c < std::min(K, (bj + 1) * bk); ++c)
+          amax = amax_step(amax, bf16_to_float(x[r * K + c]));
       float mult;
       rule(amax, scale[bi * sk + bj], mult);
       for (int64_t r = bi * bm; r < std::min(M, (bi + 1) * bm); ++r)
@@ -266,14 +267,14 @@ int main(int argc, char** argv) {
     report("partial cast mx r+c (kernel)", uc, double(L) * 2 + 2.0 * L + 2.0 * (n / 32), "-");
   }
 
-  // Dequantize MXFP8 rowwise -> bf16: vector width and grid size.
+  // Dequantize MXFP8 rowwise -> bf16: rows in flight per thread and grid size.
   {
-    Buf d(n), s(n / 32), out(n * 2);
+    Buf out(n * 2);
     const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 0, 0, false, 0.0f, 0.0f};
     Outputs q(n, n / 32, 0, 1);
     launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false, kQuantize>(
-        nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3}, Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr},
-        Outs<uint8_t>{});
+        nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3},
+        Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr}, Outs<uint8_t>{});
     // host reference on the first 64 rows
     const int64_t R = std::min<int64_t>(64, M);
     std::vector<uint8_t> hd(R * K), hs(R * cdiv(K, 32));
@@ -286,8 +287,7 @@ int main(int argc, char** argv) {
     const auto run = [&](auto unroll, int per_sm) {
       constexpr int U = decltype(unroll)::value;
       const auto go = [&](int) {
-        launch_dequantize<MxRule, Store16<false>, 16, U>(nullptr, q.d0.p, q.s0.p, out.p, 1, M, K, 1, 32, kE4M3,
-                                                             per_sm);
+        launch_dequantize<MxRule, Store16<false>, 16, U>(nullptr, q.d0.p, q.s0.p, out.p, 1, M, K, 1, 32, kE4M3, per_sm);
       };
       go(0);
       CUDA_OK(cudaDeviceSynchronize());

@@ -40,7 +40,8 @@ struct Store16 {
 
 // Exact FP8 decode of two bytes through the hardware's fp8x2 -> half2 conversion.
 __device__ __forceinline__ float2 fp8x2_to_float2(uint32_t two, int fp8) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), fp8 == kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), fp8 == kE4M3 ? __NV_E4M3 : __NV_E5M2);
   return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
@@ -61,7 +62,8 @@ struct Fp8Vec<16> {
 
 // grid.x walks VEC-element column vectors, grid.y (strided) the B*M rows; block sizes are powers of
 // two, so block indices are shifts (no 64-bit division per element). A vector shares one scale unless
-// blocks are narrower than it (columnwise scales: one per column).
+// blocks are narrower than it (columnwise scales: one per column). Rows whose vectors are not 16-byte
+// aligned (K not a multiple of 16) go element by element.
 template <class Rule, class St, int VEC, int UNROLL>
 __global__ void __launch_bounds__(kDeqThreads)
     dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int64_t B, int64_t M,

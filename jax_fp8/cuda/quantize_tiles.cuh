@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const int64_t row0 = p.tm * TM + g;
   const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
   const int64_t n_row_scales = RBK > 0 ? cdiv(sp.K, RBK) : 0;
-  const auto row_gi = [&](int i) { return (p.b * sp.M + row0 + int64_t(i) * G) * n_row_scales + col0 / (RBK > 0 ? RBK : 1); };
+  const auto row_gi = [&](int i) {  // scale index of row i's block
+    return (p.b * sp.M + row0 + int64_t(i) * G) * n_row_scales + col0 / (RBK > 0 ? RBK : 1);
+  };
   const int64_t col_gi = (p.b * sp.nTM + p.tm) * sp.K + p.tk * TK + tid;
   const int64_t tile_gi = (p.b * sp.nTM + p.tm) * sp.nTK + p.tk;
 
@@ -429,7 +431,8 @@ ffi::Error run_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, cons
 
 inline ffi::Error check_launch() {
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8 CUDA: ") + cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8 CUDA: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
