@@ -29,7 +29,6 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   return check_launch();
 }
 
-
 __global__ void scale_inv_kernel(const float* __restrict__ amax, float* __restrict__ scale_inv, int64_t n,
                                  BlockRule rule) {
   const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
