@@ -42,8 +42,7 @@ __global__ void fill_bf16(uint16_t* x, int64_t n, uint32_t seed) {
 
 struct Buf {
   void* p = nullptr;
-  size_t n = 0;
-  explicit Buf(size_t bytes) : n(bytes) { CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 1))); }
+  explicit Buf(size_t bytes) { CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 1))); }
   ~Buf() { cudaFree(p); }
   template <class T> T* as() const { return static_cast<T*>(p); }
 };
@@ -137,7 +136,6 @@ QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) {
   return QuantizeArgs{InType::kBF16, 1, M, K, kE4M3, c.mx ? kScaleE8M0 : kScaleFp32, c.row_bk, c.col_bm, c.tile,
                       false, 0.0f, 3.38953139e38f};
 }
-Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, 0, M * K, nullptr, nullptr, false}; }
 
 // Each usage of the case against the host reference on an odd-shaped input.
 bool check(const Case& c) {
@@ -251,7 +249,7 @@ int main(int argc, char** argv) {
     const int32_t* off = offlen.as<int32_t>();
     QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
     Outputs o(L, n / 32, n / 32, 1);
-    const Span sp{M, K, 0, 0, 0, 0, L, off, off + 1, false};
+    const Span sp = shard_span(M, K, L, off, off + 1);
     const MxRule rule{kE4M3};
     const double ua = time_us([&](int i) {
       launch_tiles<LoadBF16, MxRule, 32, 256, 32, true, false, kAmax>(

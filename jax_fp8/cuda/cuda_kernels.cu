@@ -24,7 +24,7 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
   void* s[2] = {o1->untyped_data(), o3->untyped_data()};
   const void* none[2] = {nullptr, nullptr};
-  const Span sp{a.M, a.K, 0, 0, 0, 0, a.M * a.K, nullptr, nullptr, false};
+  const Span sp = dense_span(a.M, a.K);
   if (auto e = run_tiles<kQuantize>(stream, a, x.untyped_data(), sp, d, s, none); e.failure()) return e;
   return check_launch();
 }
@@ -57,8 +57,7 @@ ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
   const int n_usages = usages_of(a, u);
   for (int i = 0; i < n_usages; ++i) cudaMemsetAsync(s[i], 0, u[i].blocks(a) * item, stream);
   if (a.M * a.K == 0) return check_launch();
-  const Span sp{a.M, a.K, 0, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
-                static_cast<const int32_t*>(length.untyped_data()), false};
+  const Span sp = shard_span(a.M, a.K, L_, offset.untyped_data(), length.untyped_data());
   if (auto e = run_tiles<kAmax>(stream, a, shard.untyped_data(), sp, d, s, none); e.failure()) return e;
   return check_launch();
 }
@@ -117,8 +116,7 @@ ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::A
     }
   }
   if (a.M * a.K == 0) return check_launch();
-  const Span sp{a.M, a.K, 0, 0, 0, 0, L_, static_cast<const int32_t*>(offset.untyped_data()),
-                static_cast<const int32_t*>(length.untyped_data()), false};
+  const Span sp = shard_span(a.M, a.K, L_, offset.untyped_data(), length.untyped_data());
   if (auto e = run_tiles<kCast>(stream, a, shard.untyped_data(), sp, d, s, global); e.failure()) return e;
   return check_launch();
 }

@@ -59,15 +59,21 @@ using LoadF16 = Load16<true>;
 
 // Where a matrix's elements live. Dense: x[b*M*K + r*K + c]. Master-weight shard: a flat buffer
 // holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
+// Callers give M, K, L and the shard's offset/length (dense_span / shard_span); launch_tiles fills in
+// the tile counts and the alignment.
 struct Span {
   int64_t M, K, nTM, nTK;
   int64_t nTM_launch;            // tile rows walked: all (dense) or enough to cover a shard
-  int64_t n_tiles;               // B * nTM_launch * nTK
   int64_t L;                     // dense: M*K; shard: the flat buffer's length
   const int32_t* dev_offset;     // null for dense
   const int32_t* dev_length;
   bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
 };
+inline Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false}; }
+inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, const void* dev_length) {
+  return Span{M, K, 0, 0, 0, L, static_cast<const int32_t*>(dev_offset), static_cast<const int32_t*>(dev_length),
+              false};
+}
 
 enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
 
@@ -383,11 +389,11 @@ ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* 
   sp.nTK = cdiv(a.K, TK);
   // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
   sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, a.K) + 1, TM) + 1) : sp.nTM;
-  sp.n_tiles = a.B * sp.nTM_launch * sp.nTK;
-  if (sp.n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
-  if (sp.n_tiles == 0) return ffi::Error::Success();
+  const int64_t n_tiles = a.B * sp.nTM_launch * sp.nTK;
+  if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  if (n_tiles == 0) return ffi::Error::Success();
   sp.aligned_base = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MODE, MINB><<<unsigned(sp.n_tiles), kThreads, 0, stream>>>(
+  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MODE, MINB><<<unsigned(n_tiles), kThreads, 0, stream>>>(
       static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col);
   return ffi::Error::Success();
 }
