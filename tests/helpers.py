@@ -78,3 +78,15 @@ def check_against_reference(quantize, reference, x, **kw):
     for usage in q.usage_blocks():
         assert_bits_equal(jf.dequantize(q, usage=usage), on_cpu(jf.reference.dequantize, r, usage=usage), usage)
     return q
+
+
+def assert_dequantize_within_half_step(x: np.ndarray, q, fp8, scale_value) -> None:
+    """|dequantize(q) - x| <= half an FP8 step at the block scale (+ fp32 output rounding) for every
+    usage of q; scale_value maps a stored scale_inv grid to its float64 values."""
+    M, K = x.shape
+    mant, bias = (3, 7) if jnp.dtype(fp8) == jnp.float8_e4m3fn else (2, 15)
+    for usage, (bm, bk) in q.usage_blocks().items():
+        y = np.asarray(jf.dequantize(q, jnp.float32, usage), np.float64)
+        s = np.repeat(np.repeat(scale_value(np.asarray(getattr(q, f"{usage}_scale_inv"))), bm, 0)[:M], bk, 1)[:, :K]
+        bound = np.abs(x) * 2.0 ** -(mant + 1) + s * 2.0 ** (-bias - mant)
+        assert (np.abs(y - x) <= bound).all(), usage
