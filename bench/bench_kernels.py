@@ -107,23 +107,30 @@ def main():
                      exact))
         if not args.only:
             rows += partial_rows(M, K, inputs, copy_gbs, args.iters)
+    if not args.only:
+        grouped_rows(args.iters)
     print(f"\n{'size':>12} {'kernel':>22} {'time us':>9} {'GB/s':>7} {'% copy':>7} {'vs jnp':>7} {'bit-exact':>9}")
     for r in rows:
         print(f"{r[0]:>12} {r[1]:>22} {r[2] * 1e6:9.1f} {r[3]:7.0f} {r[4]:7.1f} {r[5]:7.2f} {str(r[6]):>9}")
 
 
-def partial_rows(M, K, inputs, copy_gbs, iters):
-    """Master-weight kernels on one device: a rank holding half the weight (offset M*K/4)."""
+def _partial_fns(shapes, windows, p):
+    """(amax, cast) over a group of shards, the cast with the reduced values of one amax call."""
     from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
 
+    amax = lambda *s: partial_amax_p.bind(windows, *s, shapes=tuple(shapes), **p)[0]  # noqa: E731
+    return amax, lambda glob: (lambda *s: partial_cast_p.bind(windows, glob, *s, shapes=tuple(shapes), pow2=False,
+                                                                eps=0.0, **p))
+
+
+def partial_rows(M, K, inputs, copy_gbs, iters):
+    """Master-weight kernels on one device: a rank holding half the weight (offset M*K/4)."""
     n = M * K
     L = n // 2
-    p = dict(M=M, K=K, fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
-    off, ln = jnp.int32(n // 4), jnp.int32(L)
+    p = dict(fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
+    amax, cast_with = _partial_fns([(M, K)], jnp.array([[n // 4, L]], jnp.int32), p)
     shards = [x.reshape(-1)[:L] for x in inputs]
-    amax = lambda s: partial_amax_p.bind(s, off, ln, **p)  # noqa: E731
-    grids = jax.jit(amax)(shards[0])
-    cast = lambda s: partial_cast_p.bind(s, off, ln, *grids, pow2=False, eps=0.0, **p)  # noqa: E731
+    cast = cast_with(jax.jit(amax)(shards[0]))
     isz = inputs[0].dtype.itemsize
     out = []
     for name, fn, nbytes in [("partial amax mx r+c", amax, L * isz + 2 * (n // 32)),
@@ -132,6 +139,34 @@ def partial_rows(M, K, inputs, copy_gbs, iters):
         gbs = nbytes / t / 1e9
         out.append((f"{M}x{K}", name, t, gbs, 100 * gbs / copy_gbs, float("nan"), "tests"))  # checked by test_distributed
     return out
+
+
+def grouped_rows(iters, T=64, m=1024, k=1024, ranks=8):
+    """Many small weights (T of m x k, bf16, a rank's 1/ranks shard of each): the partial kernels as one
+    grouped call per jitted step against one call per weight in the same step. Reports us per weight."""
+    p = dict(fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
+    L = m * k // ranks
+    keys = jax.random.split(jax.random.key(7), 3)
+    inputs = [tuple(jax.random.normal(kk, (T, L), jnp.float32).astype(jnp.bfloat16)) for kk in keys]
+    win = jnp.array([[3 * L, L]], jnp.int32)  # the fourth rank's window
+    group_amax, group_cast = _partial_fns([(m, k)] * T, jnp.tile(win, (T, 1)), p)
+    one_amax, one_cast = _partial_fns([(m, k)], win, p)
+    glob = jax.jit(group_amax)(*inputs[0])
+    globs = jnp.split(glob, T)
+    fns = {
+        "amax grouped": lambda s: group_amax(*s),
+        "amax per weight": lambda s: [one_amax(x) for x in s],
+        "cast grouped": lambda s: group_cast(glob)(*s),
+        "cast per weight": lambda s: [one_cast(g)(x) for g, x in zip(globs, s)],
+    }
+    exact = leaves_equal(jax.jit(fns["amax grouped"])(inputs[0]), jnp.concatenate(jax.jit(fns["amax per weight"])(inputs[0])))
+    exact &= leaves_equal(jax.jit(fns["cast grouped"])(inputs[0]), jax.jit(fns["cast per weight"])(inputs[0]))
+    t = {name: timeit(fn, inputs, iters) for name, fn in fns.items()}
+    print(f"\n{T} weights {m}x{k} bf16, 1/{ranks} shard each, one jitted step (grouped == per weight: {exact}):")
+    for kind in ("amax", "cast"):
+        g, s = t[f"{kind} grouped"], t[f"{kind} per weight"]
+        print(f"  partial {kind}: grouped {g * 1e6 / T:6.2f} us/weight, per-weight calls {s * 1e6 / T:6.2f} us/weight "
+              f"({s / g:.2f}x)")
 
 
 def R_deq(q):

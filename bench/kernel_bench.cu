@@ -93,7 +93,7 @@ Launch quantize_cfg() {
     Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
-    launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE, kQuantize>(nullptr, a, x, sp, rule, r, c);
+    launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE>(nullptr, a, x, sp, rule, r, c);
   };
 }
 
@@ -240,29 +240,95 @@ int main(int argc, char** argv) {
                 (long long)T, t_many, t_many / T, (long long)(T * m), t_one, t_one / T);
   }
 
-  // Partial amax / cast of a master-weight shard: half the weight, from element n/4.
+  // Partial amax / cast of a master-weight shard: half the weight, from element n/4. The amax as
+  // shipped (tiles and fill CTAs in one launch) against the fill and the tiles as two launches, and
+  // against the previous scheme (memsets of both grids, then the tiles); all three must agree.
   {
     const int64_t L = n / 2;
-    Buf offlen(8);
+    Buf win(8);
     const int32_t hv[2] = {int32_t(n / 4), int32_t(L)};
-    CUDA_OK(cudaMemcpy(offlen.p, hv, 8, cudaMemcpyHostToDevice));
-    const int32_t* off = offlen.as<int32_t>();
-    QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
+    CUDA_OK(cudaMemcpy(win.p, hv, 8, cudaMemcpyHostToDevice));
+    const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
     Outputs o(L, n / 32, n / 32, 1);
-    const Span sp = shard_span(M, K, L, off, off + 1);
-    const MxRule rule{kE4M3};
-    const double ua = time_us([&](int i) {
-      launch_tiles<LoadBF16, MxRule, 32, 256, 32, true, false, kAmax>(
-          nullptr, a, xs[i]->p, sp, rule, Outs<uint8_t>{nullptr, o.s0.as<uint8_t>(), nullptr},
-          Outs<uint8_t>{nullptr, o.s1.as<uint8_t>(), nullptr});
-    });
-    report("partial amax mx r+c (kernel)", ua, double(L) * 2 + 2.0 * (n / 32), "-");
-    const double uc = time_us([&](int i) {
-      launch_tiles<LoadBF16, MxRule, 32, 256, 32, true, false, kCast>(
-          nullptr, a, xs[i]->p, sp, rule, Outs<uint8_t>{o.d0.as<uint8_t>(), nullptr, o.s0.as<uint8_t>()},
-          Outs<uint8_t>{o.d1.as<uint8_t>(), nullptr, o.s1.as<uint8_t>()});
-    });
-    report("partial cast mx r+c (kernel)", uc, double(L) * 2 + 2.0 * L + 2.0 * (n / 32), "-");
+    const auto io = [&](int i, bool cast) {
+      return ShardIO{xs[i]->p, L, M, K, win.as<int32_t>(),
+                     {cast ? o.d0.as<uint8_t>() : nullptr, cast ? o.d1.as<uint8_t>() : nullptr},
+                     {cast ? nullptr : o.s0.p, cast ? nullptr : o.s1.p},
+                     {cast ? o.s0.p : nullptr, cast ? o.s1.p : nullptr}};
+    };
+    const auto amax = [&](int i, Part part) {
+      const ShardIO w = io(i, false);
+      launch_shards<kAmax>(nullptr, a, &w, 1, part);
+    };
+    const auto memset_tiles = [&](int i) {
+      cudaMemsetAsync(o.s0.p, 0, n / 32);
+      cudaMemsetAsync(o.s1.p, 0, n / 32);
+      amax(i, Part::kTiles);
+    };
+    const auto grids = [&] {
+      std::vector<uint8_t> h(2 * (n / 32));
+      CUDA_OK(cudaMemcpy(h.data(), o.s0.p, n / 32, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(h.data() + n / 32, o.s1.p, n / 32, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    memset_tiles(0);
+    const std::vector<uint8_t> want = grids();
+    CUDA_OK(cudaMemset(o.s0.p, 0xAB, n / 32));
+    CUDA_OK(cudaMemset(o.s1.p, 0xAB, n / 32));
+    amax(0, Part::kAll);
+    const char* same_amax = grids() == want ? "same" : "MISMATCH";
+    const double amax_bytes = double(L) * 2 + 2.0 * (n / 32);
+    report("partial amax mx r+c (one launch)", time_us([&](int i) { amax(i, Part::kAll); }), amax_bytes, same_amax);
+    report("partial amax: fill, tiles (two)", time_us([&](int i) {
+             amax(i, Part::kFill);
+             amax(i, Part::kTiles);
+           }), amax_bytes, "-");
+    report("partial amax: memsets + tiles", time_us(memset_tiles), amax_bytes, "-");
+    report("partial amax: tiles alone", time_us([&](int i) { amax(i, Part::kTiles); }), amax_bytes, "-");
+    const auto cast = [&](int i, Part part) {
+      const ShardIO w = io(i, true);
+      launch_shards<kCast>(nullptr, a, &w, 1, part);
+    };
+    const double cast_bytes = double(L) * 2 + 2.0 * L + 2.0 * (n / 32);
+    report("partial cast mx r+c (one launch)", time_us([&](int i) { cast(i, Part::kAll); }), cast_bytes, "-");
+    report("partial cast: tiles alone", time_us([&](int i) { cast(i, Part::kTiles); }), cast_bytes, "-");
+  }
+
+  // Many small master weights: 64 weights of 1024x1024, a rank's 1/8 shard of each; one group launch
+  // per 24 weights against one launch per weight (the same kernel, group of one).
+  if (n >= 64 * 1024 * 1024) {
+    const int64_t T = 64, mk = 1024 * 1024, L = mk / 8;
+    Buf win(8);
+    const int32_t hv[2] = {int32_t(3 * L), int32_t(L)};
+    CUDA_OK(cudaMemcpy(win.p, hv, 8, cudaMemcpyHostToDevice));
+    const QuantizeArgs a{InType::kBF16, 1, 0, 0, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
+    Outputs o(T * L, T * mk / 32, T * mk / 32, 1);
+    const auto ios = [&](int i, bool cast) {
+      std::vector<ShardIO> v;
+      for (int64_t j = 0; j < T; ++j) {
+        uint8_t* s0 = o.s0.as<uint8_t>() + j * mk / 32;
+        uint8_t* s1 = o.s1.as<uint8_t>() + j * mk / 32;
+        v.push_back(ShardIO{xs[i]->as<uint16_t>() + j * L, L, 1024, 1024, win.as<int32_t>(),
+                            {cast ? o.d0.as<uint8_t>() + j * L : nullptr, cast ? o.d1.as<uint8_t>() + j * L : nullptr},
+                            {cast ? nullptr : s0, cast ? nullptr : s1},
+                            {cast ? s0 : nullptr, cast ? s1 : nullptr}});
+      }
+      return v;
+    };
+    for (const bool is_cast : {false, true}) {
+      const std::vector<ShardIO> v[3] = {ios(0, is_cast), ios(1, is_cast), ios(2, is_cast)};
+      const auto run = [&](const ShardIO* w, int k) {
+        if (is_cast) launch_shards<kCast>(nullptr, a, w, k);
+        else launch_shards<kAmax>(nullptr, a, w, k);
+      };
+      const double t_group = time_us([&](int i) { run(v[i].data(), int(T)); });
+      const double t_each = time_us([&](int i) {
+        for (int64_t j = 0; j < T; ++j) run(&v[i][j], 1);
+      });
+      std::printf("partial %s, %lld weights 1024x1024 (1/8 shards): grouped %.2f us per weight, one launch each "
+                  "%.2f us per weight (%.2fx)\n",
+                  is_cast ? "cast" : "amax", (long long)T, t_group / T, t_each / T, t_each / t_group);
+    }
   }
 
   // Dequantize MXFP8 rowwise -> bf16: rows in flight per thread and grid size.
@@ -270,7 +336,7 @@ int main(int argc, char** argv) {
     Buf out(n * 2);
     const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 0, 0, false, 0.0f, 0.0f};
     Outputs q(n, n / 32, 0, 1);
-    launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false, kQuantize>(
+    launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false>(
         nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3},
         Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr}, Outs<uint8_t>{});
     // host reference on the first 64 rows

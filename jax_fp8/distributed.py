@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import fp8_dtype, fp8_index, high_dtype, view_2d
+from .formats import fp8_dtype, fp8_index, high_dtype, packed_grids, view_2d
 from .primitives.partial import partial_amax_p, partial_cast_p
 from .quantize import assemble, check_block, usage_params
 from .reference import bitcast
@@ -70,14 +70,17 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
       offsets: per weight, the flat index of the shard's first element (traced int scalar). Default:
         ``axis_index(axis_name) * L_i`` (even split, the last rank padded).
       lengths: per weight, how many of the L_i elements belong to the weight (default L_i; clipped to
-        the weight's end, so padding past it is ignored). A shard may hold none.
+        the weight's end, so padding past it is ignored). A shard may hold none; one whose offset is
+        negative (not a valid window) is treated as holding none.
       model_dtype: the master values are first rounded to this dtype, as TE does (None keeps them).
       dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, ``pow2_scales``,
         ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
       rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
 
     Returns: a :class:`QuantizedShard` per weight. Exactly one all-reduce (a pmax) is issued for all
-    weights' scales: uint8 for MXFP8, float32 amaxes for blockwise.
+    weights' scales: uint8 for MXFP8, float32 amaxes for blockwise. The partial amax and the partial
+    cast each run as one grouped kernel call for all weights of one dtype (on GPU one launch per 24
+    weights), and the partial amax writes the packed buffer that the pmax reduces.
     """
     shards, shapes = list(shards), [tuple(int(d) for d in s) for s in shapes]
     if len(shards) != len(shapes):
@@ -91,35 +94,52 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     blocks = usage_params(fmt, rowwise, colwise, block)
 
     rank = lax.axis_index(axis_name)
-    xs, offs, lens = [], [], []
+    xs, wins = [], []
     for i, s in enumerate(shards):
         s = jnp.asarray(s)
         if s.ndim != 1:
             raise ValueError(f"quantize_master_weights: shard {i} must be flat (rank 1), got shape {s.shape}")
         high_dtype(s.dtype, f"quantize_master_weights: shard {i}")
         xs.append(s.astype(model_dtype) if model_dtype is not None else s)
-        offs.append(_as_i32(offsets[i], "offsets") if offsets is not None else (rank * s.shape[0]).astype(jnp.int32))
-        lens.append(_as_i32(lengths[i], "lengths") if lengths is not None else jnp.int32(s.shape[0]))
-
-    params = [dict(M=view_2d(shp)[0], K=view_2d(shp)[1], fp8=fp8_index(fp8), **blocks) for shp in shapes]
-    # 1-2. partial amax -> local scales (E8M0 bytes) or amaxes, all packed into one buffer
-    grids = [partial_amax_p.bind(x, o, n, **p) for x, o, n, p in zip(xs, offs, lens, params)]
-    flat = [g.reshape(-1) for gs in grids for g in gs]
+        off = _as_i32(offsets[i], "offsets") if offsets is not None else (rank * s.shape[0]).astype(jnp.int32)
+        n = _as_i32(lengths[i], "lengths") if lengths is not None else jnp.int32(s.shape[0])
+        wins.append(_window(off, n))
+    if not xs:
+        return []
+    shapes2d = [view_2d(shp) for shp in shapes]
+    p = dict(fp8=fp8_index(fp8), **blocks)
+    # one partial-amax call (one launch per 24 weights on GPU) per input dtype
+    groups = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    groups = [(idx, jnp.stack([wins[i] for i in idx]), tuple(shapes2d[i] for i in idx)) for idx in groups.values()]
+    # 1-2. partial amax -> local scales (E8M0 bytes) or amaxes, every weight's packed into one buffer
+    packs = [partial_amax_p.bind(w, *[xs[i] for i in idx], shapes=shp, **p)[0] for idx, w, shp in groups]
     # 3. one collective for every weight
-    packed = lax.pmax(jnp.concatenate(flat), axis_name)
-    sizes = np.cumsum([f.size for f in flat])[:-1]
-    pieces = iter(jnp.split(packed, sizes))
-    grids = [[next(pieces).reshape(g.shape) for g in gs] for gs in grids]
+    packed = lax.pmax(packs[0] if len(packs) == 1 else jnp.concatenate(packs), axis_name)
+    packs = jnp.split(packed, np.cumsum([q.size for q in packs])[:-1])
     # 4. partial cast with the global scales
-    out = []
-    for x, o, n, p, gs, shp in zip(xs, offs, lens, params, grids, shapes):
-        res = partial_cast_p.bind(x, o, n, *gs, pow2=bool(pow2_scales), eps=float(amax_epsilon), **p)
-        nu = len(gs)
-        datas = [bitcast(d, fp8) for d in res[:nu]]
-        scales = gs if fmt == "mxfp8" else res[nu:]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
-        out.append(QuantizedShard(assemble(fmt, zip(datas, scales), rowwise, colwise, shp, x.dtype, fp8, block,
-                                           pow2_scales, amax_epsilon), o, n))
+    out = [None] * len(xs)
+    for (idx, w, shp), glob in zip(groups, packs):
+        res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, pow2=bool(pow2_scales),
+                                  eps=float(amax_epsilon), **p)
+        layout = packed_grids(shp, blocks["row_block"], blocks["col_block"], blocks["tile_block"])
+        scales_from = glob if fmt == "mxfp8" else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
+        nu = len(layout[0])
+        for k, (i, grids) in enumerate(zip(idx, layout)):
+            datas = [bitcast(d, fp8) for d in res[k * nu:(k + 1) * nu]]
+            scales = [scales_from[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
+            t = assemble(fmt, zip(datas, scales), rowwise, colwise, shapes[i], xs[i].dtype, fp8, block, pow2_scales,
+                         amax_epsilon)
+            out[i] = QuantizedShard(t, wins[i][0], wins[i][1])
     return out
+
+
+def _window(offset, length):
+    """A shard's (offset, length) as an int32 pair. A negative offset is not a valid window: that shard
+    then holds nothing (offset 0, length 0), as does a negative length."""
+    ok = offset >= 0
+    return jnp.stack([jnp.where(ok, offset, 0), jnp.where(ok, jnp.maximum(length, 0), 0)]).astype(jnp.int32)
 
 
 def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:

@@ -66,3 +66,22 @@ def usage_blocks(row_block: int, col_block: int, tile_block: int) -> list[tuple[
     """The (bm, bk) block of each requested usage, in the kernels' output order: row, col, tile."""
     blocks = [(1, row_block), (col_block, 1), (tile_block, tile_block)]
     return [(bm, bk) for bm, bk in blocks if bm and bk]
+
+
+def packed_grids(shapes, row_block: int, col_block: int, tile_block: int) -> list[list[tuple[int, tuple[int, int]]]]:
+    """Where each weight's scale grids lie in a packed buffer: per weight (2-D shape (M, K)), per usage
+    (row, col, tile order), the grid's first element and its shape. Weights follow one another."""
+    at, out = 0, []
+    for M, K in shapes:
+        grids = []
+        for bm, bk in usage_blocks(row_block, col_block, tile_block):
+            shape = (cdiv(M, bm), cdiv(K, bk))
+            grids.append((at, shape))
+            at += shape[0] * shape[1]
+        out.append(grids)
+    return out
+
+
+def packed_size(layout) -> int:
+    """Elements of a packed buffer laid out by :func:`packed_grids`."""
+    return sum(r * c for grids in layout for _, (r, c) in grids)

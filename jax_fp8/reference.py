@@ -14,7 +14,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .formats import FP8_DTYPES, FP8_MAX, cdiv
+from .formats import FP8_DTYPES, FP8_MAX, cdiv, packed_grids, usage_blocks
 
 _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
@@ -203,15 +203,11 @@ def unshard(shard, offset, length, M: int, K: int):
     return flat.reshape(M, K), pos, valid
 
 
-def _usage_list(row_block, col_block, tile_block):
-    return [(bm, bk) for bm, bk in ((1, row_block), (col_block, 1), (tile_block, tile_block)) if bm and bk]
-
-
 def partial_amax(shard, offset, length, *, M, K, fp8, scale_kind, row_block, col_block, tile_block):
     """Per-block amax over the elements this shard holds (0 elsewhere): E8M0 bytes, or fp32 amaxes."""
     full, _, _ = unshard(shard, offset, length, M, K)
     outs = []
-    for bm, bk in _usage_list(row_block, col_block, tile_block):
+    for bm, bk in usage_blocks(row_block, col_block, tile_block):
         amax = block_amax(full, bm, bk)
         outs.append(e8m0_from_amax(amax, FP8_DTYPES[fp8]) if scale_kind == 0 else amax)
     return outs
@@ -224,7 +220,7 @@ def partial_cast(shard, offset, length, *grids, M, K, fp8, scale_kind, row_block
     dtype = FP8_DTYPES[fp8]
     full, pos, valid = unshard(shard, offset, length, M, K)
     datas, sinvs = [], []
-    for (bm, bk), grid in zip(_usage_list(row_block, col_block, tile_block), grids):
+    for (bm, bk), grid in zip(usage_blocks(row_block, col_block, tile_block), grids):
         if scale_kind == 0:
             mult = e8m0_reciprocal(grid)
         else:
@@ -232,5 +228,35 @@ def partial_cast(shard, offset, length, *grids, M, K, fp8, scale_kind, row_block
             sinvs.append(np.float32(1.0) / mult)
         with _quiet():
             data = cast_to_fp8(full.astype(_F32) * expand_blocks(mult, bm, bk, M, K), dtype).reshape(-1)
-        datas.append(xp.where(valid, data[xp.where(valid, pos, 0)], np.uint8(0)))
+        data = xp.concatenate([data, xp.zeros((1,), data.dtype)])  # index M*K: padding (and empty weights)
+        datas.append(xp.where(valid, data[xp.where(valid, pos, M * K)], np.uint8(0)))
     return datas + sinvs
+
+
+def _concat(xp, pieces, dtype):
+    return xp.concatenate([p.reshape(-1) for p in pieces]) if pieces else xp.zeros((0,), dtype)
+
+
+def partial_amax_group(windows, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block):
+    """:func:`partial_amax` of every weight of a group (windows: (N, 2) int32 offset, length), packed
+    into one buffer in the layout of ``formats.packed_grids``."""
+    xp = xp_of(windows, *shards)
+    grids = [g for (M, K), s, w in zip(shapes, shards, windows)
+             for g in partial_amax(s, w[0], w[1], M=M, K=K, fp8=fp8, scale_kind=scale_kind, row_block=row_block,
+                                   col_block=col_block, tile_block=tile_block)]
+    return [_concat(xp, grids, np.uint8 if scale_kind == 0 else np.float32)]
+
+
+def partial_cast_group(windows, packed, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block, pow2,
+                       eps):
+    """:func:`partial_cast` of every weight of a group with the packed global values: every weight's
+    data per usage, then, for fp32 scales, the packed scale_inv."""
+    xp = xp_of(windows, packed, *shards)
+    datas, sinvs = [], []
+    for (M, K), s, w, grids in zip(shapes, shards, windows, packed_grids(shapes, row_block, col_block, tile_block)):
+        glob = [packed[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
+        res = partial_cast(s, w[0], w[1], *glob, M=M, K=K, fp8=fp8, scale_kind=scale_kind, row_block=row_block,
+                           col_block=col_block, tile_block=tile_block, pow2=pow2, eps=eps)
+        datas += res[:len(glob)]
+        sinvs += res[len(glob):]
+    return datas + ([_concat(xp, sinvs, np.float32)] if scale_kind == 1 else [])

@@ -147,63 +147,115 @@ def test_empty_shards_and_errors():
 def _on_dirty_memory(f, *args):
     """f(*args) right after buffers of its outputs' sizes were filled with 0xAB and freed, so that the
     allocator likely hands them out again: outputs that a kernel leaves unwritten show up."""
-    for r in jax.eval_shape(f, *args):
+    for r in jax.tree_util.tree_leaves(jax.eval_shape(f, *args)):
         dirty = jnp.full((r.size * r.dtype.itemsize,), 0xAB, jnp.uint8)
         jax.block_until_ready(dirty)
         del dirty
     return f(*args)
 
 
-@pytest.mark.parametrize("fmt,blocks", [("mxfp8", dict(scale_kind=0, row_block=32, col_block=32, tile_block=0)),
-                                        ("blk1d", dict(scale_kind=1, row_block=128, col_block=128, tile_block=0)),
-                                        ("blk2d", dict(scale_kind=1, row_block=0, col_block=0, tile_block=128))])
-@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_partial_kernels_single_device(fmt, blocks, in_dtype):
-    """The partial-amax and partial-cast kernels on the default device (the CUDA ones on a GPU), for
-    several simulated shard layouts: each rank's outputs equal the reference's bit for bit, and the
-    host-reduced scales cast into exactly the single-device quantization."""
+_BLOCKS = {"mxfp8": dict(scale_kind=0, row_block=32, col_block=32, tile_block=0),
+           "blk1d": dict(scale_kind=1, row_block=128, col_block=128, tile_block=0),
+           "blk2d": dict(scale_kind=1, row_block=0, col_block=0, tile_block=128)}
+
+
+def _rank_groups(rng, weights, n, even):
+    """Per rank: the (N, 2) int32 windows and the N flat shards of a group of weights split over n ranks."""
+    per_weight = []
+    for w in weights:
+        flat = np.asarray(w).reshape(-1)
+        offs, lens, L = _split(rng, flat.size, n, even)
+        bufs = []
+        for o, l in zip(offs, lens):
+            buf = np.zeros(L, flat.dtype)
+            seg = flat[o:o + l]
+            buf[:seg.size] = seg
+            bufs.append(buf)
+        per_weight.append((offs, lens, bufs))
+    return [(np.array([[o[r], l[r]] for o, l, _ in per_weight], np.int32), [b[r] for _, _, b in per_weight])
+            for r in range(n)]
+
+
+def _group_kernels(shapes, blocks, pow2=True):
     from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
+
+    p = dict(shapes=tuple(shapes), fp8=0, **blocks)
+    amax = jax.jit(lambda w, *s: partial_amax_p.bind(w, *s, **p)[0])
+    cast = jax.jit(lambda w, g, *s: partial_cast_p.bind(w, g, *s, pow2=pow2, eps=0.0, **p))
+    return p, amax, cast
+
+
+def _assert_bits(got, want):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(_BLOCKS))
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_partial_kernels_single_device(fmt, in_dtype):
+    """The grouped partial-amax and partial-cast kernels on the default device (the CUDA ones on a GPU)
+    for a group of three weights and several simulated shard layouts: each rank's packed outputs equal
+    the reference's bit for bit, and the host-reduced scales cast into exactly the single-device
+    quantization of every weight."""
     from jax_fp8 import reference as R
+    from jax_fp8.formats import packed_grids
 
     rng = np.random.default_rng(len(fmt) + jnp.dtype(in_dtype).itemsize)
-    for M, K in [(130, 300), (64, 96), (3, 40)]:
-        w = random_input(rng, (M, K), in_dtype)
-        flat = np.asarray(w).reshape(-1)
-        for n, even in [(3, False), (4, True), (8, False)]:
-            offs, lens, L = _split(rng, flat.size, n, even)
-            p = dict(M=M, K=K, fp8=0, **blocks)
-            shards = []
-            for o, l in zip(offs, lens):
-                buf = np.zeros(L, flat.dtype)
-                seg = flat[o:o + l]
-                buf[:seg.size] = seg
-                shards.append((buf, np.int32(o), np.int32(l)))
-            amax = jax.jit(lambda *a: partial_amax_p.bind(*a, **p))
-            parts = [_on_dirty_memory(amax, *s) for s in shards]
-            for s, got in zip(shards, parts):
-                for g, r in zip(got, R.partial_amax(*s, **p)):
-                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(r).view(np.uint8))
-            glob = [np.max(np.stack([np.asarray(pp[i]) for pp in parts]), axis=0) for i in range(len(parts[0]))]
-            cast = jax.jit(lambda *a: partial_cast_p.bind(*a, pow2=True, eps=0.0, **p))
-            datas = []
-            for s in shards:
-                got, want = _on_dirty_memory(cast, *s, *glob), R.partial_cast(*s, *glob, pow2=True, eps=0.0, **p)
-                for g, r in zip(got, want):
-                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(r).view(np.uint8))
-                datas.append(got[:len(glob)])
-            # assemble the shards: equal to quantizing the whole weight on one device
+    shapes = [(130, 300), (64, 96), (3, 40)]
+    weights = [random_input(rng, s, in_dtype) for s in shapes]
+    blocks = _BLOCKS[fmt]
+    p, amax, cast = _group_kernels(shapes, blocks)
+    layout = packed_grids(shapes, blocks["row_block"], blocks["col_block"], blocks["tile_block"])
+    for n, even in [(3, False), (4, True), (8, False)]:
+        ranks = _rank_groups(rng, weights, n, even)
+        parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
+        for (w, s), got in zip(ranks, parts):
+            _assert_bits(got, R.partial_amax_group(w, *s, **p)[0])
+        glob = np.max(np.stack([np.asarray(q) for q in parts]), axis=0)
+        outs = []
+        for w, s in ranks:
+            got = _on_dirty_memory(cast, w, glob, *s)
+            want = R.partial_cast_group(w, glob, *s, pow2=True, eps=0.0, **p)
+            assert len(got) == len(want)
+            for g, r in zip(got, want):
+                _assert_bits(g, r)
+            outs.append(got)
+        # assemble the shards: equal to quantizing each whole weight on one device
+        nu = len(layout[0])
+        scales_from = glob if fmt == "mxfp8" else outs[0][-1]
+        for i, (wt, (M, K)) in enumerate(zip(weights, shapes)):
             if fmt == "mxfp8":
-                q = jf.quantize_mxfp8(w, rowwise=True, colwise=True)
+                q = jf.quantize_mxfp8(wt, rowwise=True, colwise=True)
                 full = [(q.rowwise_data, q.rowwise_scale_inv), (q.colwise_data, q.colwise_scale_inv)]
-                scales = glob
             else:
-                q = jf.quantize_blockwise(w, block=(128, 128) if fmt == "blk2d" else (1, 128), colwise=fmt == "blk1d")
+                q = jf.quantize_blockwise(wt, block=(128, 128) if fmt == "blk2d" else (1, 128), colwise=fmt == "blk1d")
                 full = [(q.rowwise_data, q.rowwise_scale_inv)] + ([(q.colwise_data, q.colwise_scale_inv)] if fmt == "blk1d" else [])
-                scales = list(cast(*shards[0], *glob)[len(glob):])
-            for u, (data, sc) in enumerate(full):
-                np.testing.assert_array_equal(np.asarray(scales[u]).view(np.uint8), np.asarray(sc).view(np.uint8))
+            for u, ((data, sc), (at, (r, c))) in enumerate(zip(full, layout[i])):
+                _assert_bits(scales_from[at:at + r * c].reshape(r, c), sc)
                 asm = np.zeros(M * K, np.uint8)
-                for (buf, o, l), d in zip(shards, datas):
-                    k = max(0, min(int(l), M * K - int(o), L))
-                    asm[o:o + k] = np.asarray(d[u])[:k]
+                for (win, s), got in zip(ranks, outs):
+                    o, l = win[i]
+                    k = max(0, min(int(l), M * K - int(o), s[i].size))
+                    asm[o:o + k] = np.asarray(got[i * nu + u])[:k]
                 np.testing.assert_array_equal(asm, np.asarray(data).view(np.uint8).reshape(-1))
+
+
+@pytest.mark.parametrize("fmt", list(_BLOCKS))
+def test_partial_kernels_many_weights(fmt):
+    """A group larger than one GPU launch holds (24 weights): 40 weights of random shapes, empty ones
+    and single elements among them, split over 3 ranks at random cut points; packed outputs equal the
+    reference bit for bit (fresh 0xAB memory under the outputs)."""
+    from jax_fp8 import reference as R
+
+    rng = np.random.default_rng(40 + len(fmt))
+    shapes = [(int(rng.integers(1, 300)), int(rng.integers(1, 300))) for _ in range(36)]
+    shapes += [(0, 40), (1, 1), (129, 1), (1, 257)]
+    weights = [random_input(rng, s, jnp.bfloat16) for s in shapes]
+    p, amax, cast = _group_kernels(shapes, _BLOCKS[fmt], pow2=False)
+    ranks = _rank_groups(rng, weights, 3, False)
+    parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
+    for (w, s), got in zip(ranks, parts):
+        _assert_bits(got, R.partial_amax_group(w, *s, **p)[0])
+    glob = np.max(np.stack([np.asarray(q) for q in parts]), axis=0)
+    for w, s in ranks:
+        for g, r in zip(_on_dirty_memory(cast, w, glob, *s), R.partial_cast_group(w, glob, *s, pow2=False, eps=0.0, **p)):
+            _assert_bits(g, r)

@@ -4,6 +4,7 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "ffi_common.h"
@@ -211,11 +212,6 @@ ffi::Error DequantizeCpuImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Res
 
 // ---- master-weight shards: partial amax and partial cast --------------------------------------
 
-// Valid elements of the shard: [0, n) with n = clip(min(length, L, M*K - offset), 0).
-inline int64_t shard_count(const QuantizeArgs& a, int64_t L, int64_t off, int64_t len) {
-  return std::max<int64_t>(0, std::min({len, L, a.M * a.K - off}));
-}
-
 // Walk the shard's valid elements [0, n) one row segment at a time: f(j0, r, c0, c1) covers shard
 // elements j0 .. j0 + (c1 - c0) of weight row r, columns [c0, c1).
 template <class F>
@@ -291,50 +287,87 @@ void with_loader(InType t, F f) {
   }
 }
 
-ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
-                              ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1, int64_t M, int64_t K,
-                              int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
-                              int64_t tile_block) {
+// Weight w's arguments; its shard's offset and valid elements [0, n), n = clip(min(length, L, M*K - offset), 0).
+inline QuantizeArgs weight_args(const QuantizeArgs& a, const GroupWeight& w) {
+  QuantizeArgs aw = a;
+  aw.M = w.M;
+  aw.K = w.K;
+  return aw;
+}
+inline std::pair<int64_t, int64_t> shard_window(const GroupWeight& w, const int32_t* win, size_t i) {
+  const int64_t off = win[2 * i];
+  return {off, std::max<int64_t>(0, std::min({int64_t(win[2 * i + 1]), w.L, w.M * w.K - off}))};
+}
+
+ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> packed,
+                              ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
+                              int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block) {
   QuantizeArgs a;
-  int64_t L_;
-  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, false,
-                               0.0f, &a, &L_);
+  std::vector<GroupWeight> g;
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f,
+                          &a, &g, &n_packed);
+      e.failure())
+    return e;
+  if (auto e = check_packed(packed->element_type(), packed->element_count(), partial_type(a), n_packed,
+                            "the partial-value output");
       e.failure())
     return e;
   IeeeFpEnv env;
-  const int64_t off = *static_cast<const int32_t*>(offset.untyped_data());
-  const int64_t n = shard_count(a, L_, off, *static_cast<const int32_t*>(length.untyped_data()));
+  const auto* win = static_cast<const int32_t*>(windows.untyped_data());
+  auto* out = static_cast<char*>(packed->untyped_data());
+  const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
   Usage u[2];
-  void* outs[2] = {o0->untyped_data(), o1->untyped_data()};
   const int nu = usages_of(a, u);
-  for (int i = 0; i < nu; ++i)
-    with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(a, shard.untyped_data(), off, n, u[i], outs[i]); });
+  for (size_t i = 0; i < g.size(); ++i) {
+    const QuantizeArgs aw = weight_args(a, g[i]);
+    const auto [off, n] = shard_window(g[i], win, i);
+    for (int k = 0; k < nu; ++k)
+      with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(aw, g[i].x, off, n, u[k], out + g[i].at[k] * item); });
+  }
   return ffi::Error::Success();
 }
 
-ffi::Error PartialCastCpuImpl(ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length, ffi::AnyBuffer g0,
-                              ffi::AnyBuffer g1, ffi::Result<ffi::AnyBuffer> d0, ffi::Result<ffi::AnyBuffer> d1,
-                              ffi::Result<ffi::AnyBuffer> s0, ffi::Result<ffi::AnyBuffer> s1, int64_t M, int64_t K,
-                              int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
-                              int64_t tile_block, bool pow2, float eps) {
+ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::RemainingArgs shards,
+                              ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas,
+                              ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
+                              int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2,
+                              float eps) {
   QuantizeArgs a;
-  int64_t L_;
-  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
-                               eps, &a, &L_);
+  std::vector<GroupWeight> g;
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a,
+                          &g, &n_packed);
       e.failure())
     return e;
-  IeeeFpEnv env;
-  const int64_t off = *static_cast<const int32_t*>(offset.untyped_data());
-  const int64_t n = shard_count(a, L_, off, *static_cast<const int32_t*>(length.untyped_data()));
+  const bool fp32 = a.scale_kind == kScaleFp32;
   Usage u[2];
-  const void* grids[2] = {g0.untyped_data(), g1.untyped_data()};
-  uint8_t* data[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
-  float* sinv[2] = {static_cast<float*>(s0->untyped_data()), static_cast<float*>(s1->untyped_data())};
   const int nu = usages_of(a, u);
-  for (int i = 0; i < nu; ++i)
-    with_loader(a.in, [&](auto ld) {
-      partial_cast<decltype(ld)>(a, shard.untyped_data(), L_, off, n, u[i], grids[i], data[i], sinv[i]);
-    });
+  std::vector<uint8_t*> data;
+  if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(a), n_packed,
+                            "the global scale input");
+      e.failure())
+    return e;
+  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(),
+                            fp32 ? ffi::DataType::F32 : scale_inv->element_type(), fp32 ? n_packed : 0,
+                            "the scale_inv output");
+      e.failure())
+    return e;
+  if (auto e = group_data(datas, g, nu, &data); e.failure()) return e;
+  IeeeFpEnv env;
+  const auto* win = static_cast<const int32_t*>(windows.untyped_data());
+  const auto* glob = static_cast<const char*>(global.untyped_data());
+  auto* sinv = static_cast<float*>(scale_inv->untyped_data());
+  const size_t item = fp32 ? 4 : 1;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const QuantizeArgs aw = weight_args(a, g[i]);
+    const auto [off, n] = shard_window(g[i], win, i);
+    for (int k = 0; k < nu; ++k)
+      with_loader(a.in, [&](auto ld) {
+        partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, u[k], glob + g[i].at[k] * item, data[i * nu + k],
+                                   fp32 ? sinv + g[i].at[k] : nullptr);
+      });
+  }
   return ffi::Error::Success();
 }
 

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
-#include <algorithm>
+#include <vector>
 
 #include "dequantize.cuh"
 #include "ffi_common.h"
@@ -23,101 +23,81 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   if (a.B * a.M * a.K == 0) return ffi::Error::Success();
   uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
   void* s[2] = {o1->untyped_data(), o3->untyped_data()};
-  const void* none[2] = {nullptr, nullptr};
-  const Span sp = dense_span(a.M, a.K);
-  if (auto e = run_tiles<kQuantize>(stream, a, x.untyped_data(), sp, d, s, none); e.failure()) return e;
+  if (auto e = quantize_tiles(stream, a, x.untyped_data(), d, s); e.failure()) return e;
   return check_launch();
 }
 
-__global__ void scale_inv_kernel(const float* __restrict__ amax, float* __restrict__ scale_inv, int64_t n,
-                                 BlockRule rule) {
-  const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
-  if (i < n) {
-    float mult;
-    rule(amax[i], scale_inv[i], mult);
-  }
-}
-
-ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
-                               ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1, int64_t M, int64_t K,
-                               int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
-                               int64_t tile_block) {
-  QuantizeArgs a;
-  int64_t L_;
-  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, false,
-                               0.0f, &a, &L_);
-      e.failure())
-    return e;
-  uint8_t* d[2] = {nullptr, nullptr};
-  void* s[2] = {o0->untyped_data(), o1->untyped_data()};
-  const void* none[2] = {nullptr, nullptr};
-  // blocks outside the launched tiles hold none of the shard: partial value 0 (E8M0 0 / amax 0.0)
+// The group's weights as the shard kernel's inputs and outputs; `scales` is the packed buffer of
+// partial values (amax) or scale_inv (cast, fp32 only), `global` the packed reduced values (cast).
+std::vector<ShardIO> shard_io(const QuantizeArgs& a, const std::vector<GroupWeight>& g, const void* windows,
+                              void* scales, const void* global, const std::vector<uint8_t*>& data) {
   const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
   Usage u[2];
-  const int n_usages = usages_of(a, u);
-  for (int i = 0; i < n_usages; ++i) cudaMemsetAsync(s[i], 0, u[i].blocks(a) * item, stream);
-  if (a.M * a.K == 0) return check_launch();
-  const Span sp = shard_span(a.M, a.K, L_, offset.untyped_data(), length.untyped_data());
-  if (auto e = run_tiles<kAmax>(stream, a, shard.untyped_data(), sp, d, s, none); e.failure()) return e;
+  const int nu = usages_of(a, u);
+  const auto at = [&](const void* base, int64_t k) -> const void* {
+    return base ? static_cast<const char*>(base) + k * item : nullptr;
+  };
+  std::vector<ShardIO> io;
+  for (size_t i = 0; i < g.size(); ++i) {
+    ShardIO w{g[i].x, g[i].L, g[i].M, g[i].K, static_cast<const int32_t*>(windows) + 2 * i, {}, {}, {}};
+    for (int k = 0; k < nu; ++k) {
+      w.data[k] = data.empty() ? nullptr : data[i * nu + k];
+      w.scale[k] = const_cast<void*>(at(scales, g[i].at[k]));
+      w.global[k] = at(global, g[i].at[k]);
+    }
+    io.push_back(w);
+  }
+  return io;
+}
+
+ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi::RemainingArgs shards,
+                               ffi::Result<ffi::AnyBuffer> packed, ffi::Span<const int64_t> Ms,
+                               ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
+                               int64_t col_block, int64_t tile_block) {
+  QuantizeArgs a;
+  std::vector<GroupWeight> g;
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f,
+                          &a, &g, &n_packed);
+      e.failure())
+    return e;
+  if (auto e = check_packed(packed->element_type(), packed->element_count(), partial_type(a), n_packed,
+                            "the partial-value output");
+      e.failure())
+    return e;
+  const auto io = shard_io(a, g, windows.untyped_data(), packed->untyped_data(), nullptr, {});
+  if (auto e = launch_shards<kAmax>(stream, a, io.data(), int(io.size())); e.failure()) return e;
   return check_launch();
 }
 
-// Zeros bytes [end, L) of the cast outputs, end = the number of shard elements inside the weight
-// (read from device memory): 16-byte stores, bytewise at the edges.
-__global__ void zero_padding_kernel(uint8_t* d0, uint8_t* d1, int64_t L, const int32_t* offset, const int32_t* length,
-                                    int64_t MK) {
-  const int64_t end = max(int64_t(0), min(min(int64_t(*length), MK - *offset), L));
-  const auto zero16 = [&](uint8_t* d, int64_t i) {
-    if (i >= end && i + 16 <= L) {
-      *reinterpret_cast<uint4*>(d + i) = make_uint4(0, 0, 0, 0);
-    } else {
-      for (int64_t j = max(i, end); j < min(i + 16, L); ++j) d[j] = 0;
-    }
-  };
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t w = end / 16 + blockIdx.x * int64_t(kThreads) + threadIdx.x; w * 16 < L; w += stride) {
-    zero16(d0, w * 16);
-    if (d1) zero16(d1, w * 16);
-  }
-}
-
-ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer shard, ffi::AnyBuffer offset, ffi::AnyBuffer length,
-                               ffi::AnyBuffer g0, ffi::AnyBuffer g1, ffi::Result<ffi::AnyBuffer> d0,
-                               ffi::Result<ffi::AnyBuffer> d1, ffi::Result<ffi::AnyBuffer> s0,
-                               ffi::Result<ffi::AnyBuffer> s1, int64_t M, int64_t K, int64_t fp8, int64_t scale_kind,
-                               int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2, float eps) {
+ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi::AnyBuffer global,
+                               ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> scale_inv,
+                               ffi::RemainingRets datas, ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks,
+                               int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
+                               int64_t tile_block, bool pow2, float eps) {
   QuantizeArgs a;
-  int64_t L_;
-  if (auto e = make_shard_args(shard, offset, length, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
-                               eps, &a, &L_);
+  std::vector<GroupWeight> g;
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a,
+                          &g, &n_packed);
       e.failure())
     return e;
-  uint8_t* d[2] = {static_cast<uint8_t*>(d0->untyped_data()), static_cast<uint8_t*>(d1->untyped_data())};
-  void* s[2] = {s0->untyped_data(), s1->untyped_data()};
-  const void* global[2] = {g0.untyped_data(), g1.untyped_data()};
+  const bool fp32 = a.scale_kind == kScaleFp32;
   Usage u[2];
-  const int n_usages = usages_of(a, u);
-  if (L_ > 0) {  // the tile kernel writes the shard's elements; zero only the padding after them
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int64_t grid = std::min<int64_t>(cdiv(cdiv(L_, 16), kThreads), 4 * int64_t(sms));
-    zero_padding_kernel<<<unsigned(grid), kThreads, 0, stream>>>(
-        d[0], n_usages > 1 ? d[1] : nullptr, L_, static_cast<const int32_t*>(offset.untyped_data()),
-        static_cast<const int32_t*>(length.untyped_data()), a.M * a.K);
-  }
-  if (a.scale_kind == kScaleFp32) {  // every rank derives the same scale_inv grids from the global amaxes
-    const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
-    for (int i = 0; i < n_usages; ++i) {
-      const int64_t n = u[i].blocks(a);
-      if (n > 0)
-        scale_inv_kernel<<<unsigned(cdiv(n, kThreads)), kThreads, 0, stream>>>(
-            static_cast<const float*>(global[i]), static_cast<float*>(s[i]), n, rule);
-    }
-  }
-  if (a.M * a.K == 0) return check_launch();
-  const Span sp = shard_span(a.M, a.K, L_, offset.untyped_data(), length.untyped_data());
-  if (auto e = run_tiles<kCast>(stream, a, shard.untyped_data(), sp, d, s, global); e.failure()) return e;
+  std::vector<uint8_t*> data;
+  if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(a), n_packed,
+                            "the global scale input");
+      e.failure())
+    return e;
+  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(),
+                            fp32 ? ffi::DataType::F32 : scale_inv->element_type(), fp32 ? n_packed : 0,
+                            "the scale_inv output");
+      e.failure())
+    return e;
+  if (auto e = group_data(datas, g, usages_of(a, u), &data); e.failure()) return e;
+  const auto io = shard_io(a, g, windows.untyped_data(), fp32 ? scale_inv->untyped_data() : nullptr,
+                           global.untyped_data(), data);
+  if (auto e = launch_shards<kCast>(stream, a, io.data(), int(io.size())); e.failure()) return e;
   return check_launch();
 }
 

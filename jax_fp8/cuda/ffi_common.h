@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fp8_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -75,7 +76,8 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64
 // The usages of a call, each as (bm, bk) blocks, in the kernels' output order: row, col, tile.
 struct Usage {
   int bm, bk;
-  int64_t blocks(const QuantizeArgs& a) const { return cdiv(a.M, bm) * cdiv(a.K, bk); }
+  int64_t blocks(int64_t M, int64_t K) const { return cdiv(M, bm) * cdiv(K, bk); }
+  int64_t blocks(const QuantizeArgs& a) const { return blocks(a.M, a.K); }
 };
 inline int usages_of(const QuantizeArgs& a, Usage* u) {
   int n = 0;
@@ -85,20 +87,75 @@ inline int usages_of(const QuantizeArgs& a, Usage* u) {
   return n;
 }
 
-// A master-weight shard: elements [offset, offset + length) of a row-major (M, K) weight, held in a
-// flat buffer of L elements (elements past `length` or past the weight are padding). offset and
-// length are int32 scalars in the platform's memory (device memory on GPU).
-inline ffi::Error make_shard_args(const ffi::AnyBuffer& shard, const ffi::AnyBuffer& offset,
-                                  const ffi::AnyBuffer& length, int64_t M, int64_t K, int64_t fp8,
-                                  int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block,
-                                  bool pow2, float eps, QuantizeArgs* a, int64_t* L) {
-  if (shard.dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
-  if (offset.element_type() != ffi::DataType::S32 || length.element_type() != ffi::DataType::S32 ||
-      offset.element_count() != 1 || length.element_count() != 1)
-    return bad("shard offset and length must be int32 scalars");
-  *L = shard.dimensions()[0];
-  return fill_quantize_args(shard.element_type(), 1, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2,
-                            eps, a);
+// ---- master-weight groups ------------------------------------------------------------------------
+// A partial-amax or partial-cast call covers N weights. Weight i's flat shard of L elements holds
+// elements [offset, offset + length) of its row-major (M, K) weight; (offset, length) are
+// windows[2i], windows[2i + 1] (int32, in the platform's memory); M, K come as array attributes. Every
+// weight's grids, in usage order, are packed one after another in one buffer of partial values,
+// global values or scale_inv.
+struct GroupWeight {
+  const void* x;
+  int64_t L, M, K;
+  int64_t at[2];  // each usage grid's first element in the packed buffer
+};
+
+inline ffi::Error make_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
+                             ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
+                             int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2,
+                             float eps, QuantizeArgs* a, std::vector<GroupWeight>* g, int64_t* n_packed) {
+  const size_t n = shards.size();
+  if (Ms.size() != n || Ks.size() != n) return bad("one shape per master-weight shard");
+  if (windows.element_type() != ffi::DataType::S32 || windows.element_count() != 2 * n)
+    return bad("shard windows must be int32 (offset, length) pairs, one per shard");
+  ffi::DataType in = ffi::DataType::F32;
+  g->clear();
+  *n_packed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto s = shards.get<ffi::AnyBuffer>(i);
+    if (!s.has_value()) return bad("master-weight shards must be buffers");
+    if (s->dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
+    if (i == 0) in = s->element_type();
+    if (s->element_type() != in) return bad("the shards of one call must share a dtype");
+    if (Ms[i] < 0 || Ks[i] < 0) return bad("negative dimension");
+    g->push_back(GroupWeight{s->untyped_data(), s->dimensions()[0], Ms[i], Ks[i], {0, 0}});
+  }
+  if (auto e = fill_quantize_args(in, 1, 0, 0, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, a);
+      e.failure())
+    return e;
+  Usage u[2];
+  const int nu = usages_of(*a, u);
+  for (GroupWeight& w : *g)
+    for (int k = 0; k < nu; ++k) {
+      w.at[k] = *n_packed;
+      *n_packed += u[k].blocks(w.M, w.K);
+    }
+  return ffi::Error::Success();
+}
+
+// Checks a packed buffer: n_packed elements of the call's partial-value type (uint8 E8M0 bytes or
+// fp32 amaxes; scale_inv is always fp32).
+inline ffi::Error check_packed(ffi::DataType t, size_t count, ffi::DataType want, int64_t n_packed, const char* what) {
+  if (t != want || int64_t(count) != n_packed)
+    return bad(std::string(what) + " does not match the weights' packed scale grids");
+  return ffi::Error::Success();
+}
+inline ffi::DataType partial_type(const QuantizeArgs& a) {
+  return a.scale_kind == kScaleE8M0 ? ffi::DataType::U8 : ffi::DataType::F32;
+}
+
+// The data outputs of a group cast: per weight, per usage, its L FP8 bytes.
+inline ffi::Error group_data(const ffi::RemainingRets& rets, const std::vector<GroupWeight>& g, int nu,
+                             std::vector<uint8_t*>* data) {
+  if (rets.size() != g.size() * nu) return bad("one data output per shard and usage");
+  data->clear();
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (!r.has_value() || (*r)->element_type() != ffi::DataType::U8 ||
+        int64_t((*r)->element_count()) != g[i / nu].L)
+      return bad("each data output must be uint8 of the shard's length");
+    data->push_back(static_cast<uint8_t*>((*r)->untyped_data()));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace jf
@@ -111,14 +168,14 @@ inline ffi::Error make_shard_args(const ffi::AnyBuffer& shard, const ffi::AnyBuf
   .Attr<int64_t>("fp8").Attr<int64_t>("scale_kind").Attr<int64_t>("row_block").Attr<int64_t>("col_block") \
       .Attr<int64_t>("tile_block")
 #define JF_SCALE_OPTIONS .Attr<bool>("pow2").Attr<float>("eps")
-#define JF_SHARD_ATTRS .Attr<int64_t>("M").Attr<int64_t>("K") JF_BLOCK_ATTRS
+#define JF_SHAPES_ATTRS .Attr<::xla::ffi::Span<const int64_t>>("Ms").Attr<::xla::ffi::Span<const int64_t>>("Ks")
 // x -> (data, scale) x 2
 #define JF_BIND_QUANTIZE(b) b JF_ARG JF_RET JF_RET JF_RET JF_RET JF_BLOCK_ATTRS JF_SCALE_OPTIONS
 // data, scale -> out
 #define JF_BIND_DEQUANTIZE(b) \
   b JF_ARG JF_ARG JF_RET.Attr<int64_t>("fp8").Attr<int64_t>("block_m").Attr<int64_t>("block_k")
-// shard, offset, length -> partial-value grids x 2
-#define JF_BIND_PARTIAL_AMAX(b) b JF_ARG JF_ARG JF_ARG JF_RET JF_RET JF_SHARD_ATTRS
-// shard, offset, length, global grids x 2 -> data x 2, scale_inv x 2
+// windows, shards... -> packed partial values
+#define JF_BIND_PARTIAL_AMAX(b) b JF_ARG.RemainingArgs() JF_RET JF_SHAPES_ATTRS JF_BLOCK_ATTRS
+// windows, packed global values, shards... -> packed scale_inv (fp32 scales; else empty), data per shard and usage
 #define JF_BIND_PARTIAL_CAST(b) \
-  b JF_ARG JF_ARG JF_ARG JF_ARG JF_ARG JF_RET JF_RET JF_RET JF_RET JF_SHARD_ATTRS JF_SCALE_OPTIONS
+  b JF_ARG JF_ARG.RemainingArgs() JF_RET.RemainingRets() JF_SHAPES_ATTRS JF_BLOCK_ATTRS JF_SCALE_OPTIONS

@@ -59,7 +59,7 @@ using LoadF16 = Load16<true>;
 
 // Where a matrix's elements live. Dense: x[b*M*K + r*K + c]. Master-weight shard: a flat buffer
 // holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
-// Callers give M, K, L and the shard's offset/length (dense_span / shard_span); launch_tiles fills in
+// Callers give M, K, L and the shard's offset/length (dense_span / shard_span); plan_tiles fills in
 // the tile counts and the alignment.
 struct Span {
   int64_t M, K, nTM, nTK;
@@ -80,7 +80,7 @@ enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
 template <class S>
 struct Outs {
   uint8_t* data;
-  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: unused (scale_inv_kernel)
+  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: fp32 scale_inv (null for E8M0)
   const S* global;        // kCast: the reduced per-block values
 };
 
@@ -166,7 +166,7 @@ __device__ __forceinline__ uint4 load_vector(const typename L::T* __restrict__ x
 
 // Per block: from its amax (or, when casting a shard, from the reduced global value g) to the
 // multiplier, writing what the mode stores for the block when `write` (kQuantize: the scale; kAmax:
-// the rank's partial value; kCast: nothing, scale_inv_kernel fills the fp32 grids).
+// the rank's partial value; kCast: the fp32 scale_inv, every rank the same from the global amax).
 template <int MODE, class Rule>
 __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, typename Rule::ScaleT g,
                                                   const Outs<typename Rule::ScaleT>& o, int64_t gi, bool write) {
@@ -179,7 +179,7 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   } else {
     rule.from_global(g, s, mult);
   }
-  if (write && MODE != kCast) o.scale[gi] = s;
+  if (write && (MODE != kCast || o.scale)) o.scale[gi] = s;
   return mult;
 }
 
@@ -193,13 +193,12 @@ struct Geom {
   static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
 };
 
-// Quantizes the CTA's tile. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE: one TM x TK
-// block. Every scale block belongs to exactly one tile, so no atomics are needed in any mode.
-// MINB: CTAs per SM that the register allocation must allow.
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB)
-    tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
-                Outs<typename Rule::ScaleT> col) {
+// Quantizes tile t of a matrix or shard. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE:
+// one TM x TK block. Every scale block belongs to exactly one tile, so no atomics are needed in any mode.
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
+__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp, const Rule& rule,
+                                              int fp8, const Outs<typename Rule::ScaleT>& row,
+                                              const Outs<typename Rule::ScaleT>& col, uint32_t t) {
   using Gm = Geom<L, TM, TK>;
   using S = typename Rule::ScaleT;
   constexpr int VEC = Gm::VEC, CHUNKS = Gm::CHUNKS, G = Gm::G, NV = Gm::NV;
@@ -209,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
   w.first_tm = sp.dev_offset ? w.offset / sp.K / TM : 0;
   w.aligned = sp.aligned_base && w.offset % VEC == 0;
-  const TilePos p = tile_pos(blockIdx.x, sp, w);
+  const TilePos p = tile_pos(t, sp, w);
   if (p.tm >= sp.nTM) return;
   const int tid = threadIdx.x;
   const int c = tid % CHUNKS, g = tid / CHUNKS;
@@ -381,58 +380,247 @@ constexpr int min_blocks_for() {
   return COL ? 3 : (MODE == kCast ? 3 : 4);
 }
 
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE,
-          int MINB = min_blocks_for<L, Rule, COL, MODE>()>
+// The tile geometry and usages of one call: Rule, TM x TK tiles, rowwise 1 x RBK blocks (RBK > 0),
+// TM x 1 columnwise blocks (COL), or one block per tile (TILE).
+template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_>
+struct TileCfg {
+  using Rule = Rule_;
+  using S = typename Rule::ScaleT;
+  static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
+  static constexpr bool COL = COL_, TILE = TILE_;
+  // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
+  static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
+  // The row slot's blocks: 1 x RBK, or TM x TK for 2-D tiles.
+  static constexpr int ROW_BM = TILE ? TM : 1, ROW_BK = TILE ? TK : RBK;
+};
+
+// Calls f(cfg, rule) with the tile configuration and scale rule for the usages of `a`.
+template <class F>
+ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
+  if (a.scale_kind == kScaleE8M0) {
+    const MxRule r{a.fp8};
+    if (a.row_block && a.col_block) return f(TileCfg<MxRule, 32, 256, 32, true, false>{}, r);
+    if (a.row_block) return f(TileCfg<MxRule, 32, 256, 32, false, false>{}, r);
+    return f(TileCfg<MxRule, 32, 256, 0, true, false>{}, r);
+  }
+  const BlockRule r{a.fp8, a.pow2, a.eps, a.inf_value};
+  if (a.tile_block) return f(TileCfg<BlockRule, 128, 128, 0, false, true>{}, r);
+  if (a.row_block && a.col_block) return f(TileCfg<BlockRule, 128, 128, 128, true, false>{}, r);
+  if (a.row_block) return f(TileCfg<BlockRule, 128, 128, 128, false, false>{}, r);
+  return f(TileCfg<BlockRule, 128, 128, 0, true, false>{}, r);
+}
+
+// Calls f(loader) for the input type.
+template <class F>
+ffi::Error with_loader(InType in, F&& f) {
+  switch (in) {
+    case InType::kF32: return f(LoadF32{});
+    case InType::kBF16: return f(LoadBF16{});
+    case InType::kF16: return f(LoadF16{});
+  }
+  return bad("unreachable");
+}
+
+// The kernel's output slot for usage-ordered pointers (data, scale, global per usage).
+template <class Cfg>
+Outs<typename Cfg::S> slot(int which, uint8_t* const* d, void* const* s, const void* const* g) {
+  using S = typename Cfg::S;
+  if (which < 0) return {};
+  return {d[which], static_cast<S*>(s[which]), static_cast<const S*>(g[which])};
+}
+
+// Fills in the tile counts and the alignment of a span; returns the number of tiles to launch.
+template <class L, int TM, int TK>
+int64_t plan_tiles(Span& sp, int64_t B, const void* x) {
+  if (sp.M * sp.K == 0) return 0;
+  sp.nTM = cdiv(sp.M, TM);
+  sp.nTK = cdiv(sp.K, TK);
+  // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
+  sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, sp.K) + 1, TM) + 1) : sp.nTM;
+  sp.aligned_base = sp.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  return B * sp.nTM_launch * sp.nTK;
+}
+
+// ---- dense tensors: one launch, one tile per CTA ----------------------------------------------
+
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
+                Outs<typename Rule::ScaleT> col) {
+  quantize_tile<L, Rule, TM, TK, RBK, COL, TILE, kQuantize>(x, sp, rule, fp8, row, col, blockIdx.x);
+}
+
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE,
+          int MINB = min_blocks_for<L, Rule, COL, kQuantize>()>
 ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp, Rule rule,
                         Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
-  sp.nTM = cdiv(a.M, TM);
-  sp.nTK = cdiv(a.K, TK);
-  // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
-  sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, a.K) + 1, TM) + 1) : sp.nTM;
-  const int64_t n_tiles = a.B * sp.nTM_launch * sp.nTK;
+  const int64_t n_tiles = plan_tiles<L, TM, TK>(sp, a.B, x);
   if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
   if (n_tiles == 0) return ffi::Error::Success();
-  sp.aligned_base = a.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MODE, MINB><<<unsigned(n_tiles), kThreads, 0, stream>>>(
+  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MINB><<<unsigned(n_tiles), kThreads, 0, stream>>>(
       static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col);
   return ffi::Error::Success();
 }
 
-// Picks the tile configuration for the requested usages; `d`/`s`/`global` hold the usages in the order
-// row, col (or the single tile usage).
-template <class L, int MODE>
-ffi::Error tiles_in(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
-                    void* const* s, const void* const* global) {
-  if (a.scale_kind == kScaleE8M0) {
-    using O = Outs<uint8_t>;
-    const MxRule rule{a.fp8};
-    const O o0{d[0], static_cast<uint8_t*>(s[0]), static_cast<const uint8_t*>(global[0])};
-    const O o1{d[1], static_cast<uint8_t*>(s[1]), static_cast<const uint8_t*>(global[1])};
-    if (a.row_block && a.col_block)
-      return launch_tiles<L, MxRule, 32, 256, 32, true, false, MODE>(st, a, x, sp, rule, o0, o1);
-    if (a.row_block) return launch_tiles<L, MxRule, 32, 256, 32, false, false, MODE>(st, a, x, sp, rule, o0, O{});
-    return launch_tiles<L, MxRule, 32, 256, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
-  }
-  using O = Outs<float>;
-  const BlockRule rule{a.fp8, a.pow2, a.eps, a.inf_value};
-  const O o0{d[0], static_cast<float*>(s[0]), static_cast<const float*>(global[0])};
-  const O o1{d[1], static_cast<float*>(s[1]), static_cast<const float*>(global[1])};
-  if (a.tile_block) return launch_tiles<L, BlockRule, 128, 128, 0, false, true, MODE>(st, a, x, sp, rule, o0, O{});
-  if (a.row_block && a.col_block)
-    return launch_tiles<L, BlockRule, 128, 128, 128, true, false, MODE>(st, a, x, sp, rule, o0, o1);
-  if (a.row_block) return launch_tiles<L, BlockRule, 128, 128, 128, false, false, MODE>(st, a, x, sp, rule, o0, O{});
-  return launch_tiles<L, BlockRule, 128, 128, 0, true, false, MODE>(st, a, x, sp, rule, O{}, o0);
+// Quantizes the (B, M, K) tensor x; `d`/`s` hold the outputs per usage in the order row, col, tile.
+inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d,
+                                 void* const* s) {
+  const void* none[2] = {nullptr, nullptr};
+  return with_loader(a.in, [&](auto ld) {
+    return with_cfg(a, [&](auto cfg, auto rule) {
+      using C = decltype(cfg);
+      return launch_tiles<decltype(ld), typename C::Rule, C::TM, C::TK, C::RBK, C::COL, C::TILE>(
+          st, a, x, dense_span(a.M, a.K), rule, slot<C>(C::ROW_SLOT, d, s, none), slot<C>(C::COL_SLOT, d, s, none));
+    });
+  });
 }
 
-template <int MODE>
-ffi::Error run_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, const Span& sp, uint8_t* const* d,
-                     void* const* s, const void* const* global) {
-  switch (a.in) {
-    case InType::kF32: return tiles_in<LoadF32, MODE>(st, a, x, sp, d, s, global);
-    case InType::kBF16: return tiles_in<LoadBF16, MODE>(st, a, x, sp, d, s, global);
-    case InType::kF16: return tiles_in<LoadF16, MODE>(st, a, x, sp, d, s, global);
+// ---- master-weight shards: many weights per launch ----------------------------------------------
+// A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs
+// about 3.4 us of GPU time over its HBM time, RESULTS.md run 15). Each job's CTAs are its tiles,
+// then `n_fill` CTAs that write what the tiles do not: the blocks of the tile rows outside the walk
+// (partial value 0; when casting, the fp32 scale_inv from the global amax) and, when casting, zeros in
+// the data past the shard's elements. The jobs live in the kernel's parameter space (under 4 KB).
+
+template <class S>
+struct ShardJob {
+  const void* x;
+  Span sp;
+  Outs<S> row, col;
+  uint32_t begin, n_tiles, n_fill;  // CTAs [begin, begin + n_tiles) are tiles, the next n_fill fill
+};
+constexpr int kMaxJobs = 24;
+template <class S>
+struct ShardGroup {
+  ShardJob<S> job[kMaxJobs];
+  int n;
+};
+static_assert(sizeof(ShardGroup<float>) + 64 <= 4096, "kernel parameters");
+
+// Zeros bytes [b, e): 16-byte stores in the aligned middle, thread i of n.
+__device__ __forceinline__ void zero_bytes(uint8_t* b, uint8_t* e, int64_t i, int64_t n) {
+  uint8_t* v0 = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(b) + 15) & ~uintptr_t(15));
+  uint8_t* v1 = reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(e) & ~uintptr_t(15));
+  if (v0 >= v1) v0 = v1 = e;  // no whole vector: every byte the scalar way
+  for (int64_t k = i; k < v0 - b; k += n) b[k] = 0;
+  for (int64_t k = i; k < (v1 - v0) / 16; k += n) reinterpret_cast<uint4*>(v0)[k] = make_uint4(0, 0, 0, 0);
+  for (int64_t k = i; k < e - v1; k += n) v1[k] = 0;
+}
+
+// The fill CTAs of a job: thread i of n writes its share of what the tile walk leaves out.
+template <class Cfg, int MODE>
+__device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typename Cfg::Rule& rule, int64_t i,
+                                  int64_t n) {
+  using S = typename Cfg::S;
+  const Span& sp = jb.sp;
+  const int64_t off = *sp.dev_offset, len = *sp.dev_length, MK = sp.M * sp.K;
+  if (MK > 0) {
+    const int64_t first_tm = off / sp.K / Cfg::TM;  // as quantize_tile's walk
+    // Blocks of grid rows [0, lo) and [hi, rows) of a usage with bm-row blocks lie outside the walk.
+    const auto outside = [&](const Outs<S>& o, int bm, int bk) {
+      const int64_t rows = cdiv(sp.M, bm), cols = cdiv(sp.K, bk), per_tile = Cfg::TM / bm;
+      const int64_t lo = min(rows, first_tm * per_tile) * cols;
+      const int64_t hi = min(rows, (first_tm + sp.nTM_launch) * per_tile) * cols;
+      if constexpr (MODE == kAmax) {
+        zero_bytes(reinterpret_cast<uint8_t*>(o.scale), reinterpret_cast<uint8_t*>(o.scale + lo), i, n);
+        zero_bytes(reinterpret_cast<uint8_t*>(o.scale + hi), reinterpret_cast<uint8_t*>(o.scale + rows * cols), i, n);
+      } else if (o.scale) {
+        const auto from_global = [&](int64_t k) {
+          float mult;
+          rule.from_global(o.global[k], o.scale[k], mult);
+        };
+        for (int64_t k = i; k < lo; k += n) from_global(k);
+        for (int64_t k = hi + i; k < rows * cols; k += n) from_global(k);
+      }
+    };
+    if constexpr (Cfg::ROW_SLOT >= 0) outside(jb.row, Cfg::ROW_BM, Cfg::ROW_BK);
+    if constexpr (Cfg::COL_SLOT >= 0) outside(jb.col, Cfg::TM, 1);
   }
-  return bad("unreachable");
+  if constexpr (MODE == kCast) {  // the data past the shard's elements inside the weight
+    const int64_t end = max(int64_t(0), min(min(len, MK - off), sp.L));
+    if (jb.row.data) zero_bytes(jb.row.data + end, jb.row.data + sp.L, i, n);
+    if (jb.col.data) zero_bytes(jb.col.data + end, jb.col.data + sp.L, i, n);
+  }
+}
+
+template <class L, class Cfg, int MODE, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    shard_kernel(const __grid_constant__ ShardGroup<typename Cfg::S> grp, const typename Cfg::Rule rule, int fp8) {
+  int j = 0;
+  while (j + 1 < grp.n && grp.job[j + 1].begin <= blockIdx.x) ++j;
+  const ShardJob<typename Cfg::S>& jb = grp.job[j];
+  const uint32_t t = blockIdx.x - jb.begin;
+  if (t < jb.n_tiles)
+    quantize_tile<L, typename Cfg::Rule, Cfg::TM, Cfg::TK, Cfg::RBK, Cfg::COL, Cfg::TILE, MODE>(
+        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, t);
+  else
+    fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(t - jb.n_tiles) * kThreads + threadIdx.x,
+                                 int64_t(jb.n_fill) * kThreads);
+}
+
+// One weight of a group: its flat shard x of L elements holds elements [offset, offset + length) of
+// the row-major (M, K) weight, (offset, length) = window[0..1] in device memory. Per usage (row, col,
+// tile order): data (kCast), the partial values (kAmax) or fp32 scale_inv (kCast), the global values.
+struct ShardIO {
+  const void* x;
+  int64_t L, M, K;
+  const int32_t* window;
+  uint8_t* data[2];
+  void* scale[2];
+  const void* global[2];
+};
+
+// Which CTAs of a group launch run: all, or (to time them apart) only the tiles or only the fill.
+enum class Part { kAll, kTiles, kFill };
+
+template <int MODE>
+ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* io, int n, Part part = Part::kAll) {
+  static_assert(MODE != kQuantize, "shards are partial-amax or partial-cast calls");
+  return with_loader(a.in, [&](auto ld) {
+    return with_cfg(a, [&](auto cfg, auto rule) -> ffi::Error {
+      using L = decltype(ld);
+      using C = decltype(cfg);
+      using S = typename C::S;
+      constexpr int MINB = min_blocks_for<L, typename C::Rule, C::COL, MODE>();
+      ShardGroup<S> grp;
+      grp.n = 0;
+      int64_t ctas = 0;
+      const auto flush = [&] {
+        if (ctas > 0) shard_kernel<L, C, MODE, MINB><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+        grp.n = 0;
+        ctas = 0;
+      };
+      for (int i = 0; i < n; ++i) {
+        ShardJob<S> jb;
+        jb.x = io[i].x;
+        jb.sp = shard_span(io[i].M, io[i].K, io[i].L, io[i].window, io[i].window + 1);
+        jb.row = slot<C>(C::ROW_SLOT, io[i].data, io[i].scale, io[i].global);
+        jb.col = slot<C>(C::COL_SLOT, io[i].data, io[i].scale, io[i].global);
+        const int64_t tiles = plan_tiles<L, C::TM, C::TK>(jb.sp, 1, jb.x);
+        // fill work, at most: every block of the written grids, and the data padding; ~256 bytes a thread
+        const auto grid_bytes = [&](int64_t bm, int64_t bk) {
+          return cdiv(io[i].M, bm) * cdiv(io[i].K, bk) * int64_t(sizeof(S));
+        };
+        int64_t bytes = 0;
+        if (MODE == kAmax || io[i].scale[0]) {
+          if (C::ROW_SLOT >= 0) bytes += grid_bytes(C::ROW_BM, C::ROW_BK);
+          if (C::COL_SLOT >= 0) bytes += grid_bytes(C::TM, 1);
+        }
+        if (MODE == kCast) bytes += ((C::ROW_SLOT >= 0) + (C::COL_SLOT >= 0)) * io[i].L;
+        const int64_t fill = std::min<int64_t>(cdiv(bytes, kThreads * 256), 1024);
+        jb.n_tiles = uint32_t(part == Part::kFill ? 0 : tiles);
+        jb.n_fill = uint32_t(part == Part::kTiles ? 0 : fill);
+        if (tiles + fill > 0x7FFFFFFF) return bad("master-weight shard too large for one launch");
+        if (jb.n_tiles + jb.n_fill == 0) continue;
+        if (grp.n == kMaxJobs || ctas + jb.n_tiles + jb.n_fill > 0x7FFFFFFF) flush();
+        jb.begin = uint32_t(ctas);
+        grp.job[grp.n++] = jb;
+        ctas += jb.n_tiles + jb.n_fill;
+      }
+      flush();
+      return ffi::Error::Success();
+    });
+  });
 }
 
 inline ffi::Error check_launch() {

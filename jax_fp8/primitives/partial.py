@@ -1,7 +1,11 @@
-"""Primitives for master-weight shards: ``jf_partial_amax`` and ``jf_partial_cast``.
+"""Primitives for master-weight shards: ``jf_partial_amax`` and ``jf_partial_cast``, each over a
+group of weights in one call (one kernel launch per up to 24 weights on GPU).
 
-A shard is a flat buffer (L,) holding elements [offset, offset + length) of a row-major (M, K)
-weight; offset and length are traced int32 scalars (they come from ``lax.axis_index``).
+Weight i's shard is a flat buffer (L_i,) holding elements [offset, offset + length) of its row-major
+(M_i, K_i) weight; ``windows`` is an int32 (N, 2) array of (offset, length) (traced: it comes from
+``lax.axis_index``). Every weight's scale grids are packed one after another in one 1-D buffer
+(``formats.packed_grids``): the partial values that ``jf_partial_amax`` returns, the reduced global
+values that ``jf_partial_cast`` takes, and the fp32 scale_inv that it returns for Float8 blockwise.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from jax._src import dispatch as _dispatch
 
 from .. import _ffi, reference
 from .._compat import Primitive, ffi, mlir
-from ..formats import cdiv, usage_blocks
+from ..formats import packed_grids, packed_size, usage_blocks
 
 partial_amax_p = Primitive("jf_partial_amax")
 partial_amax_p.multiple_results = True
@@ -22,66 +26,67 @@ partial_cast_p = Primitive("jf_partial_cast")
 partial_cast_p.multiple_results = True
 partial_cast_p.def_impl(partial(_dispatch.apply_primitive, partial_cast_p))
 
-_INT_ATTRS = ("M", "K", "fp8", "scale_kind", "row_block", "col_block", "tile_block")
+_BLOCK_ATTRS = ("fp8", "scale_kind", "row_block", "col_block", "tile_block")
 
 
-def _grids(M, K, scale_kind, row_block, col_block, tile_block, dtype=None):
-    sdt = dtype or (np.uint8 if scale_kind == 0 else np.float32)
-    return [ShapedArray((cdiv(M, bm), cdiv(K, bk)), sdt) for bm, bk in usage_blocks(row_block, col_block, tile_block)]
+def _packed(shapes, scale_kind, row_block, col_block, tile_block, dtype=None):
+    n = packed_size(packed_grids(shapes, row_block, col_block, tile_block))
+    return ShapedArray((n,), dtype or (np.uint8 if scale_kind == 0 else np.float32))
 
 
-def _check_shard(shard, offset, length):
-    if shard.ndim != 1:
-        raise ValueError(f"a master-weight shard must be flat (rank 1), got shape {shard.shape}")
-    if offset.shape != () or length.shape != () or offset.dtype != np.int32 or length.dtype != np.int32:
-        raise ValueError("shard offset and length must be int32 scalars")
+def _check_group(windows, shards, shapes):
+    if len(shards) != len(shapes):
+        raise ValueError(f"{len(shards)} master-weight shards but {len(shapes)} shapes")
+    if windows.shape != (len(shards), 2) or windows.dtype != np.int32:
+        raise ValueError(f"shard windows must be int32 of shape ({len(shards)}, 2), got {windows.dtype}{windows.shape}")
+    for s in shards:
+        if s.ndim != 1:
+            raise ValueError(f"a master-weight shard must be flat (rank 1), got shape {s.shape}")
+        if s.dtype != shards[0].dtype:
+            raise ValueError(f"the shards of one call must share a dtype, got {shards[0].dtype} and {s.dtype}")
 
 
-def _amax_abstract(shard, offset, length, *, M, K, fp8, scale_kind, row_block, col_block, tile_block):
-    _check_shard(shard, offset, length)
-    return _grids(M, K, scale_kind, row_block, col_block, tile_block)
+def _amax_abstract(windows, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block):
+    _check_group(windows, shards, shapes)
+    return [_packed(shapes, scale_kind, row_block, col_block, tile_block)]
 
 
-def _cast_abstract(shard, offset, length, *grids, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
-    _check_shard(shard, offset, length)
-    want = _grids(M, K, scale_kind, row_block, col_block, tile_block)
-    if [(g.shape, g.dtype) for g in grids] != [(w.shape, w.dtype) for w in want]:
-        raise ValueError(f"partial cast: scale grids {[g.shape for g in grids]} do not match the weight ({M}, {K})")
-    datas = [ShapedArray(shard.shape, np.uint8)] * len(want)
-    sinvs = _grids(M, K, scale_kind, row_block, col_block, tile_block, np.float32) if scale_kind == 1 else []
-    return datas + sinvs
+def _cast_abstract(windows, glob, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
+    _check_group(windows, shards, shapes)
+    want = _packed(shapes, scale_kind, row_block, col_block, tile_block)
+    if (glob.shape, glob.dtype) != (want.shape, want.dtype):
+        raise ValueError(f"partial cast: global scales {glob.dtype}{glob.shape} do not match the weights "
+                         f"({want.dtype}{want.shape})")
+    nu = len(usage_blocks(row_block, col_block, tile_block))
+    datas = [ShapedArray(s.shape, np.uint8) for s in shards for _ in range(nu)]
+    return datas + ([_packed(shapes, scale_kind, row_block, col_block, tile_block, np.float32)] if scale_kind == 1 else [])
 
 
 partial_amax_p.def_abstract_eval(_amax_abstract)
 partial_cast_p.def_abstract_eval(_cast_abstract)
 
-_EMPTY = ShapedArray((0,), np.uint8)
+
+def _attrs(shapes, p):
+    return dict(Ms=np.array([m for m, _ in shapes], np.int64), Ks=np.array([k for _, k in shapes], np.int64),
+                **{k: np.int64(p[k]) for k in _BLOCK_ATTRS})
 
 
-def _pad(avals, n):
-    return list(avals) + [_EMPTY] * (n - len(avals))
+def _amax_ffi(ctx, windows, *shards, shapes, **p):
+    return ffi.ffi_lowering("jf_partial_amax")(ctx, windows, *shards, **_attrs(shapes, p))
 
 
-def _amax_ffi(ctx, shard, offset, length, **p):
-    n = len(ctx.avals_out)
-    outs = ffi.ffi_lowering("jf_partial_amax")(
-        ctx.replace(avals_out=_pad(ctx.avals_out, 2)), shard, offset, length, **{k: np.int64(p[k]) for k in _INT_ATTRS})
-    return outs[:n]
+def _cast_ffi(ctx, windows, glob, *shards, shapes, pow2, eps, **p):
+    # the FFI target returns scale_inv first (an empty placeholder for E8M0 scales), then the data
+    fp32 = p["scale_kind"] == 1
+    datas = ctx.avals_out[:len(ctx.avals_out) - fp32]
+    sinv = ctx.avals_out[-1] if fp32 else ShapedArray((0,), np.float32)
+    outs = ffi.ffi_lowering("jf_partial_cast")(ctx.replace(avals_out=[sinv, *datas]), windows, glob, *shards,
+                                               pow2=np.bool_(pow2), eps=np.float32(eps), **_attrs(shapes, p))
+    return list(outs[1:]) + ([outs[0]] if fp32 else [])
 
 
-def _cast_ffi(ctx, shard, offset, length, *grids, pow2, eps, **p):
-    nu = len(grids)
-    grids = list(grids) + [mlir.ir_constant(np.zeros((0,), np.uint8))] * (2 - nu)
-    datas, sinvs = ctx.avals_out[:nu], ctx.avals_out[nu:]
-    avals_out = _pad(datas, 2) + _pad(sinvs, 2)
-    outs = ffi.ffi_lowering("jf_partial_cast")(
-        ctx.replace(avals_in=_pad(ctx.avals_in, 5), avals_out=avals_out), shard, offset, length, *grids,
-        pow2=np.bool_(pow2), eps=np.float32(eps), **{k: np.int64(p[k]) for k in _INT_ATTRS})
-    return list(outs[:nu]) + list(outs[2:2 + len(sinvs)])
-
-
-for _prim, _ffi_rule, _ref in ((partial_amax_p, _amax_ffi, reference.partial_amax),
-                               (partial_cast_p, _cast_ffi, reference.partial_cast)):
+for _prim, _ffi_rule, _ref in ((partial_amax_p, _amax_ffi, reference.partial_amax_group),
+                               (partial_cast_p, _cast_ffi, reference.partial_cast_group)):
     _ref_rule = mlir.lower_fun(_ref, multiple_results=True)
     mlir.register_lowering(_prim, _ref_rule)
     for _platform, _ok in _ffi.AVAILABLE.items():
