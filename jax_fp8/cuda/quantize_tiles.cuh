@@ -608,9 +608,9 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
         }
         if (MODE == kCast) bytes += ((C::ROW_SLOT >= 0) + (C::COL_SLOT >= 0)) * io[i].L;
         const int64_t fill = std::min<int64_t>(cdiv(bytes, kThreads * 256), 1024);
+        if (tiles + fill > 0x7FFFFFFF) return bad("master-weight shard too large for one launch");
         jb.n_tiles = uint32_t(part == Part::kFill ? 0 : tiles);
         jb.n_fill = uint32_t(part == Part::kTiles ? 0 : fill);
-        if (tiles + fill > 0x7FFFFFFF) return bad("master-weight shard too large for one launch");
         if (jb.n_tiles + jb.n_fill == 0) continue;
         if (grp.n == kMaxJobs || ctas + jb.n_tiles + jb.n_fill > 0x7FFFFFFF) flush();
         jb.begin = uint32_t(ctas);
