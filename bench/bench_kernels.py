@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8 as jf
+from jax_fp8.formats import packed_grids
 
 
 def device_copy(x):
@@ -153,14 +154,23 @@ def grouped_rows(iters, T=64, m=1024, k=1024, ranks=8):
     one_amax, one_cast = _partial_fns([(m, k)], win, p)
     glob = jax.jit(group_amax)(*inputs[0])
     globs = jnp.split(glob, T)
-    fns = {
+    at = [g[0][0] for g in packed_grids([(m, k)] * T, 32, 32, 0)]
+    outs = {  # every output of the step, grouped or not, for the exactness check
         "amax grouped": lambda s: group_amax(*s),
-        "amax per weight": lambda s: [one_amax(x) for x in s],
+        "amax per weight": lambda s: jnp.concatenate([one_amax(x) for x in s]),
         "cast grouped": lambda s: group_cast(glob)(*s),
-        "cast per weight": lambda s: [one_cast(g)(x) for g, x in zip(globs, s)],
+        "cast per weight": lambda s: [d for g, x in zip(globs, s) for d in one_cast(g)(x)],
     }
-    exact = leaves_equal(jax.jit(fns["amax grouped"])(inputs[0]), jnp.concatenate(jax.jit(fns["amax per weight"])(inputs[0])))
-    exact &= leaves_equal(jax.jit(fns["cast grouped"])(inputs[0]), jax.jit(fns["cast per weight"])(inputs[0]))
+    # timed: one element of each weight's output, gathered by one small fusion in every variant, so
+    # the host does not handle 64-128 output buffers per call
+    fns = {
+        "amax grouped": lambda s: group_amax(*s)[jnp.array(at)],
+        "amax per weight": lambda s: jnp.stack([one_amax(x)[0] for x in s]),
+        "cast grouped": lambda s: jnp.stack(group_cast(glob)(*s)[::2])[:, 0],
+        "cast per weight": lambda s: jnp.stack([one_cast(g)(x)[0][0] for g, x in zip(globs, s)]),
+    }
+    exact = leaves_equal(jax.jit(outs["amax grouped"])(inputs[0]), jax.jit(outs["amax per weight"])(inputs[0]))
+    exact &= leaves_equal(jax.jit(outs["cast grouped"])(inputs[0]), jax.jit(outs["cast per weight"])(inputs[0]))
     t = {name: timeit(fn, inputs, iters) for name, fn in fns.items()}
     print(f"\n{T} weights {m}x{k} bf16, 1/{ranks} shard each, one jitted step (grouped == per weight: {exact}):")
     for kind in ("amax", "cast"):

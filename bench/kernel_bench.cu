@@ -241,8 +241,8 @@ int main(int argc, char** argv) {
   }
 
   // Partial amax / cast of a master-weight shard: half the weight, from element n/4. The amax as
-  // shipped (tiles and fill CTAs in one launch) against the fill and the tiles as two launches, and
-  // against the previous scheme (memsets of both grids, then the tiles); all three must agree.
+  // shipped (fill and tile CTAs in one launch) against the fill and the tiles as two launches, and
+  // against the previous scheme (memsets of both grids, then the tiles); the first and last must agree.
   {
     const int64_t L = n / 2;
     Buf win(8);

@@ -477,19 +477,21 @@ inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const v
 
 // ---- master-weight shards: many weights per launch ----------------------------------------------
 // A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs
-// about 3.4 us of GPU time over its HBM time, RESULTS.md run 15). Each job's CTAs are its tiles,
-// then `n_fill` CTAs that write what the tiles do not: the blocks of the tile rows outside the walk
-// (partial value 0; when casting, the fp32 scale_inv from the global amax) and, when casting, zeros in
-// the data past the shard's elements. The jobs live in the kernel's parameter space (under 4 KB).
+// about 3.4 us of GPU time over its HBM time, RESULTS.md run 15). Each job's CTAs are `n_fill` CTAs
+// that write what the tiles do not, then its tiles. The fill covers the blocks of the tile rows outside
+// the walk (partial value 0; when casting, the fp32 scale_inv from the global amax) and, when casting,
+// zeros in the data past the shard's elements; it goes first so that its writes overlap the tiles'
+// reads. The jobs live in the kernel's parameter space (under 4 KB).
 
 template <class S>
 struct ShardJob {
   const void* x;
   Span sp;
   Outs<S> row, col;
-  uint32_t begin, n_tiles, n_fill;  // CTAs [begin, begin + n_tiles) are tiles, the next n_fill fill
+  uint32_t begin, n_tiles, n_fill;  // CTAs [begin, begin + n_fill) fill, the next n_tiles are tiles
 };
 constexpr int kMaxJobs = 24;
+constexpr int64_t kAloneCtas = 8192;  // a weight of this many CTAs (~16 waves) gets its own launch
 template <class S>
 struct ShardGroup {
   ShardJob<S> job[kMaxJobs];
@@ -543,19 +545,22 @@ __device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typ
   }
 }
 
-template <class L, class Cfg, int MODE, int MINB>
+// ONE: a single job (a large weight launched alone): its fields sit at fixed parameter offsets, which
+// the instructions read directly; a job picked at run time costs a register and a load per field
+// (-5..8% on a 268M-element shard, RESULTS.md run 17).
+template <class L, class Cfg, int MODE, int MINB, bool ONE>
 __global__ void __launch_bounds__(kThreads, MINB)
     shard_kernel(const __grid_constant__ ShardGroup<typename Cfg::S> grp, const typename Cfg::Rule rule, int fp8) {
   int j = 0;
-  while (j + 1 < grp.n && grp.job[j + 1].begin <= blockIdx.x) ++j;
-  const ShardJob<typename Cfg::S>& jb = grp.job[j];
+  if (!ONE)
+    while (j + 1 < grp.n && grp.job[j + 1].begin <= blockIdx.x) ++j;
+  const ShardJob<typename Cfg::S>& jb = grp.job[ONE ? 0 : j];
   const uint32_t t = blockIdx.x - jb.begin;
-  if (t < jb.n_tiles)
-    quantize_tile<L, typename Cfg::Rule, Cfg::TM, Cfg::TK, Cfg::RBK, Cfg::COL, Cfg::TILE, MODE>(
-        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, t);
+  if (t < jb.n_fill)
+    fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(t) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
   else
-    fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(t - jb.n_tiles) * kThreads + threadIdx.x,
-                                 int64_t(jb.n_fill) * kThreads);
+    quantize_tile<L, typename Cfg::Rule, Cfg::TM, Cfg::TK, Cfg::RBK, Cfg::COL, Cfg::TILE, MODE>(
+        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, t - jb.n_fill);
 }
 
 // One weight of a group: its flat shard x of L elements holds elements [offset, offset + length) of
@@ -586,7 +591,8 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
       grp.n = 0;
       int64_t ctas = 0;
       const auto flush = [&] {
-        if (ctas > 0) shard_kernel<L, C, MODE, MINB><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+        if (grp.n == 1) shard_kernel<L, C, MODE, MINB, true><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+        if (grp.n > 1) shard_kernel<L, C, MODE, MINB, false><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
         grp.n = 0;
         ctas = 0;
       };
@@ -612,10 +618,13 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
         jb.n_tiles = uint32_t(part == Part::kFill ? 0 : tiles);
         jb.n_fill = uint32_t(part == Part::kTiles ? 0 : fill);
         if (jb.n_tiles + jb.n_fill == 0) continue;
-        if (grp.n == kMaxJobs || ctas + jb.n_tiles + jb.n_fill > 0x7FFFFFFF) flush();
+        const int64_t own = jb.n_tiles + jb.n_fill;
+        const bool alone = own >= kAloneCtas;  // launch overhead is small next to its run time
+        if (grp.n == kMaxJobs || ctas + own > 0x7FFFFFFF || alone) flush();
         jb.begin = uint32_t(ctas);
         grp.job[grp.n++] = jb;
-        ctas += jb.n_tiles + jb.n_fill;
+        ctas += own;
+        if (alone) flush();
       }
       flush();
       return ffi::Error::Success();
