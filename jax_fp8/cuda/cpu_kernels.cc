@@ -304,13 +304,8 @@ ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards,
                               int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f,
-                          &a, &g, &n_packed);
-      e.failure())
-    return e;
-  if (auto e = check_packed(packed->element_type(), packed->element_count(), partial_type(a), n_packed,
-                            "the partial-value output");
+  if (auto e = make_amax_group(windows, shards, packed, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, &a,
+                               &g);
       e.failure())
     return e;
   IeeeFpEnv env;
@@ -335,25 +330,14 @@ ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi
                               float eps) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a,
-                          &g, &n_packed);
+  std::vector<uint8_t*> data;
+  if (auto e = make_cast_group(windows, global, shards, scale_inv, datas, Ms, Ks, fp8, scale_kind, row_block,
+                               col_block, tile_block, pow2, eps, &a, &g, &data);
       e.failure())
     return e;
   const bool fp32 = a.scale_kind == kScaleFp32;
   Usage u[2];
   const int nu = usages_of(a, u);
-  std::vector<uint8_t*> data;
-  if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(a), n_packed,
-                            "the global scale input");
-      e.failure())
-    return e;
-  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(),
-                            fp32 ? ffi::DataType::F32 : scale_inv->element_type(), fp32 ? n_packed : 0,
-                            "the scale_inv output");
-      e.failure())
-    return e;
-  if (auto e = group_data(datas, g, nu, &data); e.failure()) return e;
   IeeeFpEnv env;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   const auto* glob = static_cast<const char*>(global.untyped_data());

@@ -56,13 +56,8 @@ ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi:
                                int64_t col_block, int64_t tile_block) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f,
-                          &a, &g, &n_packed);
-      e.failure())
-    return e;
-  if (auto e = check_packed(packed->element_type(), packed->element_count(), partial_type(a), n_packed,
-                            "the partial-value output");
+  if (auto e = make_amax_group(windows, shards, packed, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, &a,
+                               &g);
       e.failure())
     return e;
   const auto io = shard_io(a, g, windows.untyped_data(), packed->untyped_data(), nullptr, {});
@@ -77,24 +72,12 @@ ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi:
                                int64_t tile_block, bool pow2, float eps) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a,
-                          &g, &n_packed);
+  std::vector<uint8_t*> data;
+  if (auto e = make_cast_group(windows, global, shards, scale_inv, datas, Ms, Ks, fp8, scale_kind, row_block,
+                               col_block, tile_block, pow2, eps, &a, &g, &data);
       e.failure())
     return e;
   const bool fp32 = a.scale_kind == kScaleFp32;
-  Usage u[2];
-  std::vector<uint8_t*> data;
-  if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(a), n_packed,
-                            "the global scale input");
-      e.failure())
-    return e;
-  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(),
-                            fp32 ? ffi::DataType::F32 : scale_inv->element_type(), fp32 ? n_packed : 0,
-                            "the scale_inv output");
-      e.failure())
-    return e;
-  if (auto e = group_data(datas, g, usages_of(a, u), &data); e.failure()) return e;
   const auto io = shard_io(a, g, windows.untyped_data(), fp32 ? scale_inv->untyped_data() : nullptr,
                            global.untyped_data(), data);
   if (auto e = launch_shards<kCast>(stream, a, io.data(), int(io.size())); e.failure()) return e;

@@ -132,26 +132,62 @@ inline ffi::Error make_group(const ffi::AnyBuffer& windows, const ffi::Remaining
   return ffi::Error::Success();
 }
 
-// Checks a packed buffer: n_packed elements of the call's partial-value type (uint8 E8M0 bytes or
-// fp32 amaxes; scale_inv is always fp32).
+// Checks a packed buffer: n_packed elements of type `want`.
 inline ffi::Error check_packed(ffi::DataType t, size_t count, ffi::DataType want, int64_t n_packed, const char* what) {
   if (t != want || int64_t(count) != n_packed)
     return bad(std::string(what) + " does not match the weights' packed scale grids");
   return ffi::Error::Success();
 }
+// The type of partial and global values: E8M0 bytes or fp32 amaxes.
 inline ffi::DataType partial_type(const QuantizeArgs& a) {
   return a.scale_kind == kScaleE8M0 ? ffi::DataType::U8 : ffi::DataType::F32;
 }
 
-// The data outputs of a group cast: per weight, per usage, its L FP8 bytes.
-inline ffi::Error group_data(const ffi::RemainingRets& rets, const std::vector<GroupWeight>& g, int nu,
-                             std::vector<uint8_t*>* data) {
-  if (rets.size() != g.size() * nu) return bad("one data output per shard and usage");
+// A partial-amax call: the group and its packed partial-value output.
+inline ffi::Error make_amax_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
+                                  ffi::Result<ffi::AnyBuffer> packed, ffi::Span<const int64_t> Ms,
+                                  ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
+                                  int64_t col_block, int64_t tile_block, QuantizeArgs* a,
+                                  std::vector<GroupWeight>* g) {
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f, a,
+                          g, &n_packed);
+      e.failure())
+    return e;
+  return check_packed(packed->element_type(), packed->element_count(), partial_type(*a), n_packed,
+                      "the partial-value output");
+}
+
+// A partial-cast call: the group, its packed global values, the packed scale_inv output (fp32 scales;
+// empty for E8M0) and the data outputs, per weight and usage (its L FP8 bytes each).
+inline ffi::Error make_cast_group(const ffi::AnyBuffer& windows, const ffi::AnyBuffer& global,
+                                  const ffi::RemainingArgs& shards, ffi::Result<ffi::AnyBuffer> scale_inv,
+                                  const ffi::RemainingRets& datas, ffi::Span<const int64_t> Ms,
+                                  ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
+                                  int64_t col_block, int64_t tile_block, bool pow2, float eps, QuantizeArgs* a,
+                                  std::vector<GroupWeight>* g, std::vector<uint8_t*>* data) {
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, a, g,
+                          &n_packed);
+      e.failure())
+    return e;
+  if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(*a), n_packed,
+                            "the global scale input");
+      e.failure())
+    return e;
+  const bool fp32 = a->scale_kind == kScaleFp32;
+  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(), ffi::DataType::F32,
+                            fp32 ? n_packed : 0, "the scale_inv output");
+      e.failure())
+    return e;
+  Usage u[2];
+  const size_t nu = usages_of(*a, u);
+  if (datas.size() != g->size() * nu) return bad("one data output per shard and usage");
   data->clear();
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto r = rets.get<ffi::AnyBuffer>(i);
+  for (size_t i = 0; i < datas.size(); ++i) {
+    auto r = datas.get<ffi::AnyBuffer>(i);
     if (!r.has_value() || (*r)->element_type() != ffi::DataType::U8 ||
-        int64_t((*r)->element_count()) != g[i / nu].L)
+        int64_t((*r)->element_count()) != (*g)[i / nu].L)
       return bad("each data output must be uint8 of the shard's length");
     data->push_back(static_cast<uint8_t*>((*r)->untyped_data()));
   }
