@@ -285,6 +285,28 @@ int main(int argc, char** argv) {
            }), amax_bytes, "-");
     report("partial amax: memsets + tiles", time_us(memset_tiles), amax_bytes, "-");
     report("partial amax: tiles alone", time_us([&](int i) { amax(i, Part::kTiles); }), amax_bytes, "-");
+    // the shipped one-launch amax against other register caps (CTAs per SM) and the fill CTAs last
+    const auto variant = [&](auto minb, auto fill_last) {
+      constexpr int B = decltype(minb)::value;
+      constexpr bool LAST = decltype(fill_last)::value;
+      const auto go = [&](int i) {
+        const ShardIO w = io(i, false);
+        launch_shards<kAmax, B, LAST>(nullptr, a, &w, 1);
+      };
+      CUDA_OK(cudaMemset(o.s0.p, 0xAB, n / 32));
+      CUDA_OK(cudaMemset(o.s1.p, 0xAB, n / 32));
+      go(0);
+      const char* same = grids() == want ? "same" : "MISMATCH";
+      report("partial amax " + std::to_string(B) + " CTAs/SM, fill " + (LAST ? "last" : "first"), time_us(go),
+             amax_bytes, same);
+    };
+    using std::integral_constant;
+    variant(integral_constant<int, 4>{}, std::false_type{});
+    variant(integral_constant<int, 4>{}, std::true_type{});
+    variant(integral_constant<int, 3>{}, std::false_type{});
+    variant(integral_constant<int, 5>{}, std::false_type{});
+    variant(integral_constant<int, 5>{}, std::true_type{});
+    variant(integral_constant<int, 6>{}, std::false_type{});
     const auto cast = [&](int i, Part part) {
       const ShardIO w = io(i, true);
       launch_shards<kCast>(nullptr, a, &w, 1, part);

@@ -548,7 +548,8 @@ __device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typ
 // ONE: a single job (a large weight launched alone): its fields sit at fixed parameter offsets, which
 // the instructions read directly; a job picked at run time costs a register and a load per field
 // (-5..8% on a 268M-element shard, RESULTS.md run 17).
-template <class L, class Cfg, int MODE, int MINB, bool ONE>
+// FILL_LAST: the fill CTAs after the tiles instead (kernel_bench compares).
+template <class L, class Cfg, int MODE, int MINB, bool ONE, bool FILL_LAST>
 __global__ void __launch_bounds__(kThreads, MINB)
     shard_kernel(const __grid_constant__ ShardGroup<typename Cfg::S> grp, const typename Cfg::Rule rule, int fp8) {
   int j = 0;
@@ -556,11 +557,12 @@ __global__ void __launch_bounds__(kThreads, MINB)
     while (j + 1 < grp.n && grp.job[j + 1].begin <= blockIdx.x) ++j;
   const ShardJob<typename Cfg::S>& jb = grp.job[ONE ? 0 : j];
   const uint32_t t = blockIdx.x - jb.begin;
-  if (t < jb.n_fill)
-    fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(t) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
+  const uint32_t f = FILL_LAST ? t - jb.n_tiles : t;  // fill CTA index (wraps when not a fill CTA)
+  if (f < jb.n_fill)
+    fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(f) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
   else
     quantize_tile<L, typename Cfg::Rule, Cfg::TM, Cfg::TK, Cfg::RBK, Cfg::COL, Cfg::TILE, MODE>(
-        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, t - jb.n_fill);
+        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, FILL_LAST ? t : t - jb.n_fill);
 }
 
 // One weight of a group: its flat shard x of L elements holds elements [offset, offset + length) of
@@ -578,7 +580,8 @@ struct ShardIO {
 // Which CTAs of a group launch run: all, or (to time them apart) only the tiles or only the fill.
 enum class Part { kAll, kTiles, kFill };
 
-template <int MODE>
+// MINB_ (a register cap other than min_blocks_for's) and FILL_LAST: for kernel_bench's comparisons.
+template <int MODE, int MINB_ = 0, bool FILL_LAST = false>
 ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* io, int n, Part part = Part::kAll) {
   static_assert(MODE != kQuantize, "shards are partial-amax or partial-cast calls");
   return with_loader(a.in, [&](auto ld) {
@@ -586,13 +589,15 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
       using L = decltype(ld);
       using C = decltype(cfg);
       using S = typename C::S;
-      constexpr int MINB = min_blocks_for<L, typename C::Rule, C::COL, MODE>();
+      constexpr int MINB = MINB_ ? MINB_ : min_blocks_for<L, typename C::Rule, C::COL, MODE>();
       ShardGroup<S> grp;
       grp.n = 0;
       int64_t ctas = 0;
       const auto flush = [&] {
-        if (grp.n == 1) shard_kernel<L, C, MODE, MINB, true><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
-        if (grp.n > 1) shard_kernel<L, C, MODE, MINB, false><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+        if (grp.n == 1)
+          shard_kernel<L, C, MODE, MINB, true, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+        if (grp.n > 1)
+          shard_kernel<L, C, MODE, MINB, false, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
         grp.n = 0;
         ctas = 0;
       };
