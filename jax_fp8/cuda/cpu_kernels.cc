@@ -4,6 +4,8 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -299,6 +301,25 @@ inline std::pair<int64_t, int64_t> shard_window(const GroupWeight& w, const int3
   return {off, std::max<int64_t>(0, std::min({int64_t(win[2 * i + 1]), w.L, w.M * w.K - off}))};
 }
 
+// Runs f(i) for every weight of a group. A large group is spread over the host's cores, as XLA
+// would run one call per weight side by side; each thread sets the IEEE environment itself.
+template <class F>
+void for_weights(const std::vector<GroupWeight>& g, F f) {
+  int64_t elements = 0;
+  for (const GroupWeight& w : g) elements += w.L;
+  const size_t n_threads = std::min<size_t>(g.size(), std::max(1u, std::thread::hardware_concurrency()));
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    IeeeFpEnv env;
+    for (size_t i; (i = next++) < g.size();) f(i);
+  };
+  if (n_threads < 2 || elements < (int64_t(1) << 16)) return work();
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < n_threads; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+}
+
 ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> packed,
                               ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
                               int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block) {
@@ -308,18 +329,17 @@ ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards,
                                &g);
       e.failure())
     return e;
-  IeeeFpEnv env;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   auto* out = static_cast<char*>(packed->untyped_data());
   const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
   Usage u[2];
   const int nu = usages_of(a, u);
-  for (size_t i = 0; i < g.size(); ++i) {
+  for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < nu; ++k)
       with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(aw, g[i].x, off, n, u[k], out + g[i].at[k] * item); });
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -338,12 +358,11 @@ ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi
   const bool fp32 = a.scale_kind == kScaleFp32;
   Usage u[2];
   const int nu = usages_of(a, u);
-  IeeeFpEnv env;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   const auto* glob = static_cast<const char*>(global.untyped_data());
   auto* sinv = static_cast<float*>(scale_inv->untyped_data());
   const size_t item = fp32 ? 4 : 1;
-  for (size_t i = 0; i < g.size(); ++i) {
+  for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < nu; ++k)
@@ -351,7 +370,7 @@ ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi
         partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, u[k], glob + g[i].at[k] * item, data[i * nu + k],
                                    fp32 ? sinv + g[i].at[k] : nullptr);
       });
-  }
+  });
   return ffi::Error::Success();
 }
 
