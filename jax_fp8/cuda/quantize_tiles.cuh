@@ -91,6 +91,13 @@ struct Window {
   bool aligned;           // 16-byte vectors of the buffer line up with VEC-element column chunks
 };
 
+// The first tile row a shard's walk covers: the one holding its first element (offset >= 0). The tile
+// CTAs and the fill CTAs (which write the rows outside the walk) must agree on it.
+template <int TM>
+__device__ __forceinline__ int64_t first_tile_row(int64_t offset, int64_t K) {
+  return offset / K / TM;
+}
+
 // Which of the VEC elements of row r from column col0 are valid (bit e), and the buffer position of
 // the first. Dense matrices skip the shard window checks.
 template <int VEC, bool SHARD, bool INTERIOR>
@@ -206,7 +213,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   Window w;
   w.offset = sp.dev_offset ? *sp.dev_offset : 0;
   w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
-  w.first_tm = sp.dev_offset ? w.offset / sp.K / TM : 0;
+  w.first_tm = sp.dev_offset ? first_tile_row<TM>(w.offset, sp.K) : 0;
   w.aligned = sp.aligned_base && w.offset % VEC == 0;
   const TilePos p = tile_pos(t, sp, w);
   if (p.tm >= sp.nTM) return;
@@ -517,7 +524,7 @@ __device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typ
   const Span& sp = jb.sp;
   const int64_t off = *sp.dev_offset, len = *sp.dev_length, MK = sp.M * sp.K;
   if (MK > 0) {
-    const int64_t first_tm = off / sp.K / Cfg::TM;  // as quantize_tile's walk
+    const int64_t first_tm = first_tile_row<Cfg::TM>(off, sp.K);
     // Blocks of grid rows [0, lo) and [hi, rows) of a usage with bm-row blocks lie outside the walk.
     const auto outside = [&](const Outs<S>& o, int bm, int bk) {
       const int64_t rows = cdiv(sp.M, bm), cols = cdiv(sp.K, bk), per_tile = Cfg::TM / bm;
@@ -609,21 +616,18 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
         jb.col = slot<C>(C::COL_SLOT, io[i].data, io[i].scale, io[i].global);
         const int64_t tiles = plan_tiles<L, C::TM, C::TK>(jb.sp, 1, jb.x);
         // fill work, at most: every block of the written grids, and the data padding; ~256 bytes a thread
-        const auto grid_bytes = [&](int64_t bm, int64_t bk) {
-          return cdiv(io[i].M, bm) * cdiv(io[i].K, bk) * int64_t(sizeof(S));
-        };
         int64_t bytes = 0;
         if (MODE == kAmax || io[i].scale[0]) {
-          if (C::ROW_SLOT >= 0) bytes += grid_bytes(C::ROW_BM, C::ROW_BK);
-          if (C::COL_SLOT >= 0) bytes += grid_bytes(C::TM, 1);
+          if (C::ROW_SLOT >= 0) bytes += Usage{C::ROW_BM, C::ROW_BK}.blocks(io[i].M, io[i].K) * int64_t(sizeof(S));
+          if (C::COL_SLOT >= 0) bytes += Usage{C::TM, 1}.blocks(io[i].M, io[i].K) * int64_t(sizeof(S));
         }
         if (MODE == kCast) bytes += ((C::ROW_SLOT >= 0) + (C::COL_SLOT >= 0)) * io[i].L;
         const int64_t fill = std::min<int64_t>(cdiv(bytes, kThreads * 256), 1024);
         if (tiles + fill > 0x7FFFFFFF) return bad("master-weight shard too large for one launch");
         jb.n_tiles = uint32_t(part == Part::kFill ? 0 : tiles);
         jb.n_fill = uint32_t(part == Part::kTiles ? 0 : fill);
-        if (jb.n_tiles + jb.n_fill == 0) continue;
         const int64_t own = jb.n_tiles + jb.n_fill;
+        if (own == 0) continue;
         const bool alone = own >= kAloneCtas;  // launch overhead is small next to its run time
         if (grp.n == kMaxJobs || ctas + own > 0x7FFFFFFF || alone) flush();
         jb.begin = uint32_t(ctas);
