@@ -3,6 +3,7 @@
 # bit for bit), dump the compiler's resource report and SASS facts, then time everything: through
 # JAX against the XLA-fused reference (bench_kernels.py) and per kernel with CUDA events (kernel_bench.cu).
 # Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
+# Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), KB_PREBUILT.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,5 +19,8 @@ rm -f "$OUT/sass.txt"  # too large to bring back
 python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
 python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 # kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
-bash bench/build_kernel_bench.sh > "$OUT/kernel_bench_build.log" 2>&1 || cat "$OUT/kernel_bench_build.log"
+# (KB_PREBUILT=1: use bench/.bin/kernel_bench as carried from the build machine; it takes ~3 min to build)
+if [ -z "${KB_PREBUILT:-}" ] || [ ! -x bench/.bin/kernel_bench ]; then
+  bash bench/build_kernel_bench.sh > "$OUT/kernel_bench_build.log" 2>&1 || cat "$OUT/kernel_bench_build.log"
+fi
 for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | tee "$OUT/kernel_bench.log"

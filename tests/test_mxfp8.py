@@ -1,5 +1,7 @@
 """MXFP8: FFI kernels (CPU here, CUDA on a GPU backend) against the jax.numpy reference, bit for bit."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,23 @@ def test_many_rows(shape):
         assert_tensors_equal(q, r)
         for usage in ("rowwise", "colwise"):
             assert_bits_equal(jf.dequantize(q, out, usage), on_cpu(jf.reference.dequantize, r, dtype=out, usage=usage), usage)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "blockwise"])
+def test_dequantize_batched_many_rows(fmt):
+    """vmap'd dequantize (a batch of 3 matrices in one call) with more rows than the GPU kernel's grid:
+    each thread walks several rows and crosses from one matrix into the next."""
+    x = random_input(np.random.default_rng(11), (3, 1500, 136), jnp.bfloat16)
+    quant, ref = {"mxfp8": (jf.quantize_mxfp8, jf.reference.quantize_mxfp8),
+                  "blockwise": (jf.quantize_blockwise, jf.reference.quantize_blockwise)}[fmt]
+    quant, ref = functools.partial(quant, colwise=True), functools.partial(ref, colwise=True)
+    qv = jax.vmap(quant)(x)
+    for out in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for usage in ("rowwise", "colwise"):
+            y = jax.vmap(lambda q: jf.dequantize(q, out, usage))(qv)  # noqa: B023
+            for i in range(3):
+                want = on_cpu(jf.reference.dequantize, on_cpu(ref, x[i]), dtype=out, usage=usage)
+                assert_bits_equal(y[i], want, f"{usage} {jnp.dtype(out).name} matrix {i}")
 
 
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -28,14 +28,13 @@ struct StoreF32 {
 template <bool kHalf>
 struct Store16 {
   using T = uint16_t;
-  __device__ static uint16_t conv(float y) { return kHalf ? f16_from_float(y) : bf16_from_float(y); }
   __device__ static void store8(T* out, int64_t i, const float* y) {
     uint32_t w[4];
 #pragma unroll
-    for (int p = 0; p < 4; ++p) w[p] = conv(y[2 * p]) | (uint32_t(conv(y[2 * p + 1])) << 16);
+    for (int p = 0; p < 4; ++p) w[p] = pack2_from_floats<kHalf>(y[2 * p], y[2 * p + 1]);
     *reinterpret_cast<uint4*>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  __device__ static void store1(T* out, int64_t i, float y) { out[i] = conv(y); }
+  __device__ static void store1(T* out, int64_t i, float y) { out[i] = kHalf ? f16_from_float(y) : bf16_from_float(y); }
 };
 
 // Exact FP8 decode of two bytes through the hardware's fp8x2 -> half2 conversion.

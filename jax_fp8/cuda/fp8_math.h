@@ -218,4 +218,22 @@ JF_HD uint16_t f16_from_float(float v) {
 }
 JF_HD float canonical_f32(float v) { return is_nan(v) ? u2f(0x7FC00000u) : v; }
 
+// Two values rounded as above and packed, a in the low half. On the GPU one cvt.rn.{bf16x2,f16x2}.f32
+// rounds both (the same RNE, subnormals kept, overflow to inf); only its NaN differs from ours.
+template <bool kHalf>
+JF_HD uint32_t pack2_from_floats(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t nan = kHalf ? 0x7E00u : 0x7FC0u;
+  uint32_t w;
+  if constexpr (kHalf) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));  // first source: high half
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+  if (is_nan(a)) w = (w & 0xFFFF0000u) | nan;
+  if (is_nan(b)) w = (w & 0x0000FFFFu) | (nan << 16);
+  return w;
+#else
+  return kHalf ? f16_from_float(a) | uint32_t(f16_from_float(b)) << 16
+               : bf16_from_float(a) | uint32_t(bf16_from_float(b)) << 16;
+#endif
+}
+
 }  // namespace jf

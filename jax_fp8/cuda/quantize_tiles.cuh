@@ -35,6 +35,20 @@ struct LoadF32 {
     o[2] = __uint_as_float(r.z); o[3] = __uint_as_float(r.w);
   }
   __device__ static void set(uint4& r, int e, T v) { word(r, e) = __float_as_uint(v); }
+  // The amax interface (see Load16): lane-wise |x| maxima kept in a vector, amax_step per lane.
+  __device__ static void amax_acc(uint4& acc, uint4 r) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      word(acc, i) = __float_as_uint(amax_step(__uint_as_float(word(acc, i)), __uint_as_float(word(r, i))));
+  }
+  __device__ static void amax_unpack(uint4 acc, float* o) { unpack(acc, o); }
+  __device__ static float amax_of(uint4 r) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    amax_acc(acc, r);
+    float o[4];
+    unpack(acc, o);
+    return fmaxf(fmaxf(o[0], o[1]), fmaxf(o[2], o[3]));
+  }
 };
 template <bool kHalf>
 struct Load16 {
@@ -53,6 +67,32 @@ struct Load16 {
     }
   }
   __device__ static void set(uint4& r, int e, T v) { word(r, e / 2) |= uint32_t(v) << (16 * (e % 2)); }
+
+  // The amax without unpacking: max.xorsign.abs on f16x2/bf16x2 words gives max(|a|, |b|) per half
+  // in one instruction, a NaN half yielding the other operand, as amax_step's fmaxf does (subnormals
+  // kept: no .ftz). The result's sign bits are the XOR of the operands', so readers mask them. Per 8
+  // elements: 4 instructions and 4 registers of column maxima instead of 8 unpacks, 8 fmaxf and 8
+  // registers (partial amax at 5 CTAs/SM: 160.6 -> 150.1 us; bench/RESULTS.md, runs 19-20).
+  __device__ static uint32_t max_abs2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    if constexpr (kHalf) asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    else asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  // acc = lane-wise max(|acc|, |r|), packed like the input (sign bits junk).
+  __device__ static void amax_acc(uint4& acc, uint4 r) {
+    acc.x = max_abs2(acc.x, r.x), acc.y = max_abs2(acc.y, r.y);
+    acc.z = max_abs2(acc.z, r.z), acc.w = max_abs2(acc.w, r.w);
+  }
+  static constexpr uint32_t kAbs = 0x7FFF7FFFu;
+  __device__ static void amax_unpack(uint4 acc, float* o) {
+    unpack(make_uint4(acc.x & kAbs, acc.y & kAbs, acc.z & kAbs, acc.w & kAbs), o);
+  }
+  // The amax of r's lanes: folded from +0, so lanes that are all NaN give 0, not NaN.
+  __device__ static float amax_of(uint4 r) {
+    const uint32_t m = max_abs2(max_abs2(max_abs2(max_abs2(0u, r.x), r.y), r.z), r.w) & kAbs;
+    return fmaxf(get(uint16_t(m & 0xFFFFu)), get(uint16_t(m >> 16)));
+  }
 };
 using LoadBF16 = Load16<false>;
 using LoadF16 = Load16<true>;
@@ -263,11 +303,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       if constexpr (MODE != kCast) {
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-          float v[VEC];
-          L::unpack(raw[i], v);
-          float amax = 0.0f;
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
+          float amax = L::amax_of(raw[i]);
 #pragma unroll
           for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
           my_amax = mi == i ? amax : my_amax;
@@ -291,16 +327,11 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       __shared__ __align__(16) float red[G][TK];  // partial amax per (row group, column)
       __shared__ __align__(16) float col_mult[TK];
       if constexpr (MODE != kCast) {
+        uint4 acc = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) L::amax_acc(acc, raw[i]);
         float part[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) part[e] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          float v[VEC];
-          L::unpack(raw[i], v);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) part[e] = amax_step(part[e], v[e]);
-        }
+        L::amax_unpack(acc, part);
 #pragma unroll
         for (int q = 0; q < VEC / 4; ++q)
           reinterpret_cast<float4*>(&red[g][c * VEC])[q] =
@@ -343,13 +374,13 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       float amax = 0.0f;
       if constexpr (MODE != kCast) {
         __shared__ float warp_max[kThreads / 32];
+        uint4 acc = make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          float v[VEC];
-          L::unpack(raw[i], v);
+        for (int i = 0; i < NV; ++i) L::amax_acc(acc, raw[i]);
+        float part[VEC];
+        L::amax_unpack(acc, part);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) amax = amax_step(amax, v[e]);
-        }
+        for (int e = 0; e < VEC; ++e) amax = fmaxf(amax, part[e]);
 #pragma unroll
         for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
         if (tid % 32 == 0) warp_max[tid / 32] = amax;
@@ -377,13 +408,14 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
 }
 
 // CTAs per SM for the register allocation (the highest that compiles without spills and measured
-// fastest, bench/kernel_bench.cu, RESULTS.md run 12). fp32 tiles of 8-16 vectors per thread need the
-// registers: the compiler's allocation.
-template <class L, class Rule, bool COL, int MODE>
+// fastest, bench/kernel_bench.cu, RESULTS.md runs 12 and 19-21). fp32 tiles of 8-16 vectors per thread
+// need the registers: the compiler's allocation. ONE: a shard kernel with its one job at fixed
+// parameter offsets; a job picked at run time needs more registers (the partial amax spills above 4).
+template <class L, class Rule, bool COL, int MODE, bool ONE = true>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
   if (!std::is_same_v<Rule, MxRule>) return 2;
-  if (MODE == kAmax) return 4;
+  if (MODE == kAmax) return ONE ? 6 : 4;
   return COL ? 3 : (MODE == kCast ? 3 : 4);
 }
 
@@ -596,15 +628,16 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
       using L = decltype(ld);
       using C = decltype(cfg);
       using S = typename C::S;
-      constexpr int MINB = MINB_ ? MINB_ : min_blocks_for<L, typename C::Rule, C::COL, MODE>();
+      constexpr int MINB_ONE = MINB_ ? MINB_ : min_blocks_for<L, typename C::Rule, C::COL, MODE, true>();
+      constexpr int MINB_MANY = MINB_ ? MINB_ : min_blocks_for<L, typename C::Rule, C::COL, MODE, false>();
       ShardGroup<S> grp;
       grp.n = 0;
       int64_t ctas = 0;
       const auto flush = [&] {
         if (grp.n == 1)
-          shard_kernel<L, C, MODE, MINB, true, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+          shard_kernel<L, C, MODE, MINB_ONE, true, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
         if (grp.n > 1)
-          shard_kernel<L, C, MODE, MINB, false, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+          shard_kernel<L, C, MODE, MINB_MANY, false, FILL_LAST><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
         grp.n = 0;
         ctas = 0;
       };
