@@ -22,6 +22,25 @@ struct IeeeFpEnv {
   ~IeeeFpEnv() { _mm_setcsr(saved); }
 };
 
+// Runs f(i0, i1) over [0, n) in chunks (about four per core, handed out in turn). A call that moves
+// 64K elements or more is spread over the host's cores: XLA gives a custom call one thread. Each
+// thread sets the IEEE environment itself.
+template <class F>
+void parallel_for(int64_t n, int64_t elements, F f) {
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t threads = elements < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, std::min(n, cores));
+  const int64_t grain = std::max<int64_t>(1, n / (4 * threads)), chunks = cdiv(n, grain);
+  std::atomic<int64_t> next{0};
+  const auto work = [&] {
+    IeeeFpEnv env;
+    for (int64_t c; (c = next++) < chunks;) f(c * grain, std::min(n, (c + 1) * grain));
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
 struct LoadF32 {
   using T = float;
   static float get(const T* p, int64_t i) { return p[i]; }
@@ -69,15 +88,17 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
 }
 
 // Quantize one usage: blocks of bm rows x bk cols of every (M, K) matrix in the batch.
-// Walks one block-row at a time; each row is widened to fp32 once, and the inner loops are plain
-// contiguous loops (no per-element division) that the compiler can vectorize.
+// Walks one block-row at a time (block-rows spread over the cores); each row is widened to fp32 once,
+// and the inner loops are plain contiguous loops (no per-element division) that the compiler can
+// vectorize.
 template <class L, class Rule>
 void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, int bm, int bk,
                      const Rule& rule, int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
-  std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < sm; ++i) {
+  parallel_for(B * sm, B * M * K, [&](int64_t t0, int64_t t1) {
+    std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / sm, i = t % sm;
       const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
       std::fill(amax.begin(), amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) {
@@ -103,7 +124,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, in
         cast_span<1>(row.data(), mk, out, K, fp8);
       }
     }
-  }
+  });
 }
 
 template <class L, class Rule>
@@ -160,16 +181,18 @@ void dequantize_blocks(const uint8_t* data, const typename Rule::ScaleT* scale, 
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
   float lut[256];  // every FP8 byte decoded once
   for (int i = 0; i < 256; ++i) lut[i] = fp8_to_float(uint8_t(i), fp8);
-  std::vector<float> s(sk);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t r = 0; r < M; ++r) {
+  parallel_for(B * M, B * M * K, [&](int64_t rr0, int64_t rr1) {
+    std::vector<float> s(sk);
+    for (int64_t rr = rr0; rr < rr1; ++rr) {
+      const int64_t b = rr / M, r = rr % M;
       const typename Rule::ScaleT* srow = scale + (b * sm + r / bm) * sk;
       for (int64_t j = 0; j < sk; ++j) s[j] = Rule::dequant_scale(srow[j]);
-      const int64_t base = (b * M + r) * K;
+      const int64_t base = rr * K;
       for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) {
         for (int64_t k = k0; k < k1; ++k) store(base + k, lut[data[base + k]] * s[j]);
       });
     }
+  });
 }
 
 template <class Rule>
@@ -301,23 +324,15 @@ inline std::pair<int64_t, int64_t> shard_window(const GroupWeight& w, const int3
   return {off, std::max<int64_t>(0, std::min({int64_t(win[2 * i + 1]), w.L, w.M * w.K - off}))};
 }
 
-// Runs f(i) for every weight of a group. A large group is spread over the host's cores, as XLA
-// would run one call per weight side by side; each thread sets the IEEE environment itself.
+// Runs f(i) for every weight of a group, a large group's weights spread over the cores (as XLA
+// would run one call per weight side by side).
 template <class F>
 void for_weights(const std::vector<GroupWeight>& g, F f) {
   int64_t elements = 0;
   for (const GroupWeight& w : g) elements += w.L;
-  const size_t n_threads = std::min<size_t>(g.size(), std::max(1u, std::thread::hardware_concurrency()));
-  std::atomic<size_t> next{0};
-  const auto work = [&] {
-    IeeeFpEnv env;
-    for (size_t i; (i = next++) < g.size();) f(i);
-  };
-  if (n_threads < 2 || elements < (int64_t(1) << 16)) return work();
-  std::vector<std::thread> threads;
-  for (size_t t = 1; t < n_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& t : threads) t.join();
+  parallel_for(int64_t(g.size()), elements, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) f(size_t(i));
+  });
 }
 
 ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> packed,
