@@ -83,7 +83,8 @@ struct Outputs {
 
 using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, const OutPtrs&)>;
 
-template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE>
+// MINB: a register cap (CTAs per SM) other than the shipped one (0: min_blocks_for's).
+template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB = 0>
 Launch quantize_cfg() {
   return [](const QuantizeArgs& a, const void* x, const Span& sp, const OutPtrs& o) {
     using S = typename Rule::ScaleT;
@@ -93,7 +94,8 @@ Launch quantize_cfg() {
     Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
-    launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE>(nullptr, a, x, sp, rule, r, c);
+    if constexpr (MINB > 0) launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE, MINB>(nullptr, a, x, sp, rule, r, c);
+    else launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE>(nullptr, a, x, sp, rule, r, c);
   };
 }
 
@@ -195,8 +197,8 @@ int main(int argc, char** argv) {
     std::printf("%-34s %9.1f %8.0f %7.1f  %s\n", name.c_str(), us, gbs, 100.0 * gbs / copy_gbs, exact);
   };
 
-#define CFG(name, mx, rb, cb, tile, Rule, TM, TK) \
-  Case{name, mx, rb, cb, tile, quantize_cfg<Rule, TM, TK, rb, cb != 0, tile != 0>()}
+#define CFG(name, mx, rb, cb, tile, Rule, TM, TK, ...) \
+  Case{name, mx, rb, cb, tile, quantize_cfg<Rule, TM, TK, rb, cb != 0, tile != 0, ##__VA_ARGS__>()}
   const std::vector<Case> cases = {
       CFG("mx row", true, 32, 0, 0, MxRule, 32, 256),
       CFG("mx row+col", true, 32, 32, 0, MxRule, 32, 256),
@@ -204,6 +206,13 @@ int main(int argc, char** argv) {
       CFG("f8 1x128", false, 128, 0, 0, BlockRule, 128, 128),
       CFG("f8 1x128+128x1", false, 128, 128, 0, BlockRule, 128, 128),
       CFG("f8 128x128", false, 0, 0, 128, BlockRule, 128, 128),
+      // other register caps than the shipped ones (the packed amax needs fewer registers)
+      CFG("mx row 5 CTAs/SM", true, 32, 0, 0, MxRule, 32, 256, 5),
+      CFG("mx row+col 4 CTAs/SM", true, 32, 32, 0, MxRule, 32, 256, 4),
+      CFG("mx col 4 CTAs/SM", true, 0, 32, 0, MxRule, 32, 256, 4),
+      CFG("f8 1x128 3 CTAs/SM", false, 128, 0, 0, BlockRule, 128, 128, 3),
+      CFG("f8 1x128+128x1 3 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 3),
+      CFG("f8 128x128 3 CTAs/SM", false, 0, 0, 128, BlockRule, 128, 128, 3),
   };
   for (const Case& c : cases) {
     const int64_t b = c.mx ? 32 : 128;
@@ -311,6 +320,10 @@ int main(int argc, char** argv) {
     const double cast_bytes = double(L) * 2 + 2.0 * L + 2.0 * (n / 32);
     report("partial cast mx r+c (one launch)", time_us([&](int i) { cast(i, Part::kAll); }), cast_bytes, "-");
     report("partial cast: tiles alone", time_us([&](int i) { cast(i, Part::kTiles); }), cast_bytes, "-");
+    report("partial cast 4 CTAs/SM", time_us([&](int i) {
+             const ShardIO w = io(i, true);
+             launch_shards<kCast, 4>(nullptr, a, &w, 1);
+           }), cast_bytes, "-");
   }
 
   // Many small master weights: 64 weights of 1024x1024, a rank's 1/8 shard of each; one group launch
