@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8._compat import shard_map
 from jax_fp8.distributed import gather_master_weights, quantize_master_weights
-from helpers import assert_tensors_equal, on_cpu, random_input
+from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input
 
 SHAPES = [(64, 96), (33, 70), (1, 31), (129, 257), (5, 3), (40, 128)]
 
@@ -185,10 +185,6 @@ def _group_kernels(shapes, blocks, pow2=True):
     return p, amax, cast
 
 
-def _assert_bits(got, want):
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
-
-
 @pytest.mark.parametrize("fmt", list(_BLOCKS))
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_partial_kernels_single_device(fmt, in_dtype):
@@ -209,7 +205,7 @@ def test_partial_kernels_single_device(fmt, in_dtype):
         ranks = _rank_groups(rng, weights, n, even)
         parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
         for (w, s), got in zip(ranks, parts):
-            _assert_bits(got, R.partial_amax_group(w, *s, **p)[0])
+            assert_bits_equal(got, R.partial_amax_group(w, *s, **p)[0])
         glob = np.max(np.stack([np.asarray(q) for q in parts]), axis=0)
         outs = []
         for w, s in ranks:
@@ -217,7 +213,7 @@ def test_partial_kernels_single_device(fmt, in_dtype):
             want = R.partial_cast_group(w, glob, *s, pow2=True, eps=0.0, **p)
             assert len(got) == len(want)
             for g, r in zip(got, want):
-                _assert_bits(g, r)
+                assert_bits_equal(g, r)
             outs.append(got)
         # assemble the shards: equal to quantizing each whole weight on one device
         nu = len(layout[0])
@@ -230,7 +226,7 @@ def test_partial_kernels_single_device(fmt, in_dtype):
                 q = jf.quantize_blockwise(wt, block=(128, 128) if fmt == "blk2d" else (1, 128), colwise=fmt == "blk1d")
                 full = [(q.rowwise_data, q.rowwise_scale_inv)] + ([(q.colwise_data, q.colwise_scale_inv)] if fmt == "blk1d" else [])
             for u, ((data, sc), (at, (r, c))) in enumerate(zip(full, layout[i])):
-                _assert_bits(scales_from[at:at + r * c].reshape(r, c), sc)
+                assert_bits_equal(scales_from[at:at + r * c].reshape(r, c), sc)
                 asm = np.zeros(M * K, np.uint8)
                 for (win, s), got in zip(ranks, outs):
                     o, l = win[i]
@@ -254,8 +250,8 @@ def test_partial_kernels_many_weights(fmt):
     ranks = _rank_groups(rng, weights, 3, False)
     parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
     for (w, s), got in zip(ranks, parts):
-        _assert_bits(got, R.partial_amax_group(w, *s, **p)[0])
+        assert_bits_equal(got, R.partial_amax_group(w, *s, **p)[0])
     glob = np.max(np.stack([np.asarray(q) for q in parts]), axis=0)
     for w, s in ranks:
         for g, r in zip(_on_dirty_memory(cast, w, glob, *s), R.partial_cast_group(w, glob, *s, pow2=False, eps=0.0, **p)):
-            _assert_bits(g, r)
+            assert_bits_equal(g, r)
