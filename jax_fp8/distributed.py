@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import fp8_dtype, fp8_index, high_dtype, packed_grids, view_2d
+from .formats import fp8_dtype, fp8_index, high_dtype, packed_grids, unpack_grids, view_2d
 from .primitives.partial import partial_amax_p, partial_cast_p
 from .quantize import assemble, check_block, usage_params
 from .reference import bitcast
@@ -128,7 +128,7 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         nu = len(layout[0])
         for k, (i, grids) in enumerate(zip(idx, layout)):
             datas = [bitcast(d, fp8) for d in res[k * nu:(k + 1) * nu]]
-            scales = [scales_from[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
+            scales = unpack_grids(scales_from, grids)
             t = assemble(fmt, zip(datas, scales), rowwise, colwise, shapes[i], xs[i].dtype, fp8, block, pow2_scales,
                          amax_epsilon)
             out[i] = QuantizedShard(t, wins[i][0], wins[i][1])

@@ -82,6 +82,12 @@ def packed_grids(shapes, row_block: int, col_block: int, tile_block: int) -> lis
     return out
 
 
+def unpack_grids(packed, grids) -> list:
+    """One weight's scale grids, as 2-D arrays, out of a packed buffer (``grids``: that weight's entry
+    of :func:`packed_grids`)."""
+    return [packed[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
+
+
 def packed_size(layout) -> int:
     """Elements of a packed buffer laid out by :func:`packed_grids`."""
     return sum(r * c for grids in layout for _, (r, c) in grids)

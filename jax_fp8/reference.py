@@ -14,7 +14,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .formats import FP8_DTYPES, FP8_MAX, cdiv, packed_grids, usage_blocks
+from .formats import FP8_DTYPES, FP8_MAX, cdiv, packed_grids, unpack_grids, usage_blocks
 
 _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
@@ -254,7 +254,7 @@ def partial_cast_group(windows, packed, *shards, shapes, fp8, scale_kind, row_bl
     xp = xp_of(windows, packed, *shards)
     datas, sinvs = [], []
     for (M, K), s, w, grids in zip(shapes, shards, windows, packed_grids(shapes, row_block, col_block, tile_block)):
-        glob = [packed[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
+        glob = unpack_grids(packed, grids)
         res = partial_cast(s, w[0], w[1], *glob, M=M, K=K, fp8=fp8, scale_kind=scale_kind, row_block=row_block,
                            col_block=col_block, tile_block=tile_block, pow2=pow2, eps=eps)
         datas += res[:len(glob)]
