@@ -146,14 +146,20 @@ void quantize_all(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_
                        static_cast<S*>(scale[u]));
 }
 
+// Calls f(loader) for the input type.
+template <class F>
+void with_loader(InType t, F f) {
+  switch (t) {
+    case InType::kF32: return f(LoadF32{});
+    case InType::kBF16: return f(LoadBF16{});
+    case InType::kF16: return f(LoadF16{});
+  }
+}
+
 template <class Rule>
 void quantize_dispatch_in(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_t* const* d,
                           void* const* s) {
-  switch (a.in) {
-    case InType::kF32: return quantize_all<LoadF32>(a, x, rule, d, s);
-    case InType::kBF16: return quantize_all<LoadBF16>(a, x, rule, d, s);
-    case InType::kF16: return quantize_all<LoadF16>(a, x, rule, d, s);
-  }
+  with_loader(a.in, [&](auto ld) { quantize_all<decltype(ld)>(a, x, rule, d, s); });
 }
 
 ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1,
@@ -301,15 +307,6 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
       });
     }
   });
-}
-
-template <class F>
-void with_loader(InType t, F f) {
-  switch (t) {
-    case InType::kF32: return f(LoadF32{});
-    case InType::kBF16: return f(LoadBF16{});
-    case InType::kF16: return f(LoadF16{});
-  }
 }
 
 // Weight w's arguments; its shard's offset and valid elements [0, n), n = clip(min(length, L, M*K - offset), 0).
