@@ -377,10 +377,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         uint4 acc = make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int i = 0; i < NV; ++i) L::amax_acc(acc, raw[i]);
-        float part[VEC];
-        L::amax_unpack(acc, part);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) amax = fmaxf(amax, part[e]);
+        amax = L::amax_of(acc);
 #pragma unroll
         for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
         if (tid % 32 == 0) warp_max[tid / 32] = amax;
