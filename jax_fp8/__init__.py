@@ -7,8 +7,22 @@ from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
 def kernels_available() -> dict:
-    """Which platforms run our FFI kernels (others lower through the jax.numpy reference)."""
-    return dict(_ffi.AVAILABLE)
+    """Which of our compiled FFI kernels are loaded and can run here.
+
+    Returns a dict of bools:
+
+    - ``'cpu'``: the CPU module loaded (CPU runs use our C++ kernels, else the jax.numpy reference);
+    - ``'cuda_module'``: the CUDA module loaded (it was built, found nvcc at install time);
+    - ``'cuda_device'``: jax sees a CUDA GPU (False, never an error, on a machine without one);
+    - ``'cuda'``: both of the above, i.e. our CUDA kernels run on this machine's GPU.
+
+    A platform whose kernels are not available lowers through the jax.numpy reference (same bits).
+    This call initialises jax's backends (to look for a GPU); ``import jax_fp8`` does not.
+    """
+    cuda_module = bool(_ffi.AVAILABLE["cuda"])
+    cuda_device = _ffi.cuda_device_present()
+    return {"cpu": bool(_ffi.AVAILABLE["cpu"]), "cuda_module": cuda_module, "cuda_device": cuda_device,
+            "cuda": cuda_module and cuda_device}
 
 
 __all__ = ["distributed", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax", "quantize_dequantize",
