@@ -10,7 +10,7 @@ Each step, inside shard_map:
      own master shard with Adam (ZeRO-1 style).
 Runs on 8 simulated CPU devices by default, unchanged on GPUs.
 
-  python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2]
+  python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10]
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from jax_fp8.distributed import (Quantizer, all_gather_dequantized, gather_maste
                                  quantize_master_weights)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_layers import init_mlp, teacher_data  # noqa: E402
+from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
 
 
 def mlp_fp8(ws, bs, x):
@@ -48,21 +48,45 @@ def mlp_fp8(ws, bs, x):
     return x
 
 
+def _mesh_devices(ap, args):
+    """Checks the mesh flags (argparse error naming the flag, exit status 2) and returns the
+    --data x --seq devices: the default backend's, or the CPU devices when it has too few."""
+    for flag in ("steps", "data", "seq", "seq_len", "batch", "width", "log_every"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.batch % args.data:
+        ap.error(f"--batch {args.batch} is not divisible by --data {args.data}: each data rank takes "
+                 f"batch/data whole sequences")
+    if args.seq_len % args.seq:
+        ap.error(f"--seq-len {args.seq_len} is not divisible by --seq {args.seq}: each seq rank takes "
+                 f"seq-len/seq tokens of every sequence")
+    n = args.data * args.seq
+    devs = jax.devices()
+    if len(devs) < n:  # e.g. one GPU: run the mesh on the (simulated) CPU devices instead
+        cpus = jax.devices("cpu")
+        if len(cpus) < n:
+            have = (f"{len(cpus)} CPU device(s)" if jax.default_backend() == "cpu" else
+                    f"{len(devs)} {jax.default_backend()} and {len(cpus)} CPU device(s)")
+            ap.error(f"--data {args.data} x --seq {args.seq} needs {n} devices, but only {have} exist "
+                     f"(for more simulated CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+        print(f"{len(devs)} {jax.default_backend()} device(s) < {n}: using the CPU devices")
+        devs = cpus
+    return devs[:n]
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="The FP8 MLP on a (data x seq) device mesh with ZeRO-sharded "
+                                 "master weights (8 simulated CPU devices by default).")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--data", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2)
+    ap.add_argument("--data", type=int, default=4, help="data-parallel ranks (mesh axis 'data')")
+    ap.add_argument("--seq", type=int, default=2, help="sequence-parallel ranks (mesh axis 'seq')")
     ap.add_argument("--seq-len", type=int, default=50 * 2, help="tokens per sequence (global)")
     ap.add_argument("--batch", type=int, default=12, help="sequences per step (global)")
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
     args = ap.parse_args(argv)
     nd, ns = args.data, args.seq
-    devs = jax.devices()
-    if len(devs) < nd * ns:  # e.g. one GPU: run the mesh on the (simulated) CPU devices instead
-        print(f"{len(devs)} {jax.default_backend()} device(s) < {nd * ns}: using the CPU devices")
-        devs = jax.devices("cpu")
-    devs = devs[: nd * ns]
+    devs = _mesh_devices(ap, args)
     mesh = Mesh(np.array(devs).reshape(nd, ns), ("data", "seq"))
     sizes = [128, args.width, args.width, 16]
     shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
@@ -125,9 +149,9 @@ def main(argv=None):
             upd, bias_state = opt.update(gb, bias_state, biases)
             biases = optax.apply_updates(biases, upd)
             losses.append(float(loss))
-            bar = "#" * int(30 * (i + 1) / args.steps)
-            print(f"\rstep {i + 1:4d}/{args.steps} [{bar:<30}] loss {losses[-1]:.5f}", end="", flush=True)
-    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
+            if i == 0 or (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+                print(f"step {i + 1:4d}/{args.steps}  loss {losses[-1]:.5f}  ({time.time() - t0:.1f}s)", flush=True)
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
 
     n_blocks = sum(a * -(-b // 32) + -(-a // 32) * b for a, b in shapes)
     print(f"scale all-reduce per step: one uint8 pmax of {n_blocks} E8M0 bytes per rank "

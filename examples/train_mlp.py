@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_layers import init_mlp, mlp, teacher_data  # noqa: E402
+from _fp8_mlp import init_mlp, mlp, teacher_data  # noqa: E402
 
 
 def train(fmt, steps, batch, sizes, log_every=50, seed=0):

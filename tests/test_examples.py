@@ -26,3 +26,27 @@ def test_shard_map_model_trains(capsys):
     assert losses[-1] < 0.5 * losses[0]
     out = capsys.readouterr().out
     assert "fallback" in out and "one uint8 pmax" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "3", "--seq", "4"], "--data 3 x --seq 4 needs 12 devices, but only 8 CPU device(s) exist"),
+    (["--batch", "10"], "--batch 10 is not divisible by --data 4"),
+    (["--seq-len", "99"], "--seq-len 99 is not divisible by --seq 2"),
+    (["--data", "0"], "--data must be a positive integer, got 0"),
+])
+def test_shard_map_model_bad_mesh_flag(argv, message, capsys):
+    """A bad mesh flag stops before any work with an argparse error that names it."""
+    import shard_map_model
+
+    with pytest.raises(SystemExit) as exc:
+        shard_map_model.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_helper_module_says_what_it_is(capsys):
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples", "_fp8_mlp.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "Helper module" in out and "examples/train_mlp.py" in out

@@ -1,5 +1,9 @@
-"""A small FP8 MLP shared by the examples: linear layers whose operands go through
-``jax_fp8.quantize_dequantize`` (forward in FP8, straight-through gradients)."""
+"""Helper module, not an example to run: the small FP8 MLP that ``train_mlp.py`` and
+``shard_map_model.py`` import (and ``tests/test_examples.py`` through them).
+
+Linear layers whose operands go through ``jax_fp8.quantize_dequantize`` (forward in FP8,
+straight-through gradients), He initialisation, and a synthetic teacher-network regression task.
+"""
 from __future__ import annotations
 
 import jax
@@ -44,3 +48,11 @@ def teacher_data(key, n, d_in, d_out):
     w1 = jax.random.normal(k2, (d_in, 64), jnp.float32) / d_in ** 0.5
     w2 = jax.random.normal(k3, (64, d_out), jnp.float32) / 8.0
     return x, jnp.tanh(x @ w1) @ w2
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\nRun one of the examples instead:\n"
+          "  python examples/train_mlp.py        # FP8 MLP next to bf16 on the CPU\n"
+          "  python examples/quickstart.py       # a short API tour\n"
+          "  python examples/shard_map_model.py  # the MLP on an 8-device (data x seq) mesh, ZeRO master weights")
