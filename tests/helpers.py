@@ -1,6 +1,8 @@
 """Shared test helpers: fresh random data with special values, bitwise comparison, CPU reference."""
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,22 @@ import jax_fp8 as jf
 
 IN_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
-CPU = jax.devices("cpu")[0]
+
+
+def _seed_part(p):
+    if isinstance(p, (tuple, list)):
+        return tuple(_seed_part(v) for v in p)
+    if p is None or isinstance(p, (bool, int, float, str)):
+        return p
+    if isinstance(p, (type, np.dtype)):  # jnp.float32, np.dtype('float32'), ...: by name, not by repr
+        return jnp.dtype(p).name
+    raise TypeError(f"stable_seed: {type(p).__name__} has no stable repr; pass a str/int/float or a dtype")
+
+
+def stable_seed(*parts) -> int:
+    """A 32-bit seed from test parameters that is the same in every process (``hash()`` of a str is
+    salted by PYTHONHASHSEED); dtypes count by name."""
+    return zlib.crc32(repr(_seed_part(parts)).encode())
 
 
 def on_cpu(fn, *args, **kw):
