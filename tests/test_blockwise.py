@@ -36,12 +36,29 @@ def test_matches_reference(shape, in_dtype, block):
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("eps", [0.0, 1e-3, 4.0])
 def test_options(pow2, eps):
-    rng = np.random.default_rng(int(eps * 1000) + pow2)
-    x = random_input(rng, (130, 260), jnp.bfloat16)
-    x = x.at[5].set(0).at[7].multiply(1e-4) if isinstance(x, jax.Array) else x
+    rng = np.random.default_rng(stable_seed("options", pow2, eps))
+    x = random_input(rng, (130, 260), jnp.bfloat16).copy()
+    x[5] = 0  # an all-zero row: its amax is 0, lifted to amax_epsilon when that is > 0
+    x[7] = (x[7].astype(np.float32) * np.float32(1e-4)).astype(x.dtype)  # a tiny row: amax below epsilon
     for block in [(1, 128), (128, 128)]:
-        _check(x, block=block, pow2_scales=pow2, amax_epsilon=eps, colwise=True)
+        q = _check(x, block=block, pow2_scales=pow2, amax_epsilon=eps, colwise=True)
         _check(x, block=block, pow2_scales=pow2, amax_epsilon=eps, colwise=True, rowwise=False)
+        if block != (1, 128):
+            continue
+        # the zero row's scale, by hand: 1 with eps = 0; else 448/eps (pow2: rounded down to 2^k)
+        if eps == 0:
+            want = np.float32(1.0)
+        else:
+            scale = np.float32(448.0) / np.float32(eps)
+            want = np.float32(1.0) / (np.float32(2.0 ** np.floor(np.log2(scale))) if pow2 else scale)
+        si = np.asarray(q.rowwise_scale_inv)
+        np.testing.assert_array_equal(si[5], np.full(si.shape[1], want))
+        # blocks of the tiny row whose amax fell below eps share the zero row's scale
+        row7 = x[7].astype(np.float32)
+        amax = np.fmax.reduce(np.abs(np.pad(row7, (0, -row7.size % 128))).reshape(-1, 128), axis=1)  # NaN ignored
+        below = amax < eps
+        assert eps != 4.0 or below.any(), amax  # with eps = 4 the tiny row has such blocks
+        np.testing.assert_array_equal(si[7][below], si[5][below])
 
 
 def test_scale_rule_hand_cases():
