@@ -98,18 +98,19 @@ def test_special_blocks(fp8):
 
 
 def test_e8m0_hand_cases():
-    """TE's float_to_e8m0(amax * (1/448)), worked by hand for E4M3."""
+    """TE's float_to_e8m0(amax * (1/448)), worked by hand for E4M3: v = amax * fp32(1/448), then the
+    biased exponent of v, plus 1 when v's mantissa is non-zero (round up to a power of two)."""
+    # fp32(1/448) = 1.142857... * 2^-9 (biased exponent 118, mantissa non-zero)
     cases = {
-        0.0: 0,          # zero amax -> 0 (2^-127), reciprocal treated as 1
-        448.0: 127,      # 448 * fp32(1/448) rounds to exactly 1.0 -> 2^0
-        449.0: 128,      # just above -> rounds up to 2^1
-        1.0: 119,        # fp32(1/448) = 1.142857 * 2^-9: exponent 118, non-zero mantissa -> 119
-        896.0: 128,      # 2.0 exactly
-        np.inf: 0xFE,
-        np.nan: 0xFF,
-        3.4e38: 0xFE,    # v ~ 7.6e35 = 2^119.2 -> 247? no: computed below from the definition
+        0.0: 0,          # zero amax -> byte 0 (2^-127); its reciprocal is taken as 1
+        448.0: 127,      # 448 * fp32(1/448) rounds to exactly 1.0 = 2^0 -> 0 + 127
+        449.0: 128,      # just above 1.0 -> rounds up to 2^1
+        896.0: 128,      # exactly 2.0 = 2^1
+        1.0: 119,        # v = fp32(1/448): exponent 118, mantissa non-zero -> 119
+        3.4e38: 247,     # v ~ 7.589e35 = 1.1419 * 2^119: exponent 119 + 127 = 246, mantissa non-zero -> 247
+        np.inf: 0xFE,    # inf amax saturates to the largest scale 2^127
+        np.nan: 0xFF,    # NaN amax -> the E8M0 NaN byte
     }
-    cases[3.4e38] = 247  # v = 3.4e38/448 ~ 2^119.19 -> exponent 119+127 = 246, mantissa != 0 -> 247
     got = np.asarray(jf.e8m0_from_amax(np.array(list(cases), np.float32)))
     np.testing.assert_array_equal(got, np.array(list(cases.values()), np.uint8))
     # E5M2: 57344 * fp32(1/57344) rounds to 1.0
