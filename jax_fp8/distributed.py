@@ -6,7 +6,9 @@ computes partial block amaxes over its shard, turns them into local scales, redu
 scales with ONE ``lax.pmax`` over one packed buffer, and casts its shard with the global scales.
 For MXFP8 the packed buffer is uint8 E8M0 bytes (E8M0 is monotonic in the amax, so the max of the
 bytes is the byte of the max amax: half the bytes of a bf16 amax all-reduce). Float8 blockwise scales
-are not monotonic bytes, so that variant reduces fp32 amaxes. Gathering the FP8 shards
+are not monotonic bytes, so that variant reduces the fp32 amaxes, as their uint32 bit patterns.
+``local_shards`` / ``shard_windows`` / ``split_masters`` give the shards and windows of the standard
+ZeRO layouts. Gathering the FP8 shards
 (``gather_master_weights``) gives exactly ``quantize_*(full_master.astype(model_dtype))``.
 """
 from __future__ import annotations
@@ -19,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import fp8_dtype, fp8_index, high_dtype, packed_grids, unpack_grids, view_2d
+from .formats import fp8_index, high_dtype, packed_grids, unpack_grids, view_2d
+from .gather import Quantizer, all_gather_dequantized, all_gather_first_dim
 from .primitives.partial import partial_amax_p, partial_cast_p
-from .quantize import assemble, check_block, usage_params
+from .quantize import assemble, usage_params
 from .reference import bitcast
+from .shard_layout import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
 
 Array = Any
 
@@ -49,18 +53,29 @@ class QuantizedShard:
         return cls(*children)
 
 
-def _as_i32(v, name):
+def _as_i32(v, name, i):
     v = jnp.asarray(v)
     if v.shape != () or not jnp.issubdtype(v.dtype, jnp.integer):
-        raise ValueError(f"quantize_master_weights: each of {name} must be an integer scalar")
+        raise ValueError(f"quantize_master_weights: {name}[{i}] must be an integer scalar, got {v.dtype}{v.shape}")
     return v.astype(jnp.int32)
+
+
+def _per_weight(values, name, n):
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"quantize_master_weights: {name} must be a sequence with one entry per shard, got {values!r}")
+    if len(values) != n:
+        raise ValueError(f"quantize_master_weights: {len(values)} {name} for {n} shards (one per shard)")
+    return list(values)
 
 
 def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[int]], axis_name,
                             offsets: Optional[Sequence[Array]] = None, lengths: Optional[Sequence[Array]] = None,
                             model_dtype=jnp.bfloat16, dtype=jnp.float8_e4m3fn, fmt: str = "mxfp8",
                             rowwise: bool = True, colwise: bool = True, block: Sequence[int] = (1, 128),
-                            pow2_scales: bool = True, amax_epsilon: float = 0.0) -> list[QuantizedShard]:
+                            pow2_scales: bool = True, amax_epsilon: float = 0.0,
+                            check: bool = False) -> list[QuantizedShard]:
     """Quantize this rank's flat master-weight shards with globally consistent scales (inside shard_map).
 
     Args:
@@ -72,40 +87,55 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
       lengths: per weight, how many of the L_i elements belong to the weight (default L_i; clipped to
         the weight's end, so padding past it is ignored). A shard may hold none; one whose offset is
         negative (not a valid window) is treated as holding none.
-      model_dtype: the master values are first rounded to this dtype, as TE does (None keeps them).
+      model_dtype: the master values are first rounded to this dtype, as TE does (float32, bfloat16,
+        float16, or None to keep them).
       dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, ``pow2_scales``,
         ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
       rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
+      check: also verify, at run time, that the windows of all ranks tile every weight exactly once
+        (no element held by no rank or by two); raises an error naming the weight otherwise. It costs
+        one small int32 all-gather. Offsets are traced, so this cannot be checked while tracing.
+
+    The windows are the caller's contract: every element of every weight held by exactly one rank.
+    :func:`jax_fp8.distributed.local_shards` computes shards and windows for the standard ZeRO layouts
+    (each weight split evenly, or all weights in one flat buffer split evenly).
 
     Returns: a :class:`QuantizedShard` per weight. Exactly one all-reduce (a pmax) is issued for all
-    weights' scales: uint8 for MXFP8, float32 amaxes for blockwise. The partial amax and the partial
-    cast each run as one grouped kernel call for all weights of one dtype (on GPU one launch per 24
-    weights), and the partial amax writes the packed buffer that the pmax reduces.
+    weights' scales: uint8 E8M0 bytes for MXFP8; for blockwise, the fp32 amaxes' bit patterns as
+    uint32 (integer order is float order for non-negative floats, so no platform's float reduction,
+    e.g. one that flushes subnormals, can change a scale). The partial amax and the partial cast each
+    run as one grouped kernel call for all weights of one dtype (on GPU one launch per 24 weights),
+    and the partial amax writes the packed buffer that the pmax reduces.
     """
-    shards, shapes = list(shards), [tuple(int(d) for d in s) for s in shapes]
+    where = "quantize_master_weights"
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise TypeError(f"{where}: shards must be a list with one flat shard per weight, got {type(shards).__name__}")
+    shards, shapes = list(shards), check_shapes(shapes, where)
     if len(shards) != len(shapes):
-        raise ValueError(f"quantize_master_weights: {len(shards)} shards but {len(shapes)} shapes")
-    fp8 = fp8_dtype(dtype)
-    if not (rowwise or colwise):
-        raise ValueError("quantize_master_weights: at least one of rowwise, colwise must be True")
-    if fmt not in ("mxfp8", "blockwise"):
-        raise ValueError(f"quantize_master_weights: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
-    block = check_block(block, "quantize_master_weights") if fmt == "blockwise" else tuple(block)
-    blocks = usage_params(fmt, rowwise, colwise, block)
+        raise ValueError(f"{where}: {len(shards)} shards but {len(shapes)} shapes")
+    offsets, lengths = _per_weight(offsets, "offsets", len(shards)), _per_weight(lengths, "lengths", len(shards))
+    scheme = Quantizer(fmt, dtype, rowwise, colwise, block, pow2_scales, amax_epsilon)
+    if model_dtype is not None:
+        model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
+    blocks = usage_params(fmt, rowwise, colwise, scheme.block)
+    fp8 = scheme.dtype
 
     rank = lax.axis_index(axis_name)
-    xs, wins = [], []
+    xs, wins, held = [], [], []
     for i, s in enumerate(shards):
         s = jnp.asarray(s)
         if s.ndim != 1:
-            raise ValueError(f"quantize_master_weights: shard {i} must be flat (rank 1), got shape {s.shape}")
-        high_dtype(s.dtype, f"quantize_master_weights: shard {i}")
+            raise ValueError(f"{where}: shards[{i}] must be flat (rank 1), got shape {s.shape}")
+        high_dtype(s.dtype, f"{where}: shards[{i}]")
         xs.append(s.astype(model_dtype) if model_dtype is not None else s)
-        off = _as_i32(offsets[i], "offsets") if offsets is not None else (rank * s.shape[0]).astype(jnp.int32)
-        n = _as_i32(lengths[i], "lengths") if lengths is not None else jnp.int32(s.shape[0])
+        off = _as_i32(offsets[i], "offsets", i) if offsets is not None else (rank * s.shape[0]).astype(jnp.int32)
+        n = _as_i32(lengths[i], "lengths", i) if lengths is not None else jnp.int32(s.shape[0])
         wins.append(_window(off, n))
+        held.append(s.shape[0])
     if not xs:
         return []
+    if check:
+        _check_tiling(jnp.stack(wins), held, shapes, axis_name)
     shapes2d = [view_2d(shp) for shp in shapes]
     p = dict(fp8=fp8_index(fp8), **blocks)
     # one partial-amax call (one launch per 24 weights on GPU) per input dtype
@@ -115,22 +145,27 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     groups = [(idx, jnp.stack([wins[i] for i in idx]), tuple(shapes2d[i] for i in idx)) for idx in groups.values()]
     # 1-2. partial amax -> local scales (E8M0 bytes) or amaxes, every weight's packed into one buffer
     packs = [partial_amax_p.bind(w, *[xs[i] for i in idx], shapes=shp, **p)[0] for idx, w, shp in groups]
-    # 3. one collective for every weight
-    packed = lax.pmax(packs[0] if len(packs) == 1 else jnp.concatenate(packs), axis_name)
+    # 3. one collective for every weight, on integers: E8M0 bytes, or the fp32 amaxes' bits (non-negative
+    # floats order as their bit patterns; a float pmax may flush subnormal amaxes, XLA's CPU one does)
+    packed = packs[0] if len(packs) == 1 else jnp.concatenate(packs)
+    if packed.dtype == jnp.float32:
+        packed = bitcast(lax.pmax(bitcast(packed, jnp.uint32), axis_name), jnp.float32)
+    else:
+        packed = lax.pmax(packed, axis_name)
     packs = jnp.split(packed, np.cumsum([q.size for q in packs])[:-1])
     # 4. partial cast with the global scales
     out = [None] * len(xs)
     for (idx, w, shp), glob in zip(groups, packs):
-        res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, pow2=bool(pow2_scales),
-                                  eps=float(amax_epsilon), **p)
+        res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, pow2=bool(scheme.pow2_scales),
+                                  eps=float(scheme.amax_epsilon), **p)
         layout = packed_grids(shp, blocks["row_block"], blocks["col_block"], blocks["tile_block"])
         scales_from = glob if fmt == "mxfp8" else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
         nu = len(layout[0])
         for k, (i, grids) in enumerate(zip(idx, layout)):
             datas = [bitcast(d, fp8) for d in res[k * nu:(k + 1) * nu]]
             scales = unpack_grids(scales_from, grids)
-            t = assemble(fmt, zip(datas, scales), rowwise, colwise, shapes[i], xs[i].dtype, fp8, block, pow2_scales,
-                         amax_epsilon)
+            t = assemble(fmt, zip(datas, scales), rowwise, colwise, shapes[i], xs[i].dtype, fp8, scheme.block,
+                         scheme.pow2_scales, scheme.amax_epsilon)
             out[i] = QuantizedShard(t, wins[i][0], wins[i][1])
     return out
 
@@ -142,10 +177,31 @@ def _window(offset, length):
     return jnp.stack([jnp.where(ok, offset, 0), jnp.where(ok, jnp.maximum(length, 0), 0)]).astype(jnp.int32)
 
 
+def _check_tiling(windows, held, shapes, axis_name):
+    """Raise at run time (from a host callback) unless the ranks' windows tile every weight exactly once."""
+    def report(all_windows):
+        errors = tiling_errors(np.asarray(all_windows), held, shapes)
+        if errors:
+            raise ValueError("quantize_master_weights(check=True): the shard windows do not tile every weight "
+                             "exactly once:\n  " + "\n  ".join(errors))
+
+    jax.debug.callback(report, lax.all_gather(windows, axis_name))
+
+
 def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
-    """All-gather each rank's FP8 shard into the full quantized tensors (inside shard_map)."""
+    """All-gather each rank's FP8 shard into the full quantized tensors (inside shard_map).
+
+    ``qshards``: the list :func:`quantize_master_weights` returned. Returns one MXFP8Tensor or
+    BlockwiseTensor per weight, with the weight's full shape, the same on every rank.
+    """
+    if isinstance(qshards, QuantizedShard) or not isinstance(qshards, Sequence):
+        raise TypeError("gather_master_weights: qshards must be the list of QuantizedShard that "
+                        f"quantize_master_weights returned, got {type(qshards).__name__}")
     out = []
-    for qs in qshards:
+    for i, qs in enumerate(qshards):
+        if not isinstance(qs, QuantizedShard):
+            raise TypeError(f"gather_master_weights: qshards[{i}] must be a QuantizedShard (from "
+                            f"quantize_master_weights), got {type(qs).__name__}")
         t = qs.tensor
         offs = lax.all_gather(qs.offset, axis_name)
         lens = lax.all_gather(qs.length, axis_name)
@@ -155,7 +211,7 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
             d = getattr(t, f"{usage}_data")
             if d is None:
                 continue
-            g = bitcast(lax.all_gather(bitcast(d, jnp.uint8), axis_name), jnp.uint8)  # (ranks, L)
+            g = lax.all_gather(bitcast(d, jnp.uint8), axis_name)  # (ranks, L)
             j = jnp.arange(g.shape[1])
             pos = offs[:, None] + j[None, :]
             ok = (j[None, :] < lens[:, None]) & (pos < M * K)
@@ -165,7 +221,5 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
     return out
 
 
-from .gather import Quantizer, all_gather_dequantized, all_gather_first_dim  # noqa: E402  (public re-export)
-
 __all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard", "Quantizer",
-           "all_gather_first_dim", "all_gather_dequantized"]
+           "all_gather_first_dim", "all_gather_dequantized", "local_shards", "shard_windows", "split_masters"]

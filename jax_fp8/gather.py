@@ -15,11 +15,12 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .api import dequantize, quantize_blockwise, quantize_mxfp8
 from .formats import FLOAT8_BLOCK, MX_BLOCK, fp8_dtype, view_2d
-from .quantize import check_block
+from .quantize import check_amax_epsilon, check_block
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
@@ -39,11 +40,16 @@ class Quantizer:
     def __post_init__(self):
         if self.fmt not in ("mxfp8", "blockwise"):
             raise ValueError(f"Quantizer: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
+        for name in ("rowwise", "colwise", "pow2_scales"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"Quantizer: {name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
         if not (self.rowwise or self.colwise):
             raise ValueError("Quantizer: at least one of rowwise, colwise must be True")
-        object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
+        object.__setattr__(self, "dtype", fp8_dtype(self.dtype, "Quantizer: dtype"))
         block = check_block(self.block, "Quantizer") if self.fmt == "blockwise" else (1, FLOAT8_BLOCK)
         object.__setattr__(self, "block", block)
+        object.__setattr__(self, "amax_epsilon", check_amax_epsilon(self.amax_epsilon, "Quantizer"))
 
     @classmethod
     def of(cls, q: Union[MXFP8Tensor, BlockwiseTensor]) -> "Quantizer":
@@ -112,7 +118,12 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
       quantizer: what to produce. None: a high-precision ``x`` is gathered as is (differentiable: the
         backward is a reduce-scatter); a quantized ``x`` is gathered in its own format.
 
-    The path is chosen at trace time from static shapes; the fallback warns once per call site.
+    The path is chosen first, at trace time, from static shapes: FP8 travels when the local rows keep
+    every block inside one rank; otherwise (one warning) the input is dequantized if quantized,
+    gathered in high precision and quantized after the gather. A quantized ``x`` that lacks a usage
+    the quantizer asks for, or is in another format, is converted from its dequantized values (a
+    second rounding: it warns); on the fallback path that is the gathered tensor, never a local
+    requantization. Either way the result equals quantizing the gathered (dequantized) tensor.
     """
     ranks = lax.psum(1, axis_name)
     quantized = isinstance(x, (MXFP8Tensor, BlockwiseTensor))
@@ -120,15 +131,22 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
         if not quantized:
             return gather_high(x, axis_name)
         quantizer = Quantizer.of(x)
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError("all_gather_first_dim: quantizer must be a jax_fp8.distributed.Quantizer or None, got "
+                        f"{quantizer!r}; e.g. Quantizer('mxfp8', rowwise=True, colwise=True)")
     shape = x.shape
     if len(shape) < 2:
         raise ValueError(f"all_gather_first_dim: a quantized gather needs rank >= 2, got shape {shape}")
-    if quantized and not quantizer.satisfied_by(x):
-        x = quantizer.quantize(dequantize(x))  # missing usage or other format: requantize locally first
-        quantized = True
+    convert = quantized and not quantizer.satisfied_by(x)
+    if convert:
+        warnings.warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "
+                      "requantizing its dequantized values (a second rounding)", stacklevel=2)
     rows = view_2d(shape)[0]
     if rows % quantizer.block_rows == 0:
-        q = _keep(x, quantizer) if quantized else quantizer.quantize(x)
+        if quantized and not convert:
+            q = _keep(x, quantizer)
+        else:
+            q = quantizer.quantize(dequantize(x) if quantized else x)
         return _gather_quantized(q, axis_name, ranks)
     warnings.warn(f"all_gather_first_dim: local shape {tuple(shape)} has {rows} rows, not a multiple of the "
                   f"{quantizer.block_rows}-row blocks of {quantizer.fmt}; gathering in high precision and "
@@ -140,7 +158,15 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str = "rowwise"):
     """``dequantize(all_gather_first_dim(x, axis_name, quantizer), usage=usage)`` in ``x.dtype`` with a
-    straight-through backward: the gradient is reduce-scattered as for a plain all-gather."""
+    straight-through backward: the gradient is reduce-scattered as for a plain all-gather.
+
+    ``x`` is a high-precision array; ``quantizer`` (required) says what the forward quantizes to."""
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError("all_gather_dequantized: quantizer must be a jax_fp8.distributed.Quantizer (the format "
+                        f"of the forward), got {quantizer!r}; for an unquantized gather use all_gather_first_dim")
+    if usage not in ("rowwise", "colwise") or not getattr(quantizer, usage):
+        raise ValueError(f"all_gather_dequantized: usage must be a usage the quantizer produces "
+                         f"({[u for u in ('rowwise', 'colwise') if getattr(quantizer, u)]}), got {usage!r}")
     return dequantize(all_gather_first_dim(x, axis_name, quantizer), x.dtype, usage)
 
 

@@ -81,6 +81,17 @@ def check_block(block, where: str) -> tuple:
     return block
 
 
+def check_amax_epsilon(amax_epsilon, where: str) -> float:
+    """Validate a Float8 blockwise amax epsilon (a finite float >= 0)."""
+    try:
+        eps = float(amax_epsilon)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: amax_epsilon must be a finite float >= 0, got {amax_epsilon!r}") from None
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"{where}: amax_epsilon must be finite and >= 0, got {amax_epsilon}")
+    return eps
+
+
 def build_mxfp8(x, dtype, rowwise: bool, colwise: bool, kernels: Kernels) -> MXFP8Tensor:
     x = check_input(x)
     fp8 = fp8_dtype(dtype)
@@ -95,9 +106,7 @@ def build_blockwise(x, block, dtype, pow2_scales: bool, amax_epsilon: float, col
     x = check_input(x)
     fp8 = fp8_dtype(dtype)
     block = check_block(block, "quantize_blockwise")
-    eps = float(amax_epsilon)
-    if not (math.isfinite(eps) and eps >= 0.0):
-        raise ValueError(f"quantize_blockwise: amax_epsilon must be finite and >= 0, got {amax_epsilon}")
+    eps = check_amax_epsilon(amax_epsilon, "quantize_blockwise")
     if not (rowwise or colwise):
         raise ValueError("quantize_blockwise: at least one of rowwise, colwise must be True")
     pairs = _quantize(x, kernels, fp8, **usage_params("blockwise", rowwise, colwise, block),
@@ -109,14 +118,10 @@ def dequantize_tensor(q, dtype, usage: Optional[str], kernels: Kernels):
     if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
         raise TypeError(f"dequantize: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
     out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
-    blocks = q.usage_blocks()
     if usage is None:
         usage = "rowwise" if q.has_rowwise else "colwise"
-    if usage not in blocks:
-        raise ValueError(f"dequantize: usage must be one of {sorted(blocks)}, got {usage!r}")
-    data = getattr(q, f"{usage}_data")
-    scale = getattr(q, f"{usage}_scale_inv")
-    bm, bk = blocks[usage]
+    data, scale = q.usage_fields(usage, "dequantize")
+    bm, bk = q.usage_blocks()[usage]
     if data.size == 0:
         return xp_of(data).zeros(q.shape, out_dtype)
     M, K = view_2d(q.shape)

@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ._compat import E8M0_DTYPE
-from .formats import FLOAT8_BLOCK, MX_BLOCK
+from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK, cdiv, view_2d
 
 Array = Any
 
@@ -44,6 +44,37 @@ class _QuantizedBase:
     def has_colwise(self) -> bool:
         return self.colwise_data is not None
 
+    def usage_fields(self, usage: str, where: str):
+        """The (data, scale_inv) of a usage, checked against the static layout: data of ``shape`` and
+        ``fp8_dtype``, scales of the block grid's shape and the format's scale dtype (E8M0 scales as
+        uint8). Raises naming the field, never reinterprets bits."""
+        blocks = self.usage_blocks()
+        if usage not in blocks:
+            raise ValueError(f"{where}: usage must be one of {sorted(blocks)}, got {usage!r}")
+        data, scale = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
+        cls = type(self).__name__
+        fp8 = np.dtype(self.fp8_dtype)
+        if fp8 not in FP8_DTYPES:
+            raise TypeError(f"{where}: {cls}.fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8}")
+        if scale is None:
+            raise ValueError(f"{where}: {cls} has {usage}_data but {usage}_scale_inv is None")
+        stacked = ("; its leaves look stacked (e.g. by vmap or scan outside the quantize): index the tensor "
+                   "first or dequantize inside jax.vmap")
+        if tuple(data.shape) != tuple(self.shape):
+            extra = stacked if tuple(data.shape[-len(self.shape):]) == tuple(self.shape) else ""
+            raise ValueError(f"{where}: {cls}.{usage}_data has shape {tuple(data.shape)} but the tensor's shape is "
+                             f"{tuple(self.shape)}{extra}")
+        if np.dtype(data.dtype) != fp8:
+            raise TypeError(f"{where}: {cls}.{usage}_data has dtype {data.dtype} but fp8_dtype is {fp8}")
+        M, K = view_2d(self.shape)
+        bm, bk = blocks[usage]
+        grid = (cdiv(M, bm), cdiv(K, bk))
+        if tuple(scale.shape) != grid:
+            extra = stacked if tuple(scale.shape[-2:]) == grid else ""
+            raise ValueError(f"{where}: {cls}.{usage}_scale_inv has shape {tuple(scale.shape)}, want {grid} "
+                             f"({bm}x{bk} blocks of the {M}x{K} view){extra}")
+        return data, self._checked_scale(scale, f"{where}: {cls}.{usage}_scale_inv")
+
     def usage_blocks(self) -> dict:
         """{'rowwise': (bm, bk), 'colwise': (bm, bk)} for the usages this tensor holds."""
         out = {}
@@ -67,6 +98,14 @@ class MXFP8Tensor(_QuantizedBase):
 
     row_block = (1, MX_BLOCK)
     col_block = (MX_BLOCK, 1)
+
+    @staticmethod
+    def _checked_scale(scale, name):
+        if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
+            return lax.bitcast_convert_type(scale, np.uint8) if not isinstance(scale, np.ndarray) else scale.view(np.uint8)
+        if scale.dtype != np.uint8:
+            raise TypeError(f"{name} must hold E8M0 scales as uint8 (or float8_e8m0fnu), got {scale.dtype}")
+        return scale
 
     @property
     def rowwise_scale_e8m0(self) -> Optional[Array]:
@@ -93,6 +132,12 @@ class BlockwiseTensor(_QuantizedBase):
     block: tuple = (1, FLOAT8_BLOCK)
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
+
+    @staticmethod
+    def _checked_scale(scale, name):
+        if scale.dtype != np.float32:
+            raise TypeError(f"{name} must be float32 scale_inv values, got {scale.dtype}")
+        return scale
 
     @property
     def row_block(self) -> tuple:

@@ -82,7 +82,8 @@ def test_missing_usage_is_requantized():
     x = random_input(np.random.default_rng(1), (n * rows, 96), jnp.bfloat16)
     want_q = Quantizer("mxfp8", rowwise=True, colwise=True)
     got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize_mxfp8(v), "sp", want_q), x, n)
-    assert not warns and got.has_colwise and got.has_rowwise
+    assert len(warns) == 1 and "second rounding" in warns[0], warns  # fast path; the conversion warns
+    assert got.has_colwise and got.has_rowwise
     local = [jf.dequantize(jf.quantize_mxfp8(x[r * rows:(r + 1) * rows])) for r in range(n)]
     assert_tensors_equal(got, want_q.quantize(jnp.concatenate(local)))
 
@@ -132,3 +133,57 @@ def test_quantized_input_without_quantizer_keeps_its_format():
         assert bool(warns) == (not fast)
         local = [jf.dequantize(quantize(x[r * rows:(r + 1) * rows])) for r in range(n)]
         assert_tensors_equal(got, quantize(x) if fast else quantize(jnp.concatenate(local)))
+
+
+def test_fallback_conversion_rounds_once():
+    """Regression: a rowwise-only input gathered for colwise on the fallback path was requantized
+    locally first and then dequantized again (two roundings). The fallback dequantizes the original."""
+    x = np.array([[1.0], [0.625 * 2.0**-15], [4.0], [0.0]], np.float32)
+    got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize_mxfp8(v), "sp",
+                                                             Quantizer("mxfp8", rowwise=False, colwise=True)), x, 2)
+    assert np.asarray(got.colwise_data).view(np.uint8).ravel().tolist() == [0x68, 0x01, 0x78, 0x00]
+    assert any("second rounding" in w for w in warns) and any("high precision" in w for w in warns), warns
+
+
+@pytest.mark.parametrize("src,dst", [("mx-row", "mx-col-e5m2"), ("mx-row", "f8-1d"), ("f8-2d", "mx-rowcol"),
+                                     ("f8-1d", "f8-2d")])
+@pytest.mark.parametrize("local_rows", [40, 128])
+def test_conversion_equals_quantizing_the_gathered_dequantized_input(src, dst, local_rows):
+    """Another format or a missing usage: on either path, the result is the target quantization of
+    the gathered dequantized input (one conversion), and a warning says so."""
+    n = 2
+    x = random_input(np.random.default_rng(local_rows + len(src + dst)), (n * local_rows, 160), jnp.bfloat16)
+    qs, qd = QUANTIZERS[src], QUANTIZERS[dst]
+    got, _, warns = _gathered(lambda v: all_gather_first_dim(qs.quantize(v), "sp", qd), x, n)
+    local = [jf.dequantize(qs.quantize(x[r * local_rows:(r + 1) * local_rows])) for r in range(n)]
+    assert_tensors_equal(got, qd.quantize(jnp.concatenate(local)))
+    assert any("second rounding" in w for w in warns), warns
+    assert any("high precision" in w for w in warns) == (local_rows % qd.block_rows != 0), warns
+
+
+def test_bad_arguments_name_the_argument():
+    mesh, x = _mesh(2), np.ones((64, 32), np.float32)
+
+    def run(fn):
+        return jax.jit(shard_map(fn, mesh=mesh, in_specs=P("sp"), out_specs=P()))(x)
+
+    with pytest.raises(TypeError, match="quantizer must be a jax_fp8.distributed.Quantizer"):
+        run(lambda v: all_gather_first_dim(v, "sp", "mxfp8"))
+    with pytest.raises(TypeError, match="all_gather_dequantized: quantizer"):
+        run(lambda v: all_gather_dequantized(v, "sp", None))
+    with pytest.raises(ValueError, match="usage"):
+        run(lambda v: all_gather_dequantized(v, "sp", Quantizer("mxfp8"), "colwise"))
+
+
+def test_quantizer_validates_options():
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        Quantizer("blockwise", amax_epsilon=-1.0)
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        Quantizer("blockwise", amax_epsilon=float("nan"))
+    with pytest.raises(TypeError, match="rowwise must be a bool"):
+        Quantizer("mxfp8", rowwise="yes")
+    with pytest.raises(TypeError, match="pow2_scales must be a bool"):
+        Quantizer("blockwise", pow2_scales=None)
+    with pytest.raises(ValueError, match="block"):
+        Quantizer("blockwise", block=(1, 32))
+    assert Quantizer("blockwise", block=[128, 128]).block == (128, 128)
