@@ -11,7 +11,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8._compat import shard_map
-from jax_fp8.distributed import gather_master_weights, quantize_master_weights
+from jax_fp8.distributed import (gather_master_weights, local_shards, quantize_master_weights, shard_windows,
+                                 split_masters)
 from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input
 
 SHAPES = [(64, 96), (33, 70), (1, 31), (129, 257), (5, 3), (40, 128)]
@@ -257,3 +258,155 @@ def test_partial_kernels_many_weights(fmt):
     for w, s in ranks:
         for g, r in zip(_on_dirty_memory(cast, w, glob, *s), R.partial_cast_group(w, glob, *s, pow2=False, eps=0.0, **p)):
             assert_bits_equal(g, r)
+
+
+def _subnormal_masters(rng, shapes):
+    """fp32 masters whose every block holds only bf16-representable subnormals (multiples of 2^-133)
+    or zeros in some rows, so that block amaxes are subnormal after the cast to bf16."""
+    out = []
+    for shape in shapes:
+        w = random_input(rng, shape, jnp.float32, specials=False)
+        sub = rng.integers(-127, 128, size=shape).astype(np.float32) * np.float32(2.0**-133)
+        rows = rng.random(shape[0]) < 0.5
+        w[rows] = sub[rows]
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("fmt,block", [("blockwise", (1, 128)), ("blockwise", (128, 128)), ("mxfp8", None)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_subnormal_block_amaxes_survive_the_reduction(fmt, block, n):
+    """Regression: the blockwise amax pmax ran on floats, and XLA's CPU all-reduce flushes subnormals,
+    so a block whose bf16 amax is subnormal got scale 1. Gathered shards equal whole-weight quantization."""
+    rng = np.random.default_rng(n + (block or (0,))[0])
+    masters = _subnormal_masters(rng, [(6, 300), (130, 129)])
+    kw = dict(fmt=fmt, block=block) if block else {}
+    got, _, _ = _run(masters, n, False, seed=n, **kw)
+    for w, q in zip(masters, got):
+        wb = w.astype(jnp.bfloat16)
+        want = (jf.quantize_blockwise(wb, block=block, colwise=True) if block
+                else jf.quantize_mxfp8(wb, rowwise=True, colwise=True))
+        assert_tensors_equal(q, want)
+    if block == (1, 128):  # the subnormal rows really give subnormal scales
+        assert (np.asarray(got[0].rowwise_scale_inv) < np.float32(2.0**-126)).any()
+
+
+def test_subnormal_amax_issue_repro():
+    """The reported case: weight (1, 5) = [0, 0, 7.34684e-40, 0, 0], all on rank 0 of 2."""
+    w = np.array([[0, 0, 7.34684e-40, 0, 0]], np.float32)
+    bufs = np.zeros((2, 5), np.float32)
+    bufs[0] = w[0]
+
+    def step(b, o, l):
+        qs = quantize_master_weights([b[0]], [(1, 5)], "data", offsets=[o[0]], lengths=[l[0]], fmt="blockwise",
+                                     colwise=False)
+        return gather_master_weights(qs, "data")
+
+    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=(P("data"),) * 3, out_specs=P()))
+    q = f(bufs, np.array([0, 5], np.int32), np.array([5, 0], np.int32))[0]
+    assert np.asarray(q.rowwise_scale_inv).view(np.uint32).tolist() == [[0x00400000]]  # 2^-127
+    assert np.asarray(q.rowwise_data).view(np.uint8).tolist() == [[0, 0, 0x20, 0, 0]]
+
+
+# ---- shard windows: the standard layouts, the tiling check, argument errors -------------------------
+LAYOUT_SHAPES = [(64, 96), (33, 70), (1, 31), (0, 16), (129, 257), (5, 3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6),
+       st.integers(1, 9), st.sampled_from(["per_weight", "flat"]))
+def test_shard_windows_tile_every_weight_once(shapes, ranks, layout):
+    from jax_fp8.shard_layout import tiling_errors
+
+    wins = shard_windows(shapes, ranks, layout)
+    assert wins.shape == (ranks, len(shapes), 2) and wins.dtype == np.int32
+    bufs = split_masters([np.zeros(s, np.float32) for s in shapes], ranks, layout)
+    held = [b.shape[1] for b in bufs] if layout == "per_weight" else [bufs.shape[1]] * len(shapes)
+    assert tiling_errors(wins, held, shapes) == []
+    assert (wins[:, :, 1].sum(0) == [a * b for a, b in shapes]).all()
+
+
+@pytest.mark.parametrize("layout", ["per_weight", "flat"])
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("fmt", ["mxfp8", "blockwise"])
+def test_layout_helpers_round_trip(layout, n, fmt):
+    """split_masters -> local_shards -> quantize_master_weights(check=True) -> gather equals quantizing
+    every whole weight; the flat layout starts and ends weights anywhere in a rank's buffer."""
+    rng = np.random.default_rng(n + len(layout) + len(fmt))
+    masters = [random_input(rng, s, jnp.float32) for s in LAYOUT_SHAPES]
+    bufs = split_masters(masters, n, layout)
+    kw = dict(fmt=fmt, block=(128, 128)) if fmt == "blockwise" else {}
+
+    def step(local):
+        local = [b[0] for b in local] if layout == "per_weight" else local[0]
+        shards, offsets, lengths = local_shards(local, LAYOUT_SHAPES, "data", layout)
+        qs = quantize_master_weights(shards, LAYOUT_SHAPES, "data", offsets=offsets, lengths=lengths, check=True, **kw)
+        return gather_master_weights(qs, "data")
+
+    got = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P()))(bufs)
+    for w, q in zip(masters, got):
+        wb = w.astype(jnp.bfloat16)
+        want = (jf.quantize_blockwise(wb, block=(128, 128), colwise=True) if fmt == "blockwise"
+                else jf.quantize_mxfp8(wb, rowwise=True, colwise=True))
+        assert_tensors_equal(q, want)
+
+
+def _quantize_windows(bufs, shapes, offs, lens, check=True):
+    """quantize_master_weights over 2 ranks with explicit (per rank) offsets and lengths."""
+    def step(b, o, l):
+        qs = quantize_master_weights([b[0]], shapes, "data", offsets=[o[0]], lengths=[l[0]], check=check)
+        return gather_master_weights(qs, "data")
+
+    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=(P("data"),) * 3, out_specs=P()))
+    return jax.block_until_ready(f(bufs, np.array(offs, np.int32), np.array(lens, np.int32)))
+
+
+@pytest.mark.parametrize("case,offs,lens,msg", [
+    ("gap", [0, 7], [5, 5], "held by no rank"),                    # elements 5, 6 held by nobody
+    ("past the end", [0, 12], [5, 5], "held by no rank"),          # rank 1's offset past the weight's end
+    ("overlap", [0, 3], [5, 5], "held by more than one rank"),     # elements 3, 4 twice
+    ("shape larger than the shards", [0, 5], [5, 5], "held by no rank"),
+])
+def test_check_rejects_windows_that_do_not_tile(case, offs, lens, msg):
+    shape = (3, 4) if case == "shape larger than the shards" else (2, 5)
+    bufs = np.arange(10, dtype=np.float32).reshape(2, 5) + 1
+    with pytest.raises(Exception, match=msg):
+        _quantize_windows(bufs, [shape], offs, lens)
+    _quantize_windows(bufs, [shape], offs, lens, check=False)  # the contract is the caller's without check
+
+
+def test_check_accepts_a_valid_tiling():
+    bufs = np.arange(10, dtype=np.float32).reshape(2, 5) + 1
+    got = _quantize_windows(bufs, [(2, 5)], [0, 5], [5, 5])
+    assert_tensors_equal(got[0], jf.quantize_mxfp8(np.arange(1, 11, dtype=np.float32).reshape(2, 5).astype(jnp.bfloat16),
+                                                   rowwise=True, colwise=True))
+
+
+def test_master_weight_argument_errors():
+    def call(*args, **kw):
+        f = shard_map(lambda b: quantize_master_weights(*args, **kw) and 0, mesh=_mesh(2), in_specs=P("data"),
+                      out_specs=P())
+        return f(np.zeros((2, 4), np.float32))
+
+    s = [jnp.zeros(4)]
+    with pytest.raises(TypeError, match="shapes"):
+        call(s, 8, "data")
+    with pytest.raises(TypeError, match=r"shapes\[0\]"):
+        call(s, [8], "data")
+    with pytest.raises(ValueError, match="1 offsets for 2 shards"):
+        call(s * 2, [(2, 2), (2, 2)], "data", offsets=[0])
+    with pytest.raises(ValueError, match="lengths"):
+        call(s * 2, [(2, 2), (2, 2)], "data", lengths=[4, 4, 4])
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        call(s, [(2, 4)], "data", fmt="blockwise", amax_epsilon=-1.0)
+    with pytest.raises(TypeError, match="model_dtype"):
+        call(s, [(2, 4)], "data", model_dtype=jnp.int8)
+    with pytest.raises(TypeError, match="shards must be a list"):
+        call(jnp.zeros(4), [(2, 4)], "data")
+    with pytest.raises(ValueError, match=r"shards\[0\] must be flat"):
+        call([jnp.zeros((2, 2))], [(2, 2)], "data")
+    with pytest.raises(TypeError, match="gather_master_weights: qshards"):
+        shard_map(lambda b: gather_master_weights(jf.quantize_mxfp8(b), "data"), mesh=_mesh(2), in_specs=P("data"),
+                  out_specs=P())(np.zeros((2, 32), np.float32))
+    with pytest.raises(ValueError, match="layout"):
+        shard_windows([(2, 2)], 2, "zero3")
