@@ -66,7 +66,7 @@ def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
     return reference.e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _qdq(x, fmt: str, usage: str, options: tuple):
     q = _quantize_fmt(x, fmt, usage, dict(options))
     return dequantize(q, x.dtype, usage)
@@ -81,12 +81,19 @@ def _quantize_fmt(x, fmt, usage, options):
     raise ValueError(f"quantize_dequantize: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
 
 
-_qdq.defvjp(lambda x, fmt, usage, options: (_qdq(x, fmt, usage, options), None),
-            lambda fmt, usage, options, _, g: (g,))
+@_qdq.defjvp
+def _qdq_jvp(fmt, usage, options, primals, tangents):
+    # Straight-through: the tangent passes unchanged. It is linear, so jax.grad transposes it into the
+    # identity VJP, and jvp / jacfwd / hessians see the same rule.
+    (x,), (t,) = primals, tangents
+    return _qdq(x, fmt, usage, options), t
 
 
 def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options):
-    """``dequantize(quantize(x))`` with a straight-through gradient (identity VJP), for training.
+    """``dequantize(quantize(x))`` with a straight-through derivative, for training.
+
+    The derivative is the identity: ``jax.grad`` passes the cotangent through unchanged and ``jax.jvp``
+    passes the tangent through unchanged (forward and reverse mode agree).
 
     ``fmt`` is 'mxfp8' (options: ``dtype``) or 'blockwise' (options: ``block``, ``dtype``,
     ``pow2_scales``, ``amax_epsilon``); ``usage`` picks rowwise or columnwise blocks. The forward value
