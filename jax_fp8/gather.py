@@ -51,6 +51,14 @@ class Quantizer:
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "amax_epsilon", check_amax_epsilon(self.amax_epsilon, "Quantizer"))
 
+    def __str__(self) -> str:
+        usages = "+".join(u for u in ("rowwise", "colwise") if getattr(self, u))
+        if self.fmt == "mxfp8":
+            return f"mxfp8 {self.dtype.name} {usages}"
+        bm, bk = self.block
+        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages} (pow2_scales={self.pow2_scales}, "
+                f"amax_epsilon={self.amax_epsilon})")
+
     @classmethod
     def of(cls, q: Union[MXFP8Tensor, BlockwiseTensor]) -> "Quantizer":
         """The quantizer that produced ``q``."""
