@@ -1,8 +1,9 @@
 """jax_fp8: MXFP8 and Float8 blockwise quantization for JAX, on XLA FFI kernels (CPU and CUDA)."""
 from . import _ffi  # registers the FFI targets before any primitive lowers
 from . import distributed, reference
-from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize_blockwise, quantize_dequantize,
+from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantize_blockwise, quantize_dequantize,
                   quantize_mxfp8)
+from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
@@ -25,6 +26,7 @@ def kernels_available() -> dict:
             "cuda": cuda_module and cuda_device}
 
 
-__all__ = ["distributed", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax", "quantize_dequantize",
-           "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference", "kernels_available"]
+__all__ = ["distributed", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
+           "quantize_dequantize", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
+           "kernels_available"]
 __version__ = "0.1.0"

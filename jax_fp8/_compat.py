@@ -15,6 +15,14 @@ except ImportError:  # pragma: no cover
 
 from jax.interpreters import ad, batching, mlir
 
+try:
+    from jax.extend.core import ShapedArray  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover
+    from jax.core import ShapedArray  # type: ignore[attr-defined,no-redef]
+
+# Eager evaluation of a primitive (its impl rule): jax has no public name for it.
+from jax._src.dispatch import apply_primitive  # noqa: E402
+
 try:  # jax >= 0.4.38
     from jax import ffi
 except ImportError:  # pragma: no cover
@@ -33,4 +41,5 @@ def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
 
 
-__all__ = ["Primitive", "ad", "batching", "ffi", "mlir", "shard_map", "E8M0_DTYPE"]
+__all__ = ["Primitive", "ShapedArray", "ad", "apply_primitive", "batching", "ffi", "mlir", "shard_map",
+           "E8M0_DTYPE"]

@@ -1,4 +1,4 @@
-"""Public quantization API (runs on the FFI kernels through the primitives)."""
+"""Public quantization API: each function names a Scheme and runs it on the FFI kernels (primitives)."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,13 +7,28 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from . import reference
+from . import layout, reference
 from .formats import check_input, fp8_dtype
-from .primitives import quantize_kernels
-from .quantize import build_blockwise, build_mxfp8, dequantize_tensor
+from .primitives import KERNELS
+from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 QuantizedTensor = Union[MXFP8Tensor, BlockwiseTensor]
+
+
+def _scheme(where: str, *args, **kw) -> Scheme:
+    """Build a Scheme; its validation errors name the public function that was called."""
+    try:
+        return Scheme(*args, **kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
+
+
+def quantize(x, scheme: Scheme) -> QuantizedTensor:
+    """Quantize ``x`` with a :class:`jax_fp8.Scheme` (the format, FP8 dtype, usages and options)."""
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"quantize: scheme must be a jax_fp8.Scheme, got {scheme!r}")
+    return layout.quantize(x, scheme, KERNELS)
 
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False) -> MXFP8Tensor:
@@ -30,11 +45,11 @@ def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bo
     are multiplied by ``2**(127 - e)`` and cast with saturation; NaN elements stay NaN (byte 0x7F).
     Not differentiable; see :func:`quantize_dequantize` for a straight-through estimator.
     """
-    return build_mxfp8(jnp.asarray(x), dtype, rowwise, colwise, quantize_kernels)
+    return quantize(x, _scheme("quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise))
 
 
 def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3fn, pow2_scales: bool = True,
-                       amax_epsilon: float = 0.0, colwise: bool = False, rowwise: bool = True) -> BlockwiseTensor:
+                       amax_epsilon: float = 0.0, rowwise: bool = True, colwise: bool = False) -> BlockwiseTensor:
     """Quantize ``x`` to Float8 blockwise (TE's Float8BlockQuantizer, DeepSeek-V3 style).
 
     Args:
@@ -43,12 +58,13 @@ def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3
       dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
       pow2_scales: round each scale down to a power of two (TE's default for this recipe).
       amax_epsilon: lower bound applied to each block amax.
-      colwise / rowwise: which usages to produce (for 128x128 tiles both are the same tiles).
+      rowwise / colwise: which usages to produce (for 128x128 tiles both are the same tiles).
 
     Scale as TE's ``compute_scale_from_amax``: 1 for a zero, inf or NaN amax, else ``fp8_max / amax``
     (an infinite quotient becomes the input dtype's largest finite value); stored ``scale_inv = 1/scale``.
     """
-    return build_blockwise(jnp.asarray(x), block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, quantize_kernels)
+    return quantize(x, _scheme("quantize_blockwise", "blockwise", dtype, rowwise=rowwise, colwise=colwise,
+                               block=block, pow2_scales=pow2_scales, amax_epsilon=amax_epsilon))
 
 
 def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
@@ -57,7 +73,7 @@ def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
     ``dtype`` defaults to the dtype that was quantized; ``usage`` ('rowwise' or 'colwise') defaults to
     rowwise when present. NaN outputs are the dtype's canonical quiet NaN.
     """
-    return dequantize_tensor(q, dtype, usage, quantize_kernels)
+    return layout.dequantize(q, dtype, usage, KERNELS)
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
@@ -66,27 +82,17 @@ def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
     return reference.e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
 
 
-@partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _qdq(x, fmt: str, usage: str, options: tuple):
-    q = _quantize_fmt(x, fmt, usage, dict(options))
-    return dequantize(q, x.dtype, usage)
-
-
-def _quantize_fmt(x, fmt, usage, options):
-    flags = dict(rowwise=usage == "rowwise", colwise=usage == "colwise")
-    if fmt == "mxfp8":
-        return quantize_mxfp8(x, **options, **flags)
-    if fmt == "blockwise":
-        return quantize_blockwise(x, **options, **flags)
-    raise ValueError(f"quantize_dequantize: fmt must be 'mxfp8' or 'blockwise', got {fmt!r}")
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _qdq(x, scheme: Scheme, usage: str):
+    return dequantize(quantize(x, scheme), x.dtype, usage)
 
 
 @_qdq.defjvp
-def _qdq_jvp(fmt, usage, options, primals, tangents):
+def _qdq_jvp(scheme, usage, primals, tangents):
     # Straight-through: the tangent passes unchanged. It is linear, so jax.grad transposes it into the
     # identity VJP, and jvp / jacfwd / hessians see the same rule.
     (x,), (t,) = primals, tangents
-    return _qdq(x, fmt, usage, options), t
+    return _qdq(x, scheme, usage), t
 
 
 def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options):
@@ -102,6 +108,5 @@ def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options
     x = check_input(x)
     if usage not in ("rowwise", "colwise"):
         raise ValueError(f"quantize_dequantize: usage must be 'rowwise' or 'colwise', got {usage!r}")
-    if "block" in options:
-        options["block"] = tuple(options["block"])
-    return _qdq(x, fmt, usage, tuple(sorted(options.items())))
+    scheme = _scheme("quantize_dequantize", fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
+    return _qdq(x, scheme, usage)

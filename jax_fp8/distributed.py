@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import fp8_index, high_dtype, packed_grids, unpack_grids, view_2d
-from .gather import Quantizer, all_gather_dequantized, all_gather_first_dim
+from .arrays import bitcast, view_2d
+from .formats import high_dtype
+from .gather import all_gather_dequantized, all_gather_first_dim
+from .layout import assemble
 from .primitives.partial import partial_amax_p, partial_cast_p
-from .quantize import assemble, usage_params
-from .reference import bitcast
+from .scheme import Quantizer, Scheme, unpack_grids
 from .shard_layout import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
 
 Array = Any
@@ -73,7 +74,7 @@ def _per_weight(values, name, n):
 def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[int]], axis_name,
                             offsets: Optional[Sequence[Array]] = None, lengths: Optional[Sequence[Array]] = None,
                             model_dtype=jnp.bfloat16, dtype=jnp.float8_e4m3fn, fmt: str = "mxfp8",
-                            rowwise: bool = True, colwise: bool = True, block: Sequence[int] = (1, 128),
+                            rowwise: bool = True, colwise: bool = True, block: Optional[Sequence[int]] = None,
                             pow2_scales: bool = True, amax_epsilon: float = 0.0,
                             check: bool = False) -> list[QuantizedShard]:
     """Quantize this rank's flat master-weight shards with globally consistent scales (inside shard_map).
@@ -89,8 +90,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         negative (not a valid window) is treated as holding none.
       model_dtype: the master values are first rounded to this dtype, as TE does (float32, bfloat16,
         float16, or None to keep them).
-      dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, ``pow2_scales``,
-        ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
+      dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, default (1, 128),
+        ``pow2_scales``, ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
       rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
       check: also verify, at run time, that the windows of all ranks tile every weight exactly once
         (no element held by no rank or by two); raises an error naming the weight otherwise. It costs
@@ -114,11 +115,12 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     if len(shards) != len(shapes):
         raise ValueError(f"{where}: {len(shards)} shards but {len(shapes)} shapes")
     offsets, lengths = _per_weight(offsets, "offsets", len(shards)), _per_weight(lengths, "lengths", len(shards))
-    scheme = Quantizer(fmt, dtype, rowwise, colwise, block, pow2_scales, amax_epsilon)
+    try:
+        scheme = Scheme(fmt, dtype, rowwise, colwise, block, pow2_scales, amax_epsilon)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
     if model_dtype is not None:
         model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
-    blocks = usage_params(fmt, rowwise, colwise, scheme.block)
-    fp8 = scheme.dtype
 
     rank = lax.axis_index(axis_name)
     xs, wins, held = [], [], []
@@ -137,14 +139,13 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     if check:
         _check_tiling(jnp.stack(wins), held, shapes, axis_name)
     shapes2d = [view_2d(shp) for shp in shapes]
-    p = dict(fp8=fp8_index(fp8), **blocks)
     # one partial-amax call (one launch per 24 weights on GPU) per input dtype
     groups = {}
     for i, x in enumerate(xs):
         groups.setdefault(x.dtype, []).append(i)
     groups = [(idx, jnp.stack([wins[i] for i in idx]), tuple(shapes2d[i] for i in idx)) for idx in groups.values()]
     # 1-2. partial amax -> local scales (E8M0 bytes) or amaxes, every weight's packed into one buffer
-    packs = [partial_amax_p.bind(w, *[xs[i] for i in idx], shapes=shp, **p)[0] for idx, w, shp in groups]
+    packs = [partial_amax_p.bind(w, *[xs[i] for i in idx], shapes=shp, scheme=scheme)[0] for idx, w, shp in groups]
     # 3. one collective for every weight, on integers: E8M0 bytes, or the fp32 amaxes' bits (non-negative
     # floats order as their bit patterns; a float pmax may flush subnormal amaxes, XLA's CPU one does)
     packed = packs[0] if len(packs) == 1 else jnp.concatenate(packs)
@@ -156,16 +157,12 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     # 4. partial cast with the global scales
     out = [None] * len(xs)
     for (idx, w, shp), glob in zip(groups, packs):
-        res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, pow2=bool(scheme.pow2_scales),
-                                  eps=float(scheme.amax_epsilon), **p)
-        layout = packed_grids(shp, blocks["row_block"], blocks["col_block"], blocks["tile_block"])
-        scales_from = glob if fmt == "mxfp8" else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
-        nu = len(layout[0])
-        for k, (i, grids) in enumerate(zip(idx, layout)):
-            datas = [bitcast(d, fp8) for d in res[k * nu:(k + 1) * nu]]
-            scales = unpack_grids(scales_from, grids)
-            t = assemble(fmt, zip(datas, scales), rowwise, colwise, shapes[i], xs[i].dtype, fp8, scheme.block,
-                         scheme.pow2_scales, scheme.amax_epsilon)
+        res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, scheme=scheme)
+        scales_from = glob if scheme.e8m0 else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
+        nu = len(scheme.kernel_blocks)
+        for k, (i, grids) in enumerate(zip(idx, scheme.packed_grids(shp))):
+            datas = [bitcast(d, scheme.dtype) for d in res[k * nu:(k + 1) * nu]]
+            t = assemble(scheme, zip(datas, unpack_grids(scales_from, grids)), shapes[i], xs[i].dtype)
             out[i] = QuantizedShard(t, wins[i][0], wins[i][1])
     return out
 

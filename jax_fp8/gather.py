@@ -11,85 +11,15 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from functools import partial
-from typing import Optional, Union
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from .api import dequantize, quantize_blockwise, quantize_mxfp8
-from .formats import FLOAT8_BLOCK, MX_BLOCK, fp8_dtype, view_2d
-from .quantize import check_amax_epsilon, check_block
+from .api import dequantize
+from .arrays import view_2d
+from .scheme import Quantizer
 from .tensors import BlockwiseTensor, MXFP8Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantizer:
-    """What to quantize to: ``fmt`` 'mxfp8' or 'blockwise' (with ``block`` (1, 128) or (128, 128)),
-    the FP8 ``dtype``, which usages (``rowwise``, ``colwise``), and the blockwise scale options."""
-
-    fmt: str = "mxfp8"
-    dtype: object = jnp.float8_e4m3fn
-    rowwise: bool = True
-    colwise: bool = False
-    block: tuple = (1, FLOAT8_BLOCK)
-    pow2_scales: bool = True
-    amax_epsilon: float = 0.0
-
-    def __post_init__(self):
-        if self.fmt not in ("mxfp8", "blockwise"):
-            raise ValueError(f"Quantizer: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
-        for name in ("rowwise", "colwise", "pow2_scales"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"Quantizer: {name} must be a bool, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, bool(getattr(self, name)))
-        if not (self.rowwise or self.colwise):
-            raise ValueError("Quantizer: at least one of rowwise, colwise must be True")
-        object.__setattr__(self, "dtype", fp8_dtype(self.dtype, "Quantizer: dtype"))
-        block = check_block(self.block, "Quantizer") if self.fmt == "blockwise" else (1, FLOAT8_BLOCK)
-        object.__setattr__(self, "block", block)
-        object.__setattr__(self, "amax_epsilon", check_amax_epsilon(self.amax_epsilon, "Quantizer"))
-
-    def __str__(self) -> str:
-        usages = "+".join(u for u in ("rowwise", "colwise") if getattr(self, u))
-        if self.fmt == "mxfp8":
-            return f"mxfp8 {self.dtype.name} {usages}"
-        bm, bk = self.block
-        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages} (pow2_scales={self.pow2_scales}, "
-                f"amax_epsilon={self.amax_epsilon})")
-
-    @classmethod
-    def of(cls, q: Union[MXFP8Tensor, BlockwiseTensor]) -> "Quantizer":
-        """The quantizer that produced ``q``."""
-        if isinstance(q, MXFP8Tensor):
-            return cls("mxfp8", q.fp8_dtype, q.has_rowwise, q.has_colwise)
-        return cls("blockwise", q.fp8_dtype, q.has_rowwise, q.has_colwise, q.block, q.pow2_scales, q.amax_epsilon)
-
-    def quantize(self, x):
-        if self.fmt == "mxfp8":
-            return quantize_mxfp8(x, self.dtype, self.rowwise, self.colwise)
-        return quantize_blockwise(x, self.block, self.dtype, self.pow2_scales, self.amax_epsilon, self.colwise,
-                                  self.rowwise)
-
-    @property
-    def block_rows(self) -> int:
-        """Height of the tallest block among the usages asked for (1 when no block spans rows)."""
-        if self.fmt == "mxfp8":
-            return MX_BLOCK if self.colwise else 1
-        return FLOAT8_BLOCK if self.colwise or self.block == (FLOAT8_BLOCK, FLOAT8_BLOCK) else 1
-
-    def _format(self) -> tuple:
-        """What fixes the bits of a usage (MXFP8 has no block or scale options)."""
-        if self.fmt == "mxfp8":
-            return (self.fmt, self.dtype)
-        return (self.fmt, self.dtype, self.block, bool(self.pow2_scales), float(self.amax_epsilon))
-
-    def satisfied_by(self, q) -> bool:
-        """Whether ``q`` already holds every usage this quantizer asks for, in this format."""
-        other = Quantizer.of(q)
-        return (other._format() == self._format() and (other.rowwise or not self.rowwise)
-                and (other.colwise or not self.colwise))
 
 
 def _gather(a, axis_name):

@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import jax.numpy as jnp
-from jax import lax
 
-from .formats import FP8_DTYPES, FP8_MAX, cdiv, packed_grids, unpack_grids, usage_blocks
+from . import layout
+from .arrays import bitcast, cdiv, xp_of
+from .formats import FP8_MAX, max_finite
+from .scheme import Scheme, unpack_grids
 
 _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
-
-
-def xp_of(*arrays):
-    """The array namespace to compute in: NumPy when every input is a NumPy array, else jax.numpy."""
-    return np if all(isinstance(a, (np.ndarray, np.generic)) for a in arrays) else jnp
-
-
-def bitcast(a, dtype):
-    """Reinterpret the bits of ``a`` as ``dtype`` (same item size), in ``a``'s namespace."""
-    if isinstance(a, (np.ndarray, np.generic)):
-        return np.asarray(a).view(dtype)
-    return lax.bitcast_convert_type(a, dtype)
 
 
 def _bits(v):
@@ -124,67 +114,72 @@ def _canonical_nan(y):
 
 
 # ---- kernel contract: same inputs and outputs as the primitives -------------------------------
-def quantize_blocks(x, bm, bk, *, fp8, scale_kind, pow2=True, eps=0.0):
-    """Quantize (..., M, K) with (bm, bk) blocks: (data as uint8 bytes, scales uint8 or fp32)."""
-    dtype = FP8_DTYPES[fp8]
-    M, K = x.shape[-2:]
-    amax = block_amax(x, bm, bk)
-    if scale_kind == 0:
-        stored = e8m0_from_amax(amax, dtype)
-        mult = e8m0_reciprocal(stored)
+def _scale_rule(scheme: Scheme, in_dtype):
+    """amax -> (stored scale, multiplier applied before the cast), for the scheme's format."""
+    if scheme.e8m0:
+        def rule(amax):
+            stored = e8m0_from_amax(amax, scheme.dtype)
+            return stored, e8m0_reciprocal(stored)
     else:
-        mult = block_scale_from_amax(amax, dtype, pow2, eps, np.float32(jnp.finfo(x.dtype).max))
-        stored = np.float32(1.0) / mult
+        def rule(amax):
+            mult = block_scale_from_amax(amax, scheme.dtype, scheme.pow2_scales, scheme.amax_epsilon,
+                                         max_finite(in_dtype))
+            return np.float32(1.0) / mult, mult
+    return rule
+
+
+def quantize_blocks(x, bm, bk, scheme: Scheme):
+    """Quantize (..., M, K) with (bm, bk) blocks: (data as uint8 bytes, scales uint8 or fp32)."""
+    M, K = x.shape[-2:]
+    stored, mult = _scale_rule(scheme, x.dtype)(block_amax(x, bm, bk))
     with _quiet():
         scaled = x.astype(_F32) * expand_blocks(mult, bm, bk, M, K)
-    return cast_to_fp8(scaled, dtype), stored
+    return cast_to_fp8(scaled, scheme.dtype), stored
 
 
-def quantize_usages(x, *, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
-    """All requested usages of (B, M, K) ``x``, in the order row, col, tile (the primitive's contract)."""
+def quantize_usages(x, *, scheme: Scheme):
+    """Every kernel block of (B, M, K) ``x``, in the scheme's order: [data, scale, ...] (the primitive's
+    contract)."""
     outs = []
-    for bm, bk in ((1, row_block), (col_block, 1), (tile_block, tile_block)):
-        if bm and bk:
-            outs += quantize_blocks(x, bm, bk, fp8=fp8, scale_kind=scale_kind, pow2=pow2, eps=eps)
+    for bm, bk in scheme.kernel_blocks:
+        outs += quantize_blocks(x, bm, bk, scheme)
     return outs
 
 
-def dequantize_blocks(data, scale, *, fp8, block_m, block_k, out_dtype):
-    """data (..., M, K) uint8 FP8 bytes times per-block scales, rounded to ``out_dtype``."""
+def dequantize_blocks(data, scale, *, scheme: Scheme, out_dtype):
+    """data (..., M, K) uint8 FP8 bytes times the per-block scales of the scheme's one usage, rounded to
+    ``out_dtype``."""
+    (bm, bk), = scheme.kernel_blocks
     M, K = data.shape[-2:]
-    values = bitcast(data, FP8_DTYPES[fp8]).astype(_F32)
-    s = e8m0_to_float(scale) if scale.dtype == np.uint8 else scale.astype(_F32)
+    values = bitcast(data, scheme.dtype).astype(_F32)
+    s = e8m0_to_float(scale) if scheme.e8m0 else scale.astype(_F32)
     with _quiet():
-        return _canonical_nan((values * expand_blocks(s, block_m, block_k, M, K)).astype(out_dtype))
+        return _canonical_nan((values * expand_blocks(s, bm, bk, M, K)).astype(out_dtype))
 
 
 # ---- public API mirror ----------------------------------------------------------------------
-def _kernels():
-    from .quantize import Kernels
+KERNELS = layout.Kernels(quantize_usages, dequantize_blocks)
 
-    return Kernels(quantize_usages, dequantize_blocks)
+
+def quantize(x, scheme: Scheme):
+    """Reference of :func:`jax_fp8.quantize`."""
+    return layout.quantize(x, scheme, KERNELS)
 
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False):
     """Reference of :func:`jax_fp8.quantize_mxfp8`."""
-    from .quantize import build_mxfp8
-
-    return build_mxfp8(x, dtype, rowwise, colwise, _kernels())
+    return quantize(x, Scheme("mxfp8", dtype, rowwise, colwise))
 
 
 def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0,
-                       colwise=False, rowwise=True):
+                       rowwise=True, colwise=False):
     """Reference of :func:`jax_fp8.quantize_blockwise`."""
-    from .quantize import build_blockwise
-
-    return build_blockwise(x, block, dtype, pow2_scales, amax_epsilon, colwise, rowwise, _kernels())
+    return quantize(x, Scheme("blockwise", dtype, rowwise, colwise, block, pow2_scales, amax_epsilon))
 
 
 def dequantize(q, dtype=None, usage=None):
     """Reference of :func:`jax_fp8.dequantize`."""
-    from .quantize import dequantize_tensor
-
-    return dequantize_tensor(q, dtype, usage, _kernels())
+    return layout.dequantize(q, dtype, usage, KERNELS)
 
 
 # ---- master-weight shards (jax_fp8.distributed) ----------------------------------------------
@@ -203,31 +198,30 @@ def unshard(shard, offset, length, M: int, K: int):
     return flat.reshape(M, K), pos, valid
 
 
-def partial_amax(shard, offset, length, *, M, K, fp8, scale_kind, row_block, col_block, tile_block):
+def partial_amax(shard, offset, length, *, M, K, scheme: Scheme):
     """Per-block amax over the elements this shard holds (0 elsewhere): E8M0 bytes, or fp32 amaxes."""
     full, _, _ = unshard(shard, offset, length, M, K)
     outs = []
-    for bm, bk in usage_blocks(row_block, col_block, tile_block):
+    for bm, bk in scheme.kernel_blocks:
         amax = block_amax(full, bm, bk)
-        outs.append(e8m0_from_amax(amax, FP8_DTYPES[fp8]) if scale_kind == 0 else amax)
+        outs.append(e8m0_from_amax(amax, scheme.dtype) if scheme.e8m0 else amax)
     return outs
 
 
-def partial_cast(shard, offset, length, *grids, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
+def partial_cast(shard, offset, length, *grids, M, K, scheme: Scheme):
     """Cast the shard's elements with the global scales (E8M0 bytes or fp32 amaxes): flat FP8 bytes per
-    usage (0 past the valid elements), then, for fp32 scales, each usage's scale_inv grid."""
+    kernel block (0 past the valid elements), then, for fp32 scales, each block's scale_inv grid."""
     xp = xp_of(shard, offset, length, *grids)
-    dtype = FP8_DTYPES[fp8]
     full, pos, valid = unshard(shard, offset, length, M, K)
     datas, sinvs = [], []
-    for (bm, bk), grid in zip(usage_blocks(row_block, col_block, tile_block), grids):
-        if scale_kind == 0:
+    for (bm, bk), grid in zip(scheme.kernel_blocks, grids):
+        if scheme.e8m0:
             mult = e8m0_reciprocal(grid)
         else:
-            mult = block_scale_from_amax(grid, dtype, pow2, eps, np.float32(jnp.finfo(shard.dtype).max))
-            sinvs.append(np.float32(1.0) / mult)
+            sinv, mult = _scale_rule(scheme, shard.dtype)(grid)
+            sinvs.append(sinv)
         with _quiet():
-            data = cast_to_fp8(full.astype(_F32) * expand_blocks(mult, bm, bk, M, K), dtype).reshape(-1)
+            data = cast_to_fp8(full.astype(_F32) * expand_blocks(mult, bm, bk, M, K), scheme.dtype).reshape(-1)
         data = xp.concatenate([data, xp.zeros((1,), data.dtype)])  # index M*K: padding (and empty weights)
         datas.append(xp.where(valid, data[xp.where(valid, pos, M * K)], np.uint8(0)))
     return datas + sinvs
@@ -237,26 +231,23 @@ def _concat(xp, pieces, dtype):
     return xp.concatenate([p.reshape(-1) for p in pieces]) if pieces else xp.zeros((0,), dtype)
 
 
-def partial_amax_group(windows, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block):
+def partial_amax_group(windows, *shards, shapes, scheme: Scheme):
     """:func:`partial_amax` of every weight of a group (windows: (N, 2) int32 offset, length), packed
-    into one buffer in the layout of ``formats.packed_grids``."""
+    into one buffer in the layout of ``Scheme.packed_grids``."""
     xp = xp_of(windows, *shards)
     grids = [g for (M, K), s, w in zip(shapes, shards, windows)
-             for g in partial_amax(s, w[0], w[1], M=M, K=K, fp8=fp8, scale_kind=scale_kind, row_block=row_block,
-                                   col_block=col_block, tile_block=tile_block)]
-    return [_concat(xp, grids, np.uint8 if scale_kind == 0 else np.float32)]
+             for g in partial_amax(s, w[0], w[1], M=M, K=K, scheme=scheme)]
+    return [_concat(xp, grids, scheme.scale_dtype if scheme.e8m0 else np.float32)]
 
 
-def partial_cast_group(windows, packed, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block, pow2,
-                       eps):
+def partial_cast_group(windows, packed, *shards, shapes, scheme: Scheme):
     """:func:`partial_cast` of every weight of a group with the packed global values: every weight's
-    data per usage, then, for fp32 scales, the packed scale_inv."""
+    data per kernel block, then, for fp32 scales, the packed scale_inv."""
     xp = xp_of(windows, packed, *shards)
     datas, sinvs = [], []
-    for (M, K), s, w, grids in zip(shapes, shards, windows, packed_grids(shapes, row_block, col_block, tile_block)):
+    for (M, K), s, w, grids in zip(shapes, shards, windows, scheme.packed_grids(shapes)):
         glob = unpack_grids(packed, grids)
-        res = partial_cast(s, w[0], w[1], *glob, M=M, K=K, fp8=fp8, scale_kind=scale_kind, row_block=row_block,
-                           col_block=col_block, tile_block=tile_block, pow2=pow2, eps=eps)
+        res = partial_cast(s, w[0], w[1], *glob, M=M, K=K, scheme=scheme)
         datas += res[:len(glob)]
         sinvs += res[len(glob):]
-    return datas + ([_concat(xp, sinvs, np.float32)] if scale_kind == 1 else [])
+    return datas + ([] if scheme.e8m0 else [_concat(xp, sinvs, np.float32)])

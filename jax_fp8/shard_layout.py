@@ -18,7 +18,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .formats import cdiv
+from .arrays import cdiv
 
 LAYOUTS = ("per_weight", "flat")
 

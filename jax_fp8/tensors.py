@@ -9,7 +9,9 @@ import numpy as np
 from jax import lax
 
 from ._compat import E8M0_DTYPE
-from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK, cdiv, view_2d
+from .arrays import cdiv, view_2d
+from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK
+from .scheme import Scheme
 
 Array = Any
 
@@ -99,6 +101,11 @@ class MXFP8Tensor(_QuantizedBase):
     row_block = (1, MX_BLOCK)
     col_block = (MX_BLOCK, 1)
 
+    @property
+    def scheme(self) -> Scheme:
+        """The scheme that produced this tensor."""
+        return Scheme("mxfp8", self.fp8_dtype, self.has_rowwise, self.has_colwise)
+
     @staticmethod
     def _checked_scale(scale, name):
         if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
@@ -138,6 +145,12 @@ class BlockwiseTensor(_QuantizedBase):
         if scale.dtype != np.float32:
             raise TypeError(f"{name} must be float32 scale_inv values, got {scale.dtype}")
         return scale
+
+    @property
+    def scheme(self) -> Scheme:
+        """The scheme that produced this tensor."""
+        return Scheme("blockwise", self.fp8_dtype, self.has_rowwise, self.has_colwise, tuple(self.block),
+                      self.pow2_scales, self.amax_epsilon)
 
     @property
     def row_block(self) -> tuple:

@@ -1,5 +1,6 @@
 """Distributed master-weight cast on simulated CPU devices: gathered FP8 shards equal single-device
 quantization bit for bit, and the scales take exactly one all-reduce (uint8 for MXFP8)."""
+import dataclasses
 import re
 
 import jax
@@ -10,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
+from jax_fp8 import Scheme
 from jax_fp8._compat import shard_map
 from jax_fp8.distributed import (gather_master_weights, local_shards, quantize_master_weights, shard_windows,
                                  split_masters)
@@ -157,9 +159,9 @@ def _on_dirty_memory(f, *args):
     return f(*args)
 
 
-_BLOCKS = {"mxfp8": dict(scale_kind=0, row_block=32, col_block=32, tile_block=0),
-           "blk1d": dict(scale_kind=1, row_block=128, col_block=128, tile_block=0),
-           "blk2d": dict(scale_kind=1, row_block=0, col_block=0, tile_block=128)}
+_SCHEMES = {"mxfp8": Scheme("mxfp8", rowwise=True, colwise=True),
+            "blk1d": Scheme("blockwise", rowwise=True, colwise=True),
+            "blk2d": Scheme("blockwise", block=(128, 128))}
 
 
 def _rank_groups(rng, weights, n, even):
@@ -179,16 +181,16 @@ def _rank_groups(rng, weights, n, even):
             for r in range(n)]
 
 
-def _group_kernels(shapes, blocks, pow2=True):
+def _group_kernels(shapes, scheme):
     from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
 
-    p = dict(shapes=tuple(shapes), fp8=0, **blocks)
+    p = dict(shapes=tuple(shapes), scheme=scheme)
     amax = jax.jit(lambda w, *s: partial_amax_p.bind(w, *s, **p)[0])
-    cast = jax.jit(lambda w, g, *s: partial_cast_p.bind(w, g, *s, pow2=pow2, eps=0.0, **p))
+    cast = jax.jit(lambda w, g, *s: partial_cast_p.bind(w, g, *s, **p))
     return p, amax, cast
 
 
-@pytest.mark.parametrize("fmt", list(_BLOCKS))
+@pytest.mark.parametrize("fmt", list(_SCHEMES))
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_partial_kernels_single_device(fmt, in_dtype):
     """The grouped partial-amax and partial-cast kernels on the default device (the CUDA ones on a GPU)
@@ -196,14 +198,12 @@ def test_partial_kernels_single_device(fmt, in_dtype):
     the reference's bit for bit, and the host-reduced scales cast into exactly the single-device
     quantization of every weight."""
     from jax_fp8 import reference as R
-    from jax_fp8.formats import packed_grids
 
     rng = np.random.default_rng(len(fmt) + jnp.dtype(in_dtype).itemsize)
     shapes = [(130, 300), (64, 96), (3, 40)]
     weights = [random_input(rng, s, in_dtype) for s in shapes]
-    blocks = _BLOCKS[fmt]
-    p, amax, cast = _group_kernels(shapes, blocks)
-    layout = packed_grids(shapes, blocks["row_block"], blocks["col_block"], blocks["tile_block"])
+    p, amax, cast = _group_kernels(shapes, _SCHEMES[fmt])
+    layout = _SCHEMES[fmt].packed_grids(shapes)
     for n, even in [(3, False), (4, True), (8, False)]:
         ranks = _rank_groups(rng, weights, n, even)
         parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
@@ -213,7 +213,7 @@ def test_partial_kernels_single_device(fmt, in_dtype):
         outs = []
         for w, s in ranks:
             got = _on_dirty_memory(cast, w, glob, *s)
-            want = R.partial_cast_group(w, glob, *s, pow2=True, eps=0.0, **p)
+            want = R.partial_cast_group(w, glob, *s, **p)
             assert len(got) == len(want)
             for g, r in zip(got, want):
                 assert_bits_equal(g, r)
@@ -238,7 +238,7 @@ def test_partial_kernels_single_device(fmt, in_dtype):
                 np.testing.assert_array_equal(asm, np.asarray(data).view(np.uint8).reshape(-1))
 
 
-@pytest.mark.parametrize("fmt", list(_BLOCKS))
+@pytest.mark.parametrize("fmt", list(_SCHEMES))
 def test_partial_kernels_many_weights(fmt):
     """A group larger than one GPU launch holds (24 weights): 40 weights of random shapes, empty ones
     and single elements among them, split over 3 ranks at random cut points; packed outputs equal the
@@ -249,14 +249,15 @@ def test_partial_kernels_many_weights(fmt):
     shapes = [(int(rng.integers(1, 300)), int(rng.integers(1, 300))) for _ in range(36)]
     shapes += [(0, 40), (1, 1), (129, 1), (1, 257)]
     weights = [random_input(rng, s, jnp.bfloat16) for s in shapes]
-    p, amax, cast = _group_kernels(shapes, _BLOCKS[fmt], pow2=False)
+    p, amax, cast = _group_kernels(shapes, dataclasses.replace(_SCHEMES[fmt], pow2_scales=False)
+                                   if fmt != "mxfp8" else _SCHEMES[fmt])
     ranks = _rank_groups(rng, weights, 3, False)
     parts = [_on_dirty_memory(amax, w, *s) for w, s in ranks]
     for (w, s), got in zip(ranks, parts):
         assert_bits_equal(got, R.partial_amax_group(w, *s, **p)[0])
     glob = np.max(np.stack([np.asarray(q) for q in parts]), axis=0)
     for w, s in ranks:
-        for g, r in zip(_on_dirty_memory(cast, w, glob, *s), R.partial_cast_group(w, glob, *s, pow2=False, eps=0.0, **p)):
+        for g, r in zip(_on_dirty_memory(cast, w, glob, *s), R.partial_cast_group(w, glob, *s, **p)):
             assert_bits_equal(g, r)
 
 

@@ -156,27 +156,19 @@ void with_loader(InType t, F f) {
   }
 }
 
-template <class Rule>
-void quantize_dispatch_in(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_t* const* d,
-                          void* const* s) {
-  with_loader(a.in, [&](auto ld) { quantize_all<decltype(ld)>(a, x, rule, d, s); });
-}
-
-ffi::Error QuantizeCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o0, ffi::Result<ffi::AnyBuffer> o1,
-                           ffi::Result<ffi::AnyBuffer> o2, ffi::Result<ffi::AnyBuffer> o3, int64_t fp8,
-                           int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block,
-                           bool pow2, float eps) {
+// x: (B, M, K) float32 / bfloat16 / float16. Per usage of the scheme, in the order row, col, tile:
+// its FP8 data (B, M, K) uint8 and its scales (B, ceil(M/bm), ceil(K/bk)), uint8 E8M0 or fp32
+// scale_inv; the second pair is empty when the scheme has one usage.
+ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0, ffi::Result<ffi::AnyBuffer> scale0,
+                       ffi::Result<ffi::AnyBuffer> data1, ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a);
-      e.failure())
-    return e;
+  if (auto e = make_quantize_args(x, scheme, &a); e.failure()) return e;
   IeeeFpEnv env;
-  uint8_t* data[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
-  void* scale[2] = {o1->untyped_data(), o3->untyped_data()};
-  if (a.scale_kind == kScaleE8M0)
-    quantize_dispatch_in(a, x.untyped_data(), MxRule{a.fp8}, data, scale);
-  else
-    quantize_dispatch_in(a, x.untyped_data(), BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}, data, scale);
+  uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
+  void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
+  with_rule(a, [&](auto rule) {
+    with_loader(a.in, [&](auto ld) { quantize_all<decltype(ld)>(a, x.untyped_data(), rule, data, scale); });
+  });
   return ffi::Error::Success();
 }
 
@@ -225,19 +217,16 @@ ffi::Error dequantize_typed(const uint8_t* d, const void* s, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
-ffi::Error DequantizeCpuImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                             int64_t fp8, int64_t block_m, int64_t block_k) {
+// data: (B, M, K) uint8 FP8 bytes; scale: the scale grid of the scheme's one usage. out: (B, M, K)
+// float32 / bfloat16 / float16.
+ffi::Error DequantizeCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, Scheme scheme) {
   int64_t B, M, K;
-  if (auto e = dims3(data, &B, &M, &K); e.failure()) return e;
-  if (block_m < 1 || block_k < 1) return bad("block sizes must be positive");
+  Usage u;
+  if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   IeeeFpEnv env;
   const auto* d = static_cast<const uint8_t*>(data.untyped_data());
-  if (scale.element_type() == ffi::DataType::U8)
-    return dequantize_typed<MxRule>(d, scale.untyped_data(), out, B, M, K, int(block_m), int(block_k), int(fp8));
-  if (scale.element_type() == ffi::DataType::F32)
-    return dequantize_typed<BlockRule>(d, scale.untyped_data(), out, B, M, K, int(block_m), int(block_k),
-                                       int(fp8));
-  return bad("scales must be uint8 (E8M0) or float32");
+  if (scheme.e8m0) return dequantize_typed<MxRule>(d, scale.untyped_data(), out, B, M, K, u.bm, u.bk, scheme.fp8);
+  return dequantize_typed<BlockRule>(d, scale.untyped_data(), out, B, M, K, u.bm, u.bk, scheme.fp8);
 }
 
 
@@ -271,10 +260,10 @@ void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t
       });
     }
   });
-  for (int64_t i = 0; i < nb; ++i) {
-    if (a.scale_kind == kScaleE8M0) static_cast<uint8_t*>(out)[i] = MxRule{a.fp8}.partial(amax[i]);
-    else static_cast<float*>(out)[i] = BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}.partial(amax[i]);
-  }
+  with_rule(a, [&](auto rule) {
+    using S = typename decltype(rule)::ScaleT;
+    for (int64_t i = 0; i < nb; ++i) static_cast<S*>(out)[i] = rule.partial(amax[i]);
+  });
 }
 
 // grid: the global scales (E8M0 bytes) or amaxes (fp32). Writes the shard's FP8 bytes (0 past n) and,
@@ -285,15 +274,14 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
   const auto* x = static_cast<const typename L::T*>(shard);
   const int64_t sk = cdiv(a.K, u.bk), nb = u.blocks(a);
   std::vector<float> mult(nb);
-  for (int64_t i = 0; i < nb; ++i) {
-    if (a.scale_kind == kScaleE8M0) {
-      uint8_t stored;
-      MxRule{a.fp8}.from_global(static_cast<const uint8_t*>(grid)[i], stored, mult[i]);
-    } else {
-      BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}.from_global(static_cast<const float*>(grid)[i], scale_inv[i],
-                                                               mult[i]);
+  with_rule(a, [&](auto rule) {
+    using S = typename decltype(rule)::ScaleT;
+    S stored;
+    for (int64_t i = 0; i < nb; ++i) {  // fp32 scales: every rank writes the same scale_inv grid
+      rule.from_global(static_cast<const S*>(grid)[i], stored, mult[i]);
+      if (scale_inv) scale_inv[i] = float(stored);
     }
-  }
+  });
   std::fill(data, data + L_, uint8_t(0));
   std::vector<float> row(a.K);
   for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
@@ -332,18 +320,16 @@ void for_weights(const std::vector<GroupWeight>& g, F f) {
   });
 }
 
-ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> packed,
-                              ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
-                              int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block) {
+// windows: (N, 2) int32 (offset, length) per shard; shards: N flat buffers of one dtype. packed: every
+// weight's partial values (E8M0 bytes or fp32 amaxes), packed as Scheme.packed_grids lays them out.
+ffi::Error PartialAmaxCpu(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> packed,
+                          ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, Scheme scheme) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  if (auto e = make_amax_group(windows, shards, packed, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, &a,
-                               &g);
-      e.failure())
-    return e;
+  if (auto e = make_amax_group(windows, shards, *packed, Ms, Ks, scheme, &a, &g); e.failure()) return e;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   auto* out = static_cast<char*>(packed->untyped_data());
-  const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
+  const size_t item = a.e8m0 ? 1 : 4;
   Usage u[2];
   const int nu = usages_of(a, u);
   for_weights(g, [&](size_t i) {
@@ -355,32 +341,30 @@ ffi::Error PartialAmaxCpuImpl(ffi::AnyBuffer windows, ffi::RemainingArgs shards,
   return ffi::Error::Success();
 }
 
-ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::RemainingArgs shards,
-                              ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas,
-                              ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
-                              int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2,
-                              float eps) {
+// windows, shards: as above; global: the packed reduced values. scale_inv: the packed fp32 scale_inv
+// (empty for E8M0 scales); datas: each shard's FP8 bytes per usage (zeros past its elements).
+ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::RemainingArgs shards,
+                          ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas, ffi::Span<const int64_t> Ms,
+                          ffi::Span<const int64_t> Ks, Scheme scheme) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
   std::vector<uint8_t*> data;
-  if (auto e = make_cast_group(windows, global, shards, scale_inv, datas, Ms, Ks, fp8, scale_kind, row_block,
-                               col_block, tile_block, pow2, eps, &a, &g, &data);
+  if (auto e = make_cast_group(windows, global, shards, *scale_inv, datas, Ms, Ks, scheme, &a, &g, &data);
       e.failure())
     return e;
-  const bool fp32 = a.scale_kind == kScaleFp32;
   Usage u[2];
   const int nu = usages_of(a, u);
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   const auto* glob = static_cast<const char*>(global.untyped_data());
   auto* sinv = static_cast<float*>(scale_inv->untyped_data());
-  const size_t item = fp32 ? 4 : 1;
+  const size_t item = a.e8m0 ? 1 : 4;
   for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < nu; ++k)
       with_loader(a.in, [&](auto ld) {
         partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, u[k], glob + g[i].at[k] * item, data[i * nu + k],
-                                   fp32 ? sinv + g[i].at[k] : nullptr);
+                                   a.e8m0 ? nullptr : sinv + g[i].at[k]);
       });
   });
   return ffi::Error::Success();
@@ -391,10 +375,38 @@ ffi::Error PartialCastCpuImpl(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpuImpl, JF_BIND_QUANTIZE(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpuImpl, JF_BIND_DEQUANTIZE(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpuImpl, JF_BIND_PARTIAL_AMAX(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpuImpl, JF_BIND_PARTIAL_CAST(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x (B, M, K)
+                                  .Ret<ffi::AnyBuffer>()  // first usage: data
+                                  .Ret<ffi::AnyBuffer>()  // first usage: scales
+                                  .Ret<ffi::AnyBuffer>()  // second usage: data (empty if none)
+                                  .Ret<ffi::AnyBuffer>()  // second usage: scales (empty if none)
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // data (B, M, K) uint8
+                                  .Arg<ffi::AnyBuffer>()  // scales of the scheme's one usage
+                                  .Ret<ffi::AnyBuffer>()  // out (B, M, K)
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
+                                  .RemainingArgs()        // N flat shards
+                                  .Ret<ffi::AnyBuffer>()  // packed partial values
+                                  .Attr<ffi::Span<const int64_t>>("Ms")
+                                  .Attr<ffi::Span<const int64_t>>("Ks")
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
+                                  .Arg<ffi::AnyBuffer>()  // packed global values
+                                  .RemainingArgs()        // N flat shards
+                                  .Ret<ffi::AnyBuffer>()  // packed scale_inv (fp32 scales; else empty)
+                                  .RemainingRets()        // per shard and usage: its FP8 bytes
+                                  .Attr<ffi::Span<const int64_t>>("Ms")
+                                  .Attr<ffi::Span<const int64_t>>("Ks")
+                                  .Attr<jf::Scheme>("scheme"));
 
 NB_MODULE(_jax_fp8_cpu, m) {
   m.def("registrations", []() {

@@ -1,4 +1,5 @@
-// Argument decoding shared by the CPU and CUDA FFI handlers.
+// Argument decoding shared by the CPU and CUDA FFI handlers: the call's Scheme, decoded once by XLA,
+// and the buffers checked against it.
 #pragma once
 
 #include <cstdint>
@@ -13,14 +14,23 @@ namespace ffi = xla::ffi;
 
 enum class InType { kF32, kBF16, kF16 };
 
-// A quantize call: x of shape (B, M, K); outputs per usage (data u8, scale u8 or f32), in the
-// order row, col, tile, padded with unused (empty) results up to four.
-struct QuantizeArgs {
+// The quantization scheme of a call: jax_fp8/scheme.py's Scheme.ffi_attrs(), passed as one dictionary
+// attribute, "scheme", that XLA decodes into this struct (registered at the end of this file).
+struct Scheme {
+  int32_t fp8;         // Fp8Kind (fp8_math.h): 0 = E4M3, 1 = E5M2
+  bool e8m0;           // E8M0 scales (MXFP8); else fp32 scale_inv (Float8 blockwise)
+  int32_t row_block;   // rowwise 1 x row_block blocks (0: not asked for)
+  int32_t col_block;   // columnwise col_block x 1 blocks (0: not asked for)
+  int32_t tile_block;  // tile_block x tile_block tiles (0: none)
+  bool pow2;           // blockwise: scales rounded down to powers of two
+  float eps;           // blockwise: lower bound of every block amax
+};
+
+// A quantize-style call: its scheme and an input of shape (B, M, K) and type `in`.
+struct QuantizeArgs : Scheme {
   InType in;
   int64_t B, M, K;
-  int fp8, scale_kind, row_block, col_block, tile_block;
-  bool pow2;
-  float eps, inf_value;
+  float inf_value;  // the input dtype's largest finite value (TE's scale for an infinite quotient)
 };
 
 inline ffi::Error bad(const std::string& msg) {
@@ -46,31 +56,41 @@ inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t
   return ffi::Error::Success();
 }
 
-// Validates and fills the arguments shared by every quantize-style target.
-inline ffi::Error fill_quantize_args(ffi::DataType in, int64_t B, int64_t M, int64_t K, int64_t fp8,
-                                     int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block,
-                                     bool pow2, float eps, QuantizeArgs* a) {
-  if (auto e = in_type_of(in, &a->in, &a->inf_value); e.failure()) return e;
-  if (fp8 != kE4M3 && fp8 != kE5M2) return bad("fp8 must be 0 (e4m3) or 1 (e5m2)");
-  if (scale_kind != kScaleE8M0 && scale_kind != kScaleFp32) return bad("unknown scale kind");
-  if (B < 0 || M < 0 || K < 0) return bad("negative dimension");
-  const bool mx = scale_kind == kScaleE8M0;
-  const int want = mx ? 32 : 128;
-  if ((row_block && row_block != want) || (col_block && col_block != want) ||
-      (tile_block && (mx || tile_block != 128)) || (tile_block && (row_block || col_block)) ||
-      !(row_block || col_block || tile_block))
+// The block configurations the kernels implement: MXFP8 1x32 and/or 32x1; Float8 1x128 and/or 128x1,
+// or 128x128 tiles alone.
+inline ffi::Error check_scheme(const Scheme& s) {
+  if (s.fp8 != kE4M3 && s.fp8 != kE5M2) return bad("scheme.fp8 must be 0 (e4m3) or 1 (e5m2)");
+  const int want = s.e8m0 ? 32 : 128;
+  if ((s.row_block && s.row_block != want) || (s.col_block && s.col_block != want) ||
+      (s.tile_block && (s.e8m0 || s.tile_block != 128)) || (s.tile_block && (s.row_block || s.col_block)) ||
+      !(s.row_block || s.col_block || s.tile_block))
     return bad("unsupported block configuration");
-  *a = QuantizeArgs{a->in, B, M, K, int(fp8), int(scale_kind), int(row_block), int(col_block), int(tile_block),
-                    pow2, eps, a->inf_value};
   return ffi::Error::Success();
 }
 
-inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, int64_t fp8, int64_t scale_kind, int64_t row_block,
-                                     int64_t col_block, int64_t tile_block, bool pow2, float eps, QuantizeArgs* a) {
+// Validates and fills the arguments shared by every quantize-style target.
+inline ffi::Error fill_quantize_args(ffi::DataType in, int64_t B, int64_t M, int64_t K, const Scheme& s,
+                                     QuantizeArgs* a) {
+  if (auto e = check_scheme(s); e.failure()) return e;
+  if (B < 0 || M < 0 || K < 0) return bad("negative dimension");
+  static_cast<Scheme&>(*a) = s;
+  a->B = B;
+  a->M = M;
+  a->K = K;
+  return in_type_of(in, &a->in, &a->inf_value);
+}
+
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const Scheme& s, QuantizeArgs* a) {
   int64_t B, M, K;
   if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
-  return fill_quantize_args(x.element_type(), B, M, K, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps,
-                            a);
+  return fill_quantize_args(x.element_type(), B, M, K, s, a);
+}
+
+// Calls f(rule) with the scheme's scale rule (fp8_math.h): the one place that dispatches on it.
+template <class F>
+auto with_rule(const QuantizeArgs& a, F&& f) {
+  if (a.e8m0) return f(MxRule{a.fp8});
+  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
 }
 
 // The usages of a call, each as (bm, bk) blocks, in the kernels' output order: row, col, tile.
@@ -79,11 +99,11 @@ struct Usage {
   int64_t blocks(int64_t M, int64_t K) const { return cdiv(M, bm) * cdiv(K, bk); }
   int64_t blocks(const QuantizeArgs& a) const { return blocks(a.M, a.K); }
 };
-inline int usages_of(const QuantizeArgs& a, Usage* u) {
+inline int usages_of(const Scheme& s, Usage* u) {
   int n = 0;
-  if (a.row_block) u[n++] = {1, a.row_block};
-  if (a.col_block) u[n++] = {a.col_block, 1};
-  if (a.tile_block) u[n++] = {a.tile_block, a.tile_block};
+  if (s.row_block) u[n++] = {1, s.row_block};
+  if (s.col_block) u[n++] = {s.col_block, 1};
+  if (s.tile_block) u[n++] = {s.tile_block, s.tile_block};
   return n;
 }
 
@@ -100,9 +120,8 @@ struct GroupWeight {
 };
 
 inline ffi::Error make_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
-                             ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, int64_t fp8,
-                             int64_t scale_kind, int64_t row_block, int64_t col_block, int64_t tile_block, bool pow2,
-                             float eps, QuantizeArgs* a, std::vector<GroupWeight>* g, int64_t* n_packed) {
+                             ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, const Scheme& s,
+                             QuantizeArgs* a, std::vector<GroupWeight>* g, int64_t* n_packed) {
   const size_t n = shards.size();
   if (Ms.size() != n || Ks.size() != n) return bad("one shape per master-weight shard");
   if (windows.element_type() != ffi::DataType::S32 || windows.element_count() != 2 * n)
@@ -111,17 +130,15 @@ inline ffi::Error make_group(const ffi::AnyBuffer& windows, const ffi::Remaining
   g->clear();
   *n_packed = 0;
   for (size_t i = 0; i < n; ++i) {
-    auto s = shards.get<ffi::AnyBuffer>(i);
-    if (!s.has_value()) return bad("master-weight shards must be buffers");
-    if (s->dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
-    if (i == 0) in = s->element_type();
-    if (s->element_type() != in) return bad("the shards of one call must share a dtype");
+    auto x = shards.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return bad("master-weight shards must be buffers");
+    if (x->dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
+    if (i == 0) in = x->element_type();
+    if (x->element_type() != in) return bad("the shards of one call must share a dtype");
     if (Ms[i] < 0 || Ks[i] < 0) return bad("negative dimension");
-    g->push_back(GroupWeight{s->untyped_data(), s->dimensions()[0], Ms[i], Ks[i], {0, 0}});
+    g->push_back(GroupWeight{x->untyped_data(), x->dimensions()[0], Ms[i], Ks[i], {0, 0}});
   }
-  if (auto e = fill_quantize_args(in, 1, 0, 0, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, a);
-      e.failure())
-    return e;
+  if (auto e = fill_quantize_args(in, 1, 0, 0, s, a); e.failure()) return e;
   Usage u[2];
   const int nu = usages_of(*a, u);
   for (GroupWeight& w : *g)
@@ -139,45 +156,34 @@ inline ffi::Error check_packed(ffi::DataType t, size_t count, ffi::DataType want
   return ffi::Error::Success();
 }
 // The type of partial and global values: E8M0 bytes or fp32 amaxes.
-inline ffi::DataType partial_type(const QuantizeArgs& a) {
-  return a.scale_kind == kScaleE8M0 ? ffi::DataType::U8 : ffi::DataType::F32;
-}
+inline ffi::DataType partial_type(const Scheme& s) { return s.e8m0 ? ffi::DataType::U8 : ffi::DataType::F32; }
 
 // A partial-amax call: the group and its packed partial-value output.
 inline ffi::Error make_amax_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
-                                  ffi::Result<ffi::AnyBuffer> packed, ffi::Span<const int64_t> Ms,
-                                  ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
-                                  int64_t col_block, int64_t tile_block, QuantizeArgs* a,
+                                  const ffi::AnyBuffer& packed, ffi::Span<const int64_t> Ms,
+                                  ffi::Span<const int64_t> Ks, const Scheme& s, QuantizeArgs* a,
                                   std::vector<GroupWeight>* g) {
   int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, false, 0.0f, a,
-                          g, &n_packed);
-      e.failure())
-    return e;
-  return check_packed(packed->element_type(), packed->element_count(), partial_type(*a), n_packed,
+  if (auto e = make_group(windows, shards, Ms, Ks, s, a, g, &n_packed); e.failure()) return e;
+  return check_packed(packed.element_type(), packed.element_count(), partial_type(*a), n_packed,
                       "the partial-value output");
 }
 
 // A partial-cast call: the group, its packed global values, the packed scale_inv output (fp32 scales;
 // empty for E8M0) and the data outputs, per weight and usage (its L FP8 bytes each).
 inline ffi::Error make_cast_group(const ffi::AnyBuffer& windows, const ffi::AnyBuffer& global,
-                                  const ffi::RemainingArgs& shards, ffi::Result<ffi::AnyBuffer> scale_inv,
+                                  const ffi::RemainingArgs& shards, const ffi::AnyBuffer& scale_inv,
                                   const ffi::RemainingRets& datas, ffi::Span<const int64_t> Ms,
-                                  ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
-                                  int64_t col_block, int64_t tile_block, bool pow2, float eps, QuantizeArgs* a,
+                                  ffi::Span<const int64_t> Ks, const Scheme& s, QuantizeArgs* a,
                                   std::vector<GroupWeight>* g, std::vector<uint8_t*>* data) {
   int64_t n_packed;
-  if (auto e = make_group(windows, shards, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, a, g,
-                          &n_packed);
-      e.failure())
-    return e;
+  if (auto e = make_group(windows, shards, Ms, Ks, s, a, g, &n_packed); e.failure()) return e;
   if (auto e = check_packed(global.element_type(), global.element_count(), partial_type(*a), n_packed,
                             "the global scale input");
       e.failure())
     return e;
-  const bool fp32 = a->scale_kind == kScaleFp32;
-  if (auto e = check_packed(scale_inv->element_type(), scale_inv->element_count(), ffi::DataType::F32,
-                            fp32 ? n_packed : 0, "the scale_inv output");
+  if (auto e = check_packed(scale_inv.element_type(), scale_inv.element_count(), ffi::DataType::F32,
+                            a->e8m0 ? 0 : n_packed, "the scale_inv output");
       e.failure())
     return e;
   Usage u[2];
@@ -194,24 +200,24 @@ inline ffi::Error make_cast_group(const ffi::AnyBuffer& windows, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// A dequantize call: uint8 data (B, M, K) and the scale grid of the scheme's one usage, whose blocks
+// it returns; the scale type must match the scheme's.
+inline ffi::Error make_dequantize_args(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale, const Scheme& s,
+                                       int64_t* B, int64_t* M, int64_t* K, Usage* u) {
+  if (auto e = check_scheme(s); e.failure()) return e;
+  if (usages_of(s, u) != 1) return bad("dequantize takes a scheme of one usage");
+  if (auto e = dims3(data, B, M, K); e.failure()) return e;
+  if (data.element_type() != ffi::DataType::U8) return bad("dequantize data must be uint8 FP8 bytes");
+  if (scale.element_type() != partial_type(s)) return bad("dequantize scales must be uint8 (E8M0) or float32, as the scheme says");
+  if (int64_t(scale.element_count()) != *B * u->blocks(*M, *K)) return bad("dequantize scales do not match the data's blocks");
+  return ffi::Error::Success();
+}
+
 }  // namespace jf
 
-// ---- FFI signatures, shared by the CPU handlers and the CUDA ones (which bind a stream first) -----
-// Macros because a binding is a single move-only builder expression.
-#define JF_ARG .Arg<::xla::ffi::AnyBuffer>()
-#define JF_RET .Ret<::xla::ffi::AnyBuffer>()
-#define JF_BLOCK_ATTRS                                                                                  \
-  .Attr<int64_t>("fp8").Attr<int64_t>("scale_kind").Attr<int64_t>("row_block").Attr<int64_t>("col_block") \
-      .Attr<int64_t>("tile_block")
-#define JF_SCALE_OPTIONS .Attr<bool>("pow2").Attr<float>("eps")
-#define JF_SHAPES_ATTRS .Attr<::xla::ffi::Span<const int64_t>>("Ms").Attr<::xla::ffi::Span<const int64_t>>("Ks")
-// x -> (data, scale) x 2
-#define JF_BIND_QUANTIZE(b) b JF_ARG JF_RET JF_RET JF_RET JF_RET JF_BLOCK_ATTRS JF_SCALE_OPTIONS
-// data, scale -> out
-#define JF_BIND_DEQUANTIZE(b) \
-  b JF_ARG JF_ARG JF_RET.Attr<int64_t>("fp8").Attr<int64_t>("block_m").Attr<int64_t>("block_k")
-// windows, shards... -> packed partial values
-#define JF_BIND_PARTIAL_AMAX(b) b JF_ARG.RemainingArgs() JF_RET JF_SHAPES_ATTRS JF_BLOCK_ATTRS
-// windows, packed global values, shards... -> packed scale_inv (fp32 scales; else empty), data per shard and usage
-#define JF_BIND_PARTIAL_CAST(b) \
-  b JF_ARG JF_ARG.RemainingArgs() JF_RET.RemainingRets() JF_SHAPES_ATTRS JF_BLOCK_ATTRS JF_SCALE_OPTIONS
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jf::Scheme, ::xla::ffi::StructMember<int32_t>("fp8"),
+                                      ::xla::ffi::StructMember<bool>("e8m0"),
+                                      ::xla::ffi::StructMember<int32_t>("row_block"),
+                                      ::xla::ffi::StructMember<int32_t>("col_block"),
+                                      ::xla::ffi::StructMember<int32_t>("tile_block"),
+                                      ::xla::ffi::StructMember<bool>("pow2"), ::xla::ffi::StructMember<float>("eps"));

@@ -24,7 +24,6 @@ namespace jf {
 JF_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum Fp8Kind : int { kE4M3 = 0, kE5M2 = 1 };
-enum ScaleKind : int { kScaleE8M0 = 0, kScaleFp32 = 1 };
 
 JF_HD uint32_t f2u(float f) {
 #if defined(__CUDA_ARCH__)

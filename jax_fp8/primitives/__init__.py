@@ -1,4 +1,4 @@
 """JAX primitives backed by the FFI kernels: abstract eval, batching and per-platform lowering."""
-from .quantize import dequantize_p, quantize_p, quantize_kernels
+from .quantize import KERNELS, dequantize_p, quantize_p
 
-__all__ = ["quantize_p", "dequantize_p", "quantize_kernels"]
+__all__ = ["quantize_p", "dequantize_p", "KERNELS"]

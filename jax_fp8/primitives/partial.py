@@ -4,7 +4,7 @@ group of weights in one call (one kernel launch per up to 24 weights on GPU).
 Weight i's shard is a flat buffer (L_i,) holding elements [offset, offset + length) of its row-major
 (M_i, K_i) weight; ``windows`` is an int32 (N, 2) array of (offset, length) (traced: it comes from
 ``lax.axis_index``). Every weight's scale grids are packed one after another in one 1-D buffer
-(``formats.packed_grids``): the partial values that ``jf_partial_amax`` returns, the reduced global
+(``Scheme.packed_grids``): the partial values that ``jf_partial_amax`` returns, the reduced global
 values that ``jf_partial_cast`` takes, and the fp32 scale_inv that it returns for Float8 blockwise.
 """
 from __future__ import annotations
@@ -12,26 +12,23 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from jax.core import ShapedArray
-from jax._src import dispatch as _dispatch
 
 from .. import _ffi, reference
-from .._compat import Primitive, ffi, mlir
-from ..formats import packed_grids, packed_size, usage_blocks
+from .._compat import Primitive, ShapedArray, apply_primitive, ffi, mlir
+from ..scheme import packed_size
 
 partial_amax_p = Primitive("jf_partial_amax")
 partial_amax_p.multiple_results = True
-partial_amax_p.def_impl(partial(_dispatch.apply_primitive, partial_amax_p))
+partial_amax_p.def_impl(partial(apply_primitive, partial_amax_p))
 partial_cast_p = Primitive("jf_partial_cast")
 partial_cast_p.multiple_results = True
-partial_cast_p.def_impl(partial(_dispatch.apply_primitive, partial_cast_p))
-
-_BLOCK_ATTRS = ("fp8", "scale_kind", "row_block", "col_block", "tile_block")
+partial_cast_p.def_impl(partial(apply_primitive, partial_cast_p))
 
 
-def _packed(shapes, scale_kind, row_block, col_block, tile_block, dtype=None):
-    n = packed_size(packed_grids(shapes, row_block, col_block, tile_block))
-    return ShapedArray((n,), dtype or (np.uint8 if scale_kind == 0 else np.float32))
+def _packed(shapes, scheme, dtype=None):
+    """The packed buffer of every weight's grids: partial values (E8M0 bytes or fp32 amaxes) or scale_inv."""
+    n = packed_size(scheme.packed_grids(shapes))
+    return ShapedArray((n,), dtype or (scheme.scale_dtype if scheme.e8m0 else np.float32))
 
 
 def _check_group(windows, shards, shapes):
@@ -46,42 +43,41 @@ def _check_group(windows, shards, shapes):
             raise ValueError(f"the shards of one call must share a dtype, got {shards[0].dtype} and {s.dtype}")
 
 
-def _amax_abstract(windows, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block):
+def _amax_abstract(windows, *shards, shapes, scheme):
     _check_group(windows, shards, shapes)
-    return [_packed(shapes, scale_kind, row_block, col_block, tile_block)]
+    return [_packed(shapes, scheme)]
 
 
-def _cast_abstract(windows, glob, *shards, shapes, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps):
+def _cast_abstract(windows, glob, *shards, shapes, scheme):
     _check_group(windows, shards, shapes)
-    want = _packed(shapes, scale_kind, row_block, col_block, tile_block)
+    want = _packed(shapes, scheme)
     if (glob.shape, glob.dtype) != (want.shape, want.dtype):
         raise ValueError(f"partial cast: global scales {glob.dtype}{glob.shape} do not match the weights "
                          f"({want.dtype}{want.shape})")
-    nu = len(usage_blocks(row_block, col_block, tile_block))
-    datas = [ShapedArray(s.shape, np.uint8) for s in shards for _ in range(nu)]
-    return datas + ([_packed(shapes, scale_kind, row_block, col_block, tile_block, np.float32)] if scale_kind == 1 else [])
+    datas = [ShapedArray(s.shape, np.uint8) for s in shards for _ in scheme.kernel_blocks]
+    return datas + ([] if scheme.e8m0 else [_packed(shapes, scheme, np.float32)])
 
 
 partial_amax_p.def_abstract_eval(_amax_abstract)
 partial_cast_p.def_abstract_eval(_cast_abstract)
 
 
-def _attrs(shapes, p):
+def _attrs(shapes, scheme):
     return dict(Ms=np.array([m for m, _ in shapes], np.int64), Ks=np.array([k for _, k in shapes], np.int64),
-                **{k: np.int64(p[k]) for k in _BLOCK_ATTRS})
+                scheme=scheme.ffi_attrs())
 
 
-def _amax_ffi(ctx, windows, *shards, shapes, **p):
-    return ffi.ffi_lowering("jf_partial_amax")(ctx, windows, *shards, **_attrs(shapes, p))
+def _amax_ffi(ctx, windows, *shards, shapes, scheme):
+    return ffi.ffi_lowering("jf_partial_amax")(ctx, windows, *shards, **_attrs(shapes, scheme))
 
 
-def _cast_ffi(ctx, windows, glob, *shards, shapes, pow2, eps, **p):
+def _cast_ffi(ctx, windows, glob, *shards, shapes, scheme):
     # the FFI target returns scale_inv first (an empty placeholder for E8M0 scales), then the data
-    fp32 = p["scale_kind"] == 1
+    fp32 = not scheme.e8m0
     datas = ctx.avals_out[:len(ctx.avals_out) - fp32]
     sinv = ctx.avals_out[-1] if fp32 else ShapedArray((0,), np.float32)
     outs = ffi.ffi_lowering("jf_partial_cast")(ctx.replace(avals_out=[sinv, *datas]), windows, glob, *shards,
-                                               pow2=np.bool_(pow2), eps=np.float32(eps), **_attrs(shapes, p))
+                                               **_attrs(shapes, scheme))
     return list(outs[1:]) + ([outs[0]] if fp32 else [])
 
 

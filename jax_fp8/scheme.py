@@ -1,0 +1,188 @@
+"""A quantization scheme: the one value that says how a tensor is quantized, from the API to the kernels.
+
+``Scheme`` (also exported as ``jax_fp8.distributed.Quantizer``, TE's name) holds the format, the FP8
+element dtype, the usages asked for and the Float8 blockwise scale options. It is validated once, when
+it is built, and travels as one static parameter through the primitives, the reference and the
+collectives; the FFI handlers decode it once, as one struct (``ffi_attrs``).
+
+The kernels produce the scheme's *kernel blocks*, in the order row, col, tile: MXFP8 1x32 and 32x1,
+Float8 1x128 and 128x1, or one set of 128x128 tiles that serves both usages.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .arrays import cdiv
+from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
+
+FORMATS = ("mxfp8", "blockwise")
+USAGES = ("rowwise", "colwise")
+BLOCKWISE_BLOCKS = ((1, FLOAT8_BLOCK), (FLOAT8_BLOCK, FLOAT8_BLOCK))
+
+
+def check_block(block, where: str) -> tuple[int, int]:
+    """Validate a Float8 blockwise block shape: (1, 128) or (128, 128)."""
+    try:
+        block = tuple(int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block!r}") from None
+    if block not in BLOCKWISE_BLOCKS:
+        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block}")
+    return block
+
+
+def _check_bool(value, name: str, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """How to quantize: ``fmt`` 'mxfp8' or 'blockwise', the FP8 ``dtype``, which usages (``rowwise``:
+    blocks along the last dim; ``colwise``: blocks along the first dim of the 2-D view), and for
+    'blockwise' the ``block`` ((1, 128) or (128, 128)), ``pow2_scales`` and ``amax_epsilon``.
+
+    MXFP8 has 1x32 / 32x1 blocks with E8M0 scales (powers of two by nature: ``pow2_scales`` must stay
+    True and ``amax_epsilon`` 0). Hashable and immutable: a valid static argument for jit.
+    """
+
+    fmt: str = "mxfp8"
+    dtype: Any = jnp.float8_e4m3fn
+    rowwise: bool = True
+    colwise: bool = False
+    block: Optional[tuple] = None  # None: the format's own ((1, 32) MXFP8, (1, 128) blockwise)
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        where = type(self).__name__
+        if self.fmt not in FORMATS:
+            raise ValueError(f"{where}: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen dataclass)
+        for name in ("rowwise", "colwise", "pow2_scales"):
+            set_(name, _check_bool(getattr(self, name), name, where))
+        if not (self.rowwise or self.colwise):
+            raise ValueError(f"{where}: at least one of rowwise, colwise must be True")
+        set_("dtype", fp8_dtype(self.dtype, f"{where}: dtype"))
+        set_("amax_epsilon", check_amax_epsilon(self.amax_epsilon, where))
+        if self.fmt == "blockwise":
+            set_("block", check_block((1, FLOAT8_BLOCK) if self.block is None else self.block, where))
+            return
+        if self.block is not None and tuple(self.block) != (1, MX_BLOCK):
+            raise ValueError(f"{where}: MXFP8 blocks are 1x32 / 32x1; block applies to fmt='blockwise', got "
+                             f"{self.block!r}")
+        if not self.pow2_scales or self.amax_epsilon != 0.0:
+            raise ValueError(f"{where}: pow2_scales and amax_epsilon apply to fmt='blockwise' (MXFP8 scales are "
+                             "E8M0 powers of two)")
+        set_("block", (1, MX_BLOCK))
+
+    def __str__(self) -> str:
+        usages = "+".join(u for u in USAGES if getattr(self, u))
+        if self.fmt == "mxfp8":
+            return f"mxfp8 {self.dtype.name} {usages}"
+        bm, bk = self.block
+        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages} (pow2_scales={self.pow2_scales}, "
+                f"amax_epsilon={self.amax_epsilon})")
+
+    # ---- what the scheme implies ------------------------------------------------------------------
+    @property
+    def e8m0(self) -> bool:
+        """Scales are E8M0 bytes (MXFP8); else fp32 ``scale_inv`` values (Float8 blockwise)."""
+        return self.fmt == "mxfp8"
+
+    @property
+    def scale_dtype(self) -> np.dtype:
+        return np.dtype(np.uint8 if self.e8m0 else np.float32)
+
+    @property
+    def tiles(self) -> bool:
+        """128x128 tiles: one set of scales serves both usages."""
+        return self.block == (FLOAT8_BLOCK, FLOAT8_BLOCK)
+
+    def usage_block(self, usage: str) -> tuple[int, int]:
+        """The (bm, bk) block of a usage: (1, b) rowwise, (b, 1) columnwise, (128, 128) for tiles."""
+        if self.tiles:
+            return self.block
+        b = self.block[1]
+        return (1, b) if usage == "rowwise" else (b, 1)
+
+    @property
+    def kernel_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The blocks the kernels produce, one (data, scale) pair each, in the order row, col, tile."""
+        if self.tiles:
+            return (self.block,)
+        return tuple(self.usage_block(u) for u in USAGES if getattr(self, u))
+
+    def grid(self, M: int, K: int, usage: str) -> tuple[int, int]:
+        """Shape of a usage's scale grid for the (M, K) view."""
+        bm, bk = self.usage_block(usage)
+        return cdiv(M, bm), cdiv(K, bk)
+
+    @property
+    def block_rows(self) -> int:
+        """Height of the tallest block among the usages asked for (1 when no block spans rows)."""
+        return max(bm for bm, _ in self.kernel_blocks)
+
+    def only(self, usage: str) -> "Scheme":
+        """This scheme with one usage (what dequantizing that usage needs)."""
+        return dataclasses.replace(self, rowwise=usage == "rowwise", colwise=usage == "colwise")
+
+    def ffi_attrs(self) -> dict:
+        """The scheme as the FFI handlers' ``Scheme`` struct (ffi_common.h): one dictionary attribute."""
+        row, col, tile = ((self.block[1] if self.rowwise and not self.tiles else 0),
+                          (self.block[1] if self.colwise and not self.tiles else 0),
+                          (self.block[0] if self.tiles else 0))
+        return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0), row_block=np.int32(row),
+                    col_block=np.int32(col), tile_block=np.int32(tile), pow2=np.bool_(self.pow2_scales),
+                    eps=np.float32(self.amax_epsilon))
+
+    def packed_grids(self, shapes) -> list[list[tuple[int, tuple[int, int]]]]:
+        """Where each weight's scale grids lie in one packed buffer (the master-weight kernels' layout):
+        per weight (2-D shape (M, K)), per kernel block, the grid's first element and its shape."""
+        at, out = 0, []
+        for M, K in shapes:
+            grids = []
+            for bm, bk in self.kernel_blocks:
+                shape = (cdiv(M, bm), cdiv(K, bk))
+                grids.append((at, shape))
+                at += shape[0] * shape[1]
+            out.append(grids)
+        return out
+
+    # ---- tensors -----------------------------------------------------------------------------------
+    @classmethod
+    def of(cls, q) -> "Scheme":
+        """The scheme that produced the quantized tensor ``q``."""
+        return q.scheme
+
+    def satisfied_by(self, q) -> bool:
+        """Whether ``q`` already holds every usage this scheme asks for, in this format."""
+        other = q.scheme
+        same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise) == self
+        return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)
+
+    def quantize(self, x):
+        """``jax_fp8.quantize(x, self)``."""
+        from .api import quantize  # the API sits above the scheme
+
+        return quantize(x, self)
+
+
+#: TE's name for a scheme; the same class.
+Quantizer = Scheme
+
+
+def packed_size(grids) -> int:
+    """Elements of a packed buffer laid out by :meth:`Scheme.packed_grids`."""
+    return sum(r * c for weight in grids for _, (r, c) in weight)
+
+
+def unpack_grids(packed, grids) -> list:
+    """One weight's scale grids, as 2-D arrays, out of a packed buffer (``grids``: that weight's entry
+    of :meth:`Scheme.packed_grids`)."""
+    return [packed[at:at + r * c].reshape(r, c) for at, (r, c) in grids]
