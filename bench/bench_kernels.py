@@ -10,6 +10,8 @@ written once). Also checks our output against the reference bit for bit at every
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import time
 
@@ -18,12 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8 as jf
-from jax_fp8.formats import packed_grids
+from jax_fp8 import Scheme
+
+COPY_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".bin", "libjf_device_copy.so")
+
+
+def register_device_copy() -> bool:
+    """Registers bench/device_copy.cu's cudaMemcpyAsync target (built by build_kernel_bench.sh), if built."""
+    if not os.path.exists(COPY_LIB):
+        return False
+    lib = ctypes.cdll.LoadLibrary(COPY_LIB)
+    jax.ffi.register_ffi_target("jf_bench_device_copy", jax.ffi.pycapsule(lib.JfDeviceCopy), platform="CUDA")
+    return True
 
 
 def device_copy(x):
-    """cudaMemcpyAsync device-to-device through jax_fp8's CUDA module (bench-only target)."""
-    return jax.ffi.ffi_call("jf_device_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    """cudaMemcpyAsync device-to-device (bench-only target, bench/device_copy.cu)."""
+    return jax.ffi.ffi_call("jf_bench_device_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 def timeit(fn, inputs, iters: int, reps: int = 7) -> float:
@@ -75,6 +88,9 @@ def main():
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"kernels={jf.kernels_available()}")
+    have_copy = jax.default_backend() == "gpu" and register_device_copy()
+    if jax.default_backend() == "gpu" and not have_copy:
+        print(f"no {COPY_LIB} (bash bench/build_kernel_bench.sh builds it): the roofline is XLA's x*2")
     rows = []
     for size in args.sizes.split(","):
         M, K = map(int, size.split("x"))
@@ -83,7 +99,7 @@ def main():
         n = M * K
         # roofline: a device-to-device cudaMemcpy where our CUDA module is loaded, else XLA's x*2
         t_xla = timeit(lambda x: x * 2, inputs, args.iters)
-        gpu = jax.default_backend() == "gpu"
+        gpu = jax.default_backend() == "gpu" and have_copy
         t_copy = timeit(device_copy, inputs, args.iters) if gpu else t_xla
         copy_gbs = 2 * n * dtype.itemsize / t_copy / 1e9
         rows.append((f"{M}x{K}", "device copy (memcpy)" if gpu else "copy = xla x*2", t_copy, copy_gbs, 100.0,
@@ -115,21 +131,23 @@ def main():
         print(f"{r[0]:>12} {r[1]:>22} {r[2] * 1e6:9.1f} {r[3]:7.0f} {r[4]:7.1f} {r[5]:7.2f} {str(r[6]):>9}")
 
 
-def _partial_fns(shapes, windows, p):
+MX_ROWCOL = Scheme("mxfp8", rowwise=True, colwise=True)
+
+
+def _partial_fns(shapes, windows, scheme=MX_ROWCOL):
     """(amax, cast) over a group of shards, the cast with the reduced values of one amax call."""
     from jax_fp8.primitives.partial import partial_amax_p, partial_cast_p
 
-    amax = lambda *s: partial_amax_p.bind(windows, *s, shapes=tuple(shapes), **p)[0]  # noqa: E731
-    return amax, lambda glob: (lambda *s: partial_cast_p.bind(windows, glob, *s, shapes=tuple(shapes), pow2=False,
-                                                                eps=0.0, **p))
+    p = dict(shapes=tuple(shapes), scheme=scheme)
+    amax = lambda *s: partial_amax_p.bind(windows, *s, **p)[0]  # noqa: E731
+    return amax, lambda glob: (lambda *s: partial_cast_p.bind(windows, glob, *s, **p))
 
 
 def partial_rows(M, K, inputs, copy_gbs, iters):
     """Master-weight kernels on one device: a rank holding half the weight (offset M*K/4)."""
     n = M * K
     L = n // 2
-    p = dict(fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
-    amax, cast_with = _partial_fns([(M, K)], jnp.array([[n // 4, L]], jnp.int32), p)
+    amax, cast_with = _partial_fns([(M, K)], jnp.array([[n // 4, L]], jnp.int32))
     shards = [x.reshape(-1)[:L] for x in inputs]
     cast = cast_with(jax.jit(amax)(shards[0]))
     isz = inputs[0].dtype.itemsize
@@ -145,16 +163,15 @@ def partial_rows(M, K, inputs, copy_gbs, iters):
 def grouped_rows(iters, T=64, m=1024, k=1024, ranks=8):
     """Many small weights (T of m x k, bf16, a rank's 1/ranks shard of each): the partial kernels as one
     grouped call per jitted step against one call per weight in the same step. Reports us per weight."""
-    p = dict(fp8=0, scale_kind=0, row_block=32, col_block=32, tile_block=0)
     L = m * k // ranks
     keys = jax.random.split(jax.random.key(7), 3)
     inputs = [tuple(jax.random.normal(kk, (T, L), jnp.float32).astype(jnp.bfloat16)) for kk in keys]
     win = jnp.array([[3 * L, L]], jnp.int32)  # the fourth rank's window
-    group_amax, group_cast = _partial_fns([(m, k)] * T, jnp.tile(win, (T, 1)), p)
-    one_amax, one_cast = _partial_fns([(m, k)], win, p)
+    group_amax, group_cast = _partial_fns([(m, k)] * T, jnp.tile(win, (T, 1)))
+    one_amax, one_cast = _partial_fns([(m, k)], win)
     glob = jax.jit(group_amax)(*inputs[0])
     globs = jnp.split(glob, T)
-    at = [g[0][0] for g in packed_grids([(m, k)] * T, 32, 32, 0)]
+    at = [g[0][0] for g in MX_ROWCOL.packed_grids([(m, k)] * T)]
     outs = {  # every output of the step, grouped or not, for the exactness check
         "amax grouped": lambda s: group_amax(*s),
         "amax per weight": lambda s: jnp.concatenate([one_amax(x) for x in s]),

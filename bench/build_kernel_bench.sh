@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds bench/kernel_bench.cu (standalone, no Python at run time) for sm_90 into bench/.bin/.
+# Builds bench/kernel_bench.cu (standalone, no Python at run time) and bench/device_copy.cu (the memcpy
+# target bench_kernels.py times) for sm_90 into bench/.bin/.
 # Extra arguments go to nvcc; -o names the output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +15,7 @@ nvcc -std=c++17 -arch=sm_90 -O3 -ftz=false -prec-div=true -prec-sqrt=true -fmad=
   -diag-suppress 940,2473,186 -Xptxas=-v -I"$INC" -Ijax_fp8/cuda "${args[@]}" bench/kernel_bench.cu -o "$out" \
   2> "$out.ptxas.txt" || { cat "$out.ptxas.txt"; exit 1; }
 echo "built $out ($(grep -c 'spill stores' "$out.ptxas.txt") kernels, $(grep -E '[1-9][0-9]* bytes spill' -c "$out.ptxas.txt") with spills)"
+# The memcpy roofline target that bench_kernels.py loads (bench-only; not in the jax_fp8 module).
+nvcc -std=c++17 -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -diag-suppress 940,2473,186 -I"$INC" \
+  bench/device_copy.cu -o bench/.bin/libjf_device_copy.so
+echo "built bench/.bin/libjf_device_copy.so"

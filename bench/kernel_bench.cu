@@ -18,7 +18,8 @@
 #include <vector>
 
 #include "dequantize.cuh"
-#include "quantize_tiles.cuh"
+#include "quantize_dense.cuh"
+#include "quantize_shards.cuh"
 
 using namespace jf;
 
@@ -134,9 +135,54 @@ bool same(const Buf& dev, const std::vector<T>& host) {
   return std::memcmp(got.data(), host.data(), host.size() * sizeof(T)) == 0;
 }
 
-QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) {
-  return QuantizeArgs{InType::kBF16, 1, M, K, kE4M3, c.mx ? kScaleE8M0 : kScaleFp32, c.row_bk, c.col_bm, c.tile,
-                      false, 0.0f, 3.38953139e38f};
+// E4M3, bf16 input of (1, M, K); E8M0 scales when mx, else fp32 (pow2 off, eps 0); usages as given.
+QuantizeArgs bf16_args(bool mx, int row_bk, int col_bm, int tile, int64_t M, int64_t K) {
+  QuantizeArgs a;
+  static_cast<Scheme&>(a) = Scheme{kE4M3, mx, row_bk, col_bm, tile, false, 0.0f};
+  a.in = InType::kBF16;
+  a.B = 1;
+  a.M = M;
+  a.K = K;
+  a.inf_value = 3.38953139e38f;
+  return a;
+}
+QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) { return bf16_args(c.mx, c.row_bk, c.col_bm, c.tile, M, K); }
+
+// ---- bench-only variants of the master-weight shard launch --------------------------------------
+// The shipped launch (quantize_shards.cuh) runs fill CTAs first at min_blocks_for's register cap. These
+// time one MXFP8 row+col job with another cap (MINB), the fill CTAs last (FILL_LAST), or only part of
+// its CTAs (to time the fill and the tiles apart).
+using MxRowCol = TileCfg<MxRule, 32, 256, 32, true, false>;
+enum class Part { kAll, kTiles, kFill };
+
+template <int MODE, int MINB, bool FILL_LAST>
+__global__ void __launch_bounds__(kThreads, MINB)
+    bench_shard_kernel(const __grid_constant__ ShardGroup<uint8_t> grp, const MxRule rule, int fp8) {
+  const ShardJob<uint8_t>& jb = grp.job[0];
+  const uint32_t t = blockIdx.x;
+  const uint32_t f = FILL_LAST ? t - jb.n_tiles : t;  // fill CTA index (wraps when not a fill CTA)
+  if (f < jb.n_fill)
+    fill_outside_walk<MxRowCol, MODE>(jb, rule, int64_t(f) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
+  else
+    quantize_tile<LoadBF16, MxRule, 32, 256, 32, true, false, MODE>(static_cast<const uint16_t*>(jb.x), jb.sp, rule,
+                                                                    fp8, jb.row, jb.col, FILL_LAST ? t : t - jb.n_fill);
+}
+
+// One bf16 MXFP8 row+col shard job, all or part of its CTAs; MINB 0: the shipped launch_shards.
+template <int MODE, int MINB = 0, bool FILL_LAST = false>
+void launch_one_shard(const QuantizeArgs& a, const ShardIO& io, Part part = Part::kAll) {
+  if (MINB == 0 && !FILL_LAST && part == Part::kAll) {
+    launch_shards<MODE>(nullptr, a, &io, 1);
+    return;
+  }
+  ShardGroup<uint8_t> grp;
+  grp.n = 1;
+  shard_job<LoadBF16, MxRowCol, MODE>(io, &grp.job[0]);
+  if (part == Part::kFill) grp.job[0].n_tiles = 0;
+  if (part == Part::kTiles) grp.job[0].n_fill = 0;
+  const unsigned ctas = grp.job[0].n_tiles + grp.job[0].n_fill;
+  constexpr int B = MINB ? MINB : min_blocks_for<LoadBF16, MxRule, true, MODE, true>();
+  if (ctas) bench_shard_kernel<MODE, B, FILL_LAST><<<ctas, kThreads>>>(grp, MxRule{a.fp8}, a.fp8);
 }
 
 // Each usage of the case against the host reference on an odd-shaped input.
@@ -257,7 +303,7 @@ int main(int argc, char** argv) {
     Buf win(8);
     const int32_t hv[2] = {int32_t(n / 4), int32_t(L)};
     CUDA_OK(cudaMemcpy(win.p, hv, 8, cudaMemcpyHostToDevice));
-    const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
+    const QuantizeArgs a = bf16_args(true, 32, 32, 0, M, K);
     Outputs o(L, n / 32, n / 32, 1);
     const auto io = [&](int i, bool cast) {
       return ShardIO{xs[i]->p, L, M, K, win.as<int32_t>(),
@@ -265,10 +311,7 @@ int main(int argc, char** argv) {
                      {cast ? nullptr : o.s0.p, cast ? nullptr : o.s1.p},
                      {cast ? o.s0.p : nullptr, cast ? o.s1.p : nullptr}};
     };
-    const auto amax = [&](int i, Part part) {
-      const ShardIO w = io(i, false);
-      launch_shards<kAmax>(nullptr, a, &w, 1, part);
-    };
+    const auto amax = [&](int i, Part part) { launch_one_shard<kAmax>(a, io(i, false), part); };
     const auto memset_tiles = [&](int i) {
       cudaMemsetAsync(o.s0.p, 0, n / 32);
       cudaMemsetAsync(o.s1.p, 0, n / 32);
@@ -298,10 +341,7 @@ int main(int argc, char** argv) {
     const auto variant = [&](auto minb, auto fill_last) {
       constexpr int B = decltype(minb)::value;
       constexpr bool LAST = decltype(fill_last)::value;
-      const auto go = [&](int i) {
-        const ShardIO w = io(i, false);
-        launch_shards<kAmax, B, LAST>(nullptr, a, &w, 1);
-      };
+      const auto go = [&](int i) { launch_one_shard<kAmax, B, LAST>(a, io(i, false)); };
       CUDA_OK(cudaMemset(o.s0.p, 0xAB, n / 32));
       CUDA_OK(cudaMemset(o.s1.p, 0xAB, n / 32));
       go(0);
@@ -313,17 +353,12 @@ int main(int argc, char** argv) {
     variant(integral_constant<int, 4>{}, std::false_type{});
     variant(integral_constant<int, 5>{}, std::false_type{});
     variant(integral_constant<int, 6>{}, std::true_type{});
-    const auto cast = [&](int i, Part part) {
-      const ShardIO w = io(i, true);
-      launch_shards<kCast>(nullptr, a, &w, 1, part);
-    };
+    const auto cast = [&](int i, Part part) { launch_one_shard<kCast>(a, io(i, true), part); };
     const double cast_bytes = double(L) * 2 + 2.0 * L + 2.0 * (n / 32);
     report("partial cast mx r+c (one launch)", time_us([&](int i) { cast(i, Part::kAll); }), cast_bytes, "-");
     report("partial cast: tiles alone", time_us([&](int i) { cast(i, Part::kTiles); }), cast_bytes, "-");
-    report("partial cast 4 CTAs/SM", time_us([&](int i) {
-             const ShardIO w = io(i, true);
-             launch_shards<kCast, 4>(nullptr, a, &w, 1);
-           }), cast_bytes, "-");
+    report("partial cast 4 CTAs/SM", time_us([&](int i) { launch_one_shard<kCast, 4>(a, io(i, true)); }), cast_bytes,
+           "-");
   }
 
   // Many small master weights: 64 weights of 1024x1024, a rank's 1/8 shard of each; one group launch
@@ -333,7 +368,7 @@ int main(int argc, char** argv) {
     Buf win(8);
     const int32_t hv[2] = {int32_t(3 * L), int32_t(L)};
     CUDA_OK(cudaMemcpy(win.p, hv, 8, cudaMemcpyHostToDevice));
-    const QuantizeArgs a{InType::kBF16, 1, 0, 0, kE4M3, kScaleE8M0, 32, 32, 0, false, 0.0f, 3.38953139e38f};
+    const QuantizeArgs a = bf16_args(true, 32, 32, 0, 0, 0);
     Outputs o(T * L, T * mk / 32, T * mk / 32, 1);
     const auto ios = [&](int i, bool cast) {
       std::vector<ShardIO> v;
@@ -366,7 +401,7 @@ int main(int argc, char** argv) {
   // Dequantize MXFP8 rowwise -> bf16: rows in flight per thread and grid size.
   {
     Buf out(n * 2);
-    const QuantizeArgs a{InType::kBF16, 1, M, K, kE4M3, kScaleE8M0, 32, 0, 0, false, 0.0f, 0.0f};
+    const QuantizeArgs a = bf16_args(true, 32, 0, 0, M, K);
     Outputs q(n, n / 32, 0, 1);
     launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false>(
         nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3},

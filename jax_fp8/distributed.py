@@ -116,7 +116,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         raise ValueError(f"{where}: {len(shards)} shards but {len(shapes)} shapes")
     offsets, lengths = _per_weight(offsets, "offsets", len(shards)), _per_weight(lengths, "lengths", len(shards))
     try:
-        scheme = Scheme(fmt, dtype, rowwise, colwise, block, pow2_scales, amax_epsilon)
+        scheme = Scheme(fmt, dtype, rowwise=rowwise, colwise=colwise, block=block, pow2_scales=pow2_scales,
+                        amax_epsilon=amax_epsilon)
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
     if model_dtype is not None:

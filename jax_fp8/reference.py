@@ -168,13 +168,14 @@ def quantize(x, scheme: Scheme):
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False):
     """Reference of :func:`jax_fp8.quantize_mxfp8`."""
-    return quantize(x, Scheme("mxfp8", dtype, rowwise, colwise))
+    return quantize(x, Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise))
 
 
 def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0,
                        rowwise=True, colwise=False):
     """Reference of :func:`jax_fp8.quantize_blockwise`."""
-    return quantize(x, Scheme("blockwise", dtype, rowwise, colwise, block, pow2_scales, amax_epsilon))
+    return quantize(x, Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
+                              pow2_scales=pow2_scales, amax_epsilon=amax_epsilon))
 
 
 def dequantize(q, dtype=None, usage=None):

@@ -104,7 +104,7 @@ class MXFP8Tensor(_QuantizedBase):
     @property
     def scheme(self) -> Scheme:
         """The scheme that produced this tensor."""
-        return Scheme("mxfp8", self.fp8_dtype, self.has_rowwise, self.has_colwise)
+        return Scheme("mxfp8", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise)
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -149,8 +149,8 @@ class BlockwiseTensor(_QuantizedBase):
     @property
     def scheme(self) -> Scheme:
         """The scheme that produced this tensor."""
-        return Scheme("blockwise", self.fp8_dtype, self.has_rowwise, self.has_colwise, tuple(self.block),
-                      self.pow2_scales, self.amax_epsilon)
+        return Scheme("blockwise", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise,
+                      block=tuple(self.block), pow2_scales=self.pow2_scales, amax_epsilon=self.amax_epsilon)
 
     @property
     def row_block(self) -> tuple:

@@ -1,5 +1,6 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
-// registrations. The kernels are in quantize_tiles.cuh and dequantize.cuh.
+// registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
+// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
@@ -7,22 +8,23 @@
 
 #include "dequantize.cuh"
 #include "ffi_common.h"
-#include "fp8_math.h"
-#include "quantize_tiles.cuh"
+#include "quantize_dense.cuh"
+#include "quantize_shards.cuh"
 
 namespace jf {
 namespace {
 
-ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o0,
-                            ffi::Result<ffi::AnyBuffer> o1, ffi::Result<ffi::AnyBuffer> o2,
-                            ffi::Result<ffi::AnyBuffer> o3, int64_t fp8, int64_t scale_kind, int64_t row_block,
-                            int64_t col_block, int64_t tile_block, bool pow2, float eps) {
+// x: (B, M, K) float32 / bfloat16 / float16. Per usage of the scheme, in the order row, col, tile:
+// its FP8 data (B, M, K) uint8 and its scales, uint8 E8M0 or fp32 scale_inv; the second pair is empty
+// when the scheme has one usage.
+ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0,
+                        ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
+                        ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, fp8, scale_kind, row_block, col_block, tile_block, pow2, eps, &a); e.failure())
-    return e;
+  if (auto e = make_quantize_args(x, scheme, &a); e.failure()) return e;
   if (a.B * a.M * a.K == 0) return ffi::Error::Success();
-  uint8_t* d[2] = {static_cast<uint8_t*>(o0->untyped_data()), static_cast<uint8_t*>(o2->untyped_data())};
-  void* s[2] = {o1->untyped_data(), o3->untyped_data()};
+  uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
+  void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
   if (auto e = quantize_tiles(stream, a, x.untyped_data(), d, s); e.failure()) return e;
   return check_launch();
 }
@@ -31,7 +33,7 @@ ffi::Error QuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 // partial values (amax) or scale_inv (cast, fp32 only), `global` the packed reduced values (cast).
 std::vector<ShardIO> shard_io(const QuantizeArgs& a, const std::vector<GroupWeight>& g, const void* windows,
                               void* scales, const void* global, const std::vector<uint8_t*>& data) {
-  const size_t item = a.scale_kind == kScaleE8M0 ? 1 : 4;
+  const size_t item = a.e8m0 ? 1 : 4;
   Usage u[2];
   const int nu = usages_of(a, u);
   const auto at = [&](const void* base, int64_t k) -> const void* {
@@ -50,35 +52,31 @@ std::vector<ShardIO> shard_io(const QuantizeArgs& a, const std::vector<GroupWeig
   return io;
 }
 
-ffi::Error PartialAmaxCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi::RemainingArgs shards,
-                               ffi::Result<ffi::AnyBuffer> packed, ffi::Span<const int64_t> Ms,
-                               ffi::Span<const int64_t> Ks, int64_t fp8, int64_t scale_kind, int64_t row_block,
-                               int64_t col_block, int64_t tile_block) {
+// windows: (N, 2) int32 (offset, length) per shard; shards: N flat buffers of one dtype. packed: every
+// weight's partial values (E8M0 bytes or fp32 amaxes), packed as Scheme.packed_grids lays them out.
+ffi::Error PartialAmaxCuda(cudaStream_t stream, ffi::AnyBuffer windows, ffi::RemainingArgs shards,
+                           ffi::Result<ffi::AnyBuffer> packed, ffi::Span<const int64_t> Ms,
+                           ffi::Span<const int64_t> Ks, Scheme scheme) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
-  if (auto e = make_amax_group(windows, shards, packed, Ms, Ks, fp8, scale_kind, row_block, col_block, tile_block, &a,
-                               &g);
-      e.failure())
-    return e;
+  if (auto e = make_amax_group(windows, shards, *packed, Ms, Ks, scheme, &a, &g); e.failure()) return e;
   const auto io = shard_io(a, g, windows.untyped_data(), packed->untyped_data(), nullptr, {});
   if (auto e = launch_shards<kAmax>(stream, a, io.data(), int(io.size())); e.failure()) return e;
   return check_launch();
 }
 
-ffi::Error PartialCastCudaImpl(cudaStream_t stream, ffi::AnyBuffer windows, ffi::AnyBuffer global,
-                               ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> scale_inv,
-                               ffi::RemainingRets datas, ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks,
-                               int64_t fp8, int64_t scale_kind, int64_t row_block, int64_t col_block,
-                               int64_t tile_block, bool pow2, float eps) {
+// windows, shards: as above; global: the packed reduced values. scale_inv: the packed fp32 scale_inv
+// (empty for E8M0 scales); datas: each shard's FP8 bytes per usage (zeros past its elements).
+ffi::Error PartialCastCuda(cudaStream_t stream, ffi::AnyBuffer windows, ffi::AnyBuffer global,
+                           ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas,
+                           ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, Scheme scheme) {
   QuantizeArgs a;
   std::vector<GroupWeight> g;
   std::vector<uint8_t*> data;
-  if (auto e = make_cast_group(windows, global, shards, scale_inv, datas, Ms, Ks, fp8, scale_kind, row_block,
-                               col_block, tile_block, pow2, eps, &a, &g, &data);
+  if (auto e = make_cast_group(windows, global, shards, *scale_inv, datas, Ms, Ks, scheme, &a, &g, &data);
       e.failure())
     return e;
-  const bool fp32 = a.scale_kind == kScaleFp32;
-  const auto io = shard_io(a, g, windows.untyped_data(), fp32 ? scale_inv->untyped_data() : nullptr,
+  const auto io = shard_io(a, g, windows.untyped_data(), a.e8m0 ? nullptr : scale_inv->untyped_data(),
                            global.untyped_data(), data);
   if (auto e = launch_shards<kCast>(stream, a, io.data(), int(io.size())); e.failure()) return e;
   return check_launch();
@@ -97,40 +95,62 @@ ffi::Error dequantize_rule(cudaStream_t st, const void* d, const void* s, ffi::R
   return check_launch();
 }
 
-ffi::Error DequantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
-                              ffi::Result<ffi::AnyBuffer> out, int64_t fp8, int64_t block_m, int64_t block_k) {
+// data: (B, M, K) uint8 FP8 bytes; scale: the scale grid of the scheme's one usage. out: (B, M, K)
+// float32 / bfloat16 / float16.
+ffi::Error DequantizeCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                          ffi::Result<ffi::AnyBuffer> out, Scheme scheme) {
   int64_t B, M, K;
-  if (auto e = dims3(data, &B, &M, &K); e.failure()) return e;
-  const auto pow2 = [](int64_t v) { return v >= 1 && (v & (v - 1)) == 0; };
-  if (!pow2(block_m) || !pow2(block_k) || (block_k != 1 && block_k % 8 != 0)) return bad("unsupported block size");
+  Usage u;
+  if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   if (B * M * K == 0) return ffi::Error::Success();
-  if (scale.element_type() == ffi::DataType::U8)
-    return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, int(block_m),
-                                   int(block_k), int(fp8));
-  if (scale.element_type() == ffi::DataType::F32)
-    return dequantize_rule<BlockRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, int(block_m),
-                                      int(block_k), int(fp8));
-  return bad("scales must be uint8 (E8M0) or float32");
+  if (scheme.e8m0)
+    return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm, u.bk,
+                                   scheme.fp8);
+  return dequantize_rule<BlockRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm, u.bk,
+                                    scheme.fp8);
 }
 
 }  // namespace
 }  // namespace jf
 
 namespace ffi = xla::ffi;
-#define JF_CUDA_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCudaImpl, JF_BIND_QUANTIZE(JF_CUDA_BIND));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCudaImpl, JF_BIND_DEQUANTIZE(JF_CUDA_BIND));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCudaImpl, JF_BIND_PARTIAL_AMAX(JF_CUDA_BIND));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCudaImpl, JF_BIND_PARTIAL_CAST(JF_CUDA_BIND));
-
-// Device-to-device copy (cudaMemcpyAsync): the benchmark's bandwidth roofline, not part of the API.
-ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-  return jf::check_launch();
-}
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfCopyCuda, CopyCudaImpl,
-                              JF_CUDA_BIND JF_ARG JF_RET);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x (B, M, K)
+                                  .Ret<ffi::AnyBuffer>()  // first usage: data
+                                  .Ret<ffi::AnyBuffer>()  // first usage: scales
+                                  .Ret<ffi::AnyBuffer>()  // second usage: data (empty if none)
+                                  .Ret<ffi::AnyBuffer>()  // second usage: scales (empty if none)
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // data (B, M, K) uint8
+                                  .Arg<ffi::AnyBuffer>()  // scales of the scheme's one usage
+                                  .Ret<ffi::AnyBuffer>()  // out (B, M, K)
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
+                                  .RemainingArgs()        // N flat shards
+                                  .Ret<ffi::AnyBuffer>()  // packed partial values
+                                  .Attr<ffi::Span<const int64_t>>("Ms")
+                                  .Attr<ffi::Span<const int64_t>>("Ks")
+                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
+                                  .Arg<ffi::AnyBuffer>()  // packed global values
+                                  .RemainingArgs()        // N flat shards
+                                  .Ret<ffi::AnyBuffer>()  // packed scale_inv (fp32 scales; else empty)
+                                  .RemainingRets()        // per shard and usage: its FP8 bytes
+                                  .Attr<ffi::Span<const int64_t>>("Ms")
+                                  .Attr<ffi::Span<const int64_t>>("Ks")
+                                  .Attr<jf::Scheme>("scheme"));
 
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
@@ -139,7 +159,6 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
     d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
     d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
-    d["jf_device_copy"] = nanobind::capsule(reinterpret_cast<void*>(JfCopyCuda));
     return d;
   });
 }

@@ -5,6 +5,16 @@
 // the FP8 decode and the conversions to and from bf16/fp16. The jax.numpy reference in
 // jax_fp8/reference.py defines the same numbers; tests compare the two bit for bit.
 // Build without fast math or flush-to-zero: subnormal amaxes and elements are part of the contract.
+//
+// GPU fast paths that compute the same bits with other instructions:
+// - here, under __CUDA_ARCH__: the hardware satfinite casts (fp8_from_float, fp8x2_from_float), the
+//   paired bf16/fp16 rounding (pack2_from_floats: cvt.rn.{bf16x2,f16x2}.f32) and f16_from_float's
+//   __float2half_rn;
+// - outside this file: the packed amax of bf16/fp16 pairs (cuda_common.cuh, Load16::max_abs2:
+//   max.xorsign.abs.{bf16x2,f16x2}) and the paired FP8 decode (dequantize.cuh, fp8x2_to_float2).
+// On a GPU backend tests/test_mxfp8.py and tests/test_blockwise.py run them against the reference on
+// every input dtype with zeros, subnormals, huge values, inf and NaN, bit for bit, and
+// bench/kernel_bench.cu checks each launch configuration against a host loop over this file.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,389 @@
+// The CUDA quantize tile: every usage (rowwise, columnwise, 2-D tile) and every mode (quantize a dense
+// tensor; partial amax or partial cast of a master-weight shard) from one device function.
+//
+// One CTA of 256 threads owns a TM x TK tile of one (M, K) matrix. Each thread loads 16-byte vectors
+// of one fixed column chunk on rows g, g+G, ... and keeps them in registers, so the input is read
+// from HBM exactly once and every usage is cast from the same registers: rowwise blocks reduce by
+// warp shuffles, columnwise blocks by a small shared-memory reduction, 2-D tiles by a CTA reduction.
+// Tiles inside the matrix (and the shard window) take a path without per-vector bounds checks: at
+// these rates the kernel is bound by instruction issue as much as by HBM, and the checks cost more
+// than the block math (bench/RESULTS.md, run 11). The per-block math is fp8_math.h, shared with the
+// CPU kernels. The launches: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master weights).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda_common.cuh"
+
+namespace jf {
+namespace {
+
+// Where a matrix's elements live. Dense: x[b*M*K + r*K + c]. Master-weight shard: a flat buffer
+// holding elements [offset, offset + length) of the row-major weight, offset/length in device memory.
+// Callers give M, K, L and the shard's offset/length (dense_span / shard_span); plan_tiles fills in
+// the tile counts and the alignment.
+struct Span {
+  int64_t M, K, nTM, nTK;
+  int64_t nTM_launch;            // tile rows walked: all (dense) or enough to cover a shard
+  int64_t L;                     // dense: M*K; shard: the flat buffer's length
+  const int32_t* dev_offset;     // null for dense
+  const int32_t* dev_length;
+  bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
+};
+inline Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false}; }
+inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, const void* dev_length) {
+  return Span{M, K, 0, 0, 0, L, static_cast<const int32_t*>(dev_offset), static_cast<const int32_t*>(dev_length),
+              false};
+}
+
+enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
+
+template <class S>
+struct Outs {
+  uint8_t* data;
+  S* scale;               // kQuantize: scales; kAmax: partial values; kCast: fp32 scale_inv (null for E8M0)
+  const S* global;        // kCast: the reduced per-block values
+};
+
+// The shard window of a call (the whole matrix when dense), read once per CTA.
+struct Window {
+  int64_t offset, length;
+  int64_t first_tm;       // a shard walks only the tile rows from the one holding its first element
+  bool aligned;           // 16-byte vectors of the buffer line up with VEC-element column chunks
+};
+
+// The first tile row a shard's walk covers: the one holding its first element (offset >= 0). The tile
+// CTAs and the fill CTAs (which write the rows outside the walk) must agree on it.
+template <int TM>
+__device__ __forceinline__ int64_t first_tile_row(int64_t offset, int64_t K) {
+  return offset / K / TM;
+}
+
+// Which of the VEC elements of row r from column col0 are valid (bit e), and the buffer position of
+// the first. Dense matrices skip the shard window checks.
+template <int VEC, bool SHARD, bool INTERIOR>
+__device__ __forceinline__ uint32_t vec_mask(int64_t r, int64_t col0, const Span& sp, const Window& w, int64_t& idx) {
+  idx = r * sp.K + col0 - w.offset;
+  if (INTERIOR) return (1u << VEC) - 1u;
+  if (r >= sp.M) return 0;
+  if (col0 + VEC <= sp.K && (!SHARD || (idx >= 0 && idx + VEC <= w.length))) return (1u << VEC) - 1u;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e)
+    mask |= uint32_t(col0 + e < sp.K && (!SHARD || (idx + e >= 0 && idx + e < w.length))) << e;
+  return mask;
+}
+
+// Cast VEC elements (times their multipliers) and store the valid ones at out[idx ...].
+template <int VEC>
+__device__ __forceinline__ void store_fp8(uint8_t* __restrict__ out, int64_t idx, uint32_t mask, bool aligned,
+                                          const float (&v)[VEC], const float (&mult)[VEC], int fp8) {
+  uint16_t pair[VEC / 2];
+#pragma unroll
+  for (int p = 0; p < VEC / 2; ++p)
+    pair[p] = fp8x2_from_float(v[2 * p] * mult[2 * p], v[2 * p + 1] * mult[2 * p + 1], fp8);
+  if (aligned && mask == (1u << VEC) - 1u) {
+    if constexpr (VEC == 8) {
+      *reinterpret_cast<uint2*>(out + idx) =
+          make_uint2(pair[0] | (uint32_t(pair[1]) << 16), pair[2] | (uint32_t(pair[3]) << 16));
+    } else {
+      *reinterpret_cast<uint32_t*>(out + idx) = pair[0] | (uint32_t(pair[1]) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      if (mask & (1u << e)) out[idx + e] = uint8_t(pair[e / 2] >> (8 * (e % 2)));
+  }
+}
+
+// A tile all of whose vectors are full and aligned (inside the matrix and the shard window): its
+// loads and stores skip the per-vector checks.
+template <int TM, int TK, bool SHARD>
+__device__ __forceinline__ bool tile_interior(int64_t tm, int64_t tk, const Span& sp, const Window& w) {
+  if (!w.aligned || (tm + 1) * TM > sp.M || (tk + 1) * TK > sp.K) return false;
+  const int64_t first = tm * TM * sp.K + tk * TK - w.offset;                  // buffer positions increase
+  const int64_t end = ((tm + 1) * TM - 1) * sp.K + (tk + 1) * TK - w.offset;  // with (row, col)
+  return !SHARD || (first >= 0 && end <= w.length);
+}
+
+// Tile t: batch b, tile row tm (a shard's walk starts at the tile row of its first element), tile
+// column tk. 32-bit division: the launch checks the tile count.
+struct TilePos {
+  int64_t b, tm, tk;
+};
+__device__ __forceinline__ TilePos tile_pos(int64_t t, const Span& sp, const Window& w) {
+  const uint32_t u = uint32_t(t), nk = uint32_t(sp.nTK), nm = uint32_t(sp.nTM_launch);
+  const uint32_t q = u / nk;
+  return {int64_t(q / nm), w.first_tm + int64_t(q % nm), int64_t(u % nk)};
+}
+
+// One 16-byte vector of row r from column col0; vectors cut by the matrix edge or the shard window
+// are gathered element by element, zeros where invalid.
+template <class L, bool SHARD, bool INTERIOR>
+__device__ __forceinline__ uint4 load_vector(const typename L::T* __restrict__ xb, int64_t r, int64_t col0,
+                                             const Span& sp, const Window& w) {
+  int64_t idx;
+  const uint32_t mask = vec_mask<L::VEC, SHARD, INTERIOR>(r, col0, sp, w, idx);
+  if (INTERIOR || (w.aligned && mask == (1u << L::VEC) - 1u)) return __ldg(reinterpret_cast<const uint4*>(xb + idx));
+  uint4 raw = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int e = 0; e < L::VEC; ++e)
+    if (mask & (1u << e)) L::set(raw, e, xb[idx + e]);
+  return raw;
+}
+
+// Per block: from its amax (or, when casting a shard, from the reduced global value g) to the
+// multiplier, writing what the mode stores for the block when `write` (kQuantize: the scale; kAmax:
+// the rank's partial value; kCast: the fp32 scale_inv, every rank the same from the global amax).
+template <int MODE, class Rule>
+__device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, typename Rule::ScaleT g,
+                                                  const Outs<typename Rule::ScaleT>& o, int64_t gi, bool write) {
+  typename Rule::ScaleT s;
+  float mult = 1.0f;
+  if constexpr (MODE == kQuantize) {
+    rule(amax, s, mult);
+  } else if constexpr (MODE == kAmax) {
+    s = rule.partial(amax);
+  } else {
+    rule.from_global(g, s, mult);
+  }
+  if (write && (MODE != kCast || o.scale)) o.scale[gi] = s;
+  return mult;
+}
+
+// The TM x TK tile geometry: thread tid holds VEC-element chunk c of rows g, g+G, ..., NV vectors.
+template <class L, int TM, int TK>
+struct Geom {
+  static constexpr int VEC = L::VEC;
+  static constexpr int CHUNKS = TK / VEC;      // 16-byte vectors per tile row
+  static constexpr int G = kThreads / CHUNKS;  // tile rows per pass
+  static constexpr int NV = TM / G;            // vectors per thread
+  static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
+};
+
+// Quantizes tile t of a matrix or shard. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE:
+// one TM x TK block. Every scale block belongs to exactly one tile, so no atomics are needed in any mode.
+template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
+__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp, const Rule& rule,
+                                              int fp8, const Outs<typename Rule::ScaleT>& row,
+                                              const Outs<typename Rule::ScaleT>& col, uint32_t t) {
+  using Gm = Geom<L, TM, TK>;
+  using S = typename Rule::ScaleT;
+  constexpr int VEC = Gm::VEC, CHUNKS = Gm::CHUNKS, G = Gm::G, NV = Gm::NV;
+  constexpr bool SHARD = MODE != kQuantize;
+  Window w;
+  w.offset = sp.dev_offset ? *sp.dev_offset : 0;
+  w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
+  w.first_tm = sp.dev_offset ? first_tile_row<TM>(w.offset, sp.K) : 0;
+  w.aligned = sp.aligned_base && w.offset % VEC == 0;
+  const TilePos p = tile_pos(t, sp, w);
+  if (p.tm >= sp.nTM) return;
+  const int tid = threadIdx.x;
+  const int c = tid % CHUNKS, g = tid / CHUNKS;
+  const int64_t col0 = p.tk * TK + int64_t(c) * VEC;
+  const int64_t row0 = p.tm * TM + g;
+  const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
+  const int64_t n_row_scales = RBK > 0 ? cdiv(sp.K, RBK) : 0;
+  const auto row_gi = [&](int i) {  // scale index of row i's block
+    return (p.b * sp.M + row0 + int64_t(i) * G) * n_row_scales + col0 / (RBK > 0 ? RBK : 1);
+  };
+  const int64_t col_gi = (p.b * sp.nTM + p.tm) * sp.K + p.tk * TK + tid;
+  const int64_t tile_gi = (p.b * sp.nTM + p.tm) * sp.nTK + p.tk;
+
+  const auto run = [&](auto interior) {
+    constexpr bool INTERIOR = decltype(interior)::value;
+    const bool aligned = INTERIOR || w.aligned;
+    uint4 raw[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) raw[i] = load_vector<L, SHARD, INTERIOR>(x + base, row0 + int64_t(i) * G, col0, sp, w);
+    // Rowwise blocks: the LANES threads of a block hold NV vectors (rows) each, and lane gl applies
+    // the rule for row gl % NV only (NV <= LANES), so each thread evaluates the rule once, not NV times.
+    constexpr int LANES = RBK > 0 ? RBK / VEC : 1;
+    static_assert(RBK == 0 || (LANES <= 32 && CHUNKS % LANES == 0 && NV <= LANES), "row block inside a warp");
+    const int gl = c % LANES, mi = gl % NV;
+    const bool row_in = INTERIOR || (row0 + int64_t(mi) * G < sp.M && col0 - gl * VEC < sp.K);
+    // A shard cast's reduced scales are loaded with the tile, not after it.
+    S g_row = {}, g_col = {};
+    if constexpr (MODE == kCast) {
+      if constexpr (RBK > 0)
+        if (row_in) g_row = row.global[row_gi(mi)];
+      if constexpr (TILE) g_row = row.global[tile_gi];
+      if constexpr (COL)
+        if (tid < TK && p.tk * TK + tid < sp.K) g_col = col.global[col_gi];
+    }
+    // Casts every vector i, times the multipliers mult_of(i, mult) fills in, into `out` (each vector's
+    // mask and position recomputed here rather than kept live across the reductions).
+    const auto cast_store = [&](uint8_t* out, auto&& mult_of) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC], mult[VEC];
+        L::unpack(raw[i], v);
+        mult_of(i, mult);
+        int64_t idx;
+        const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row0 + int64_t(i) * G, col0, sp, w, idx);
+        if (mask) store_fp8<VEC>(out + base, idx, mask, aligned, v, mult, fp8);
+      }
+    };
+
+    if constexpr (RBK > 0) {
+      float my_amax = 0.0f;  // the block amax of row mi
+      if constexpr (MODE != kCast) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          float amax = L::amax_of(raw[i]);
+#pragma unroll
+          for (int off = LANES / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+          my_amax = mi == i ? amax : my_amax;
+        }
+      }
+      const float my_m = row_in ? block_multiplier<MODE>(rule, my_amax, g_row, row, row_gi(mi), gl < NV) : 1.0f;
+      if constexpr (MODE != kAmax)
+        cast_store(row.data, [&](int i, float (&mult)[VEC]) {
+          const float m = __shfl_sync(0xFFFFFFFFu, my_m, i, LANES);  // row i's multiplier, from lane i
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) mult[e] = m;
+        });
+    }
+
+    if constexpr (COL) {  // columnwise: per-column partial amax over this thread's rows, reduced over G
+      __shared__ __align__(16) float red[G][TK];  // partial amax per (row group, column)
+      __shared__ __align__(16) float col_mult[TK];
+      if constexpr (MODE != kCast) {
+        uint4 acc = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) L::amax_acc(acc, raw[i]);
+        float part[VEC];
+        L::amax_unpack(acc, part);
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q)
+          reinterpret_cast<float4*>(&red[g][c * VEC])[q] =
+              make_float4(part[4 * q], part[4 * q + 1], part[4 * q + 2], part[4 * q + 3]);
+        __syncthreads();
+      }
+      // One thread per tile column finishes the reduction, applies the rule once and writes the
+      // column's scale (coalesced); the multipliers go back through shared memory.
+      static_assert(TK <= kThreads, "one thread per column");
+      if (tid < TK) {
+        float m = 1.0f;
+        if (p.tk * TK + tid < sp.K && p.tm * TM < sp.M) {
+          float a = 0.0f;
+          if constexpr (MODE != kCast) {
+#pragma unroll
+            for (int gg = 0; gg < G; ++gg) a = fmaxf(a, red[gg][tid]);
+          }
+          m = block_multiplier<MODE>(rule, a, g_col, col, col_gi, true);
+        }
+        col_mult[tid] = m;
+      }
+      __syncthreads();
+      if constexpr (MODE != kAmax) {
+        float cm[VEC];  // this thread's columns' multipliers, the same for all its rows
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+          const float4 m4 = reinterpret_cast<const float4*>(&col_mult[c * VEC])[q];
+          cm[4 * q] = m4.x, cm[4 * q + 1] = m4.y, cm[4 * q + 2] = m4.z, cm[4 * q + 3] = m4.w;
+        }
+        cast_store(col.data, [&](int, float (&mult)[VEC]) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) mult[e] = cm[e];
+        });
+      }
+    }
+
+    if constexpr (TILE) {  // one block for the whole tile: CTA-wide amax
+      float amax = 0.0f;
+      if constexpr (MODE != kCast) {
+        __shared__ float warp_max[kThreads / 32];
+        uint4 acc = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) L::amax_acc(acc, raw[i]);
+        amax = L::amax_of(acc);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+        if (tid % 32 == 0) warp_max[tid / 32] = amax;
+        __syncthreads();
+        amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kThreads / 32; ++k) amax = fmaxf(amax, warp_max[k]);
+      }
+      const float m = block_multiplier<MODE>(rule, amax, g_row, row, tile_gi, tid == 0);
+      if constexpr (MODE != kAmax)
+        cast_store(row.data, [&](int, float (&mult)[VEC]) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) mult[e] = m;
+        });
+    }
+  };
+  if (tile_interior<TM, TK, SHARD>(p.tm, p.tk, sp, w)) run(std::true_type{});
+  else run(std::false_type{});
+}
+
+// CTAs per SM for the register allocation (the highest that compiles without spills and measured
+// fastest, bench/kernel_bench.cu, RESULTS.md runs 12 and 19-21). fp32 tiles of 8-16 vectors per thread
+// need the registers: the compiler's allocation. ONE: a shard kernel with its one job at fixed
+// parameter offsets; a job picked at run time needs more registers (the partial amax spills above 4).
+template <class L, class Rule, bool COL, int MODE, bool ONE = true>
+constexpr int min_blocks_for() {
+  if (L::VEC != 8) return 1;
+  if (!std::is_same_v<Rule, MxRule>) return 2;
+  if (MODE == kAmax) return ONE ? 6 : 4;
+  return COL ? 3 : (MODE == kCast ? 3 : 4);
+}
+
+// The tile geometry and usages of one call: Rule, TM x TK tiles, rowwise 1 x RBK blocks (RBK > 0),
+// TM x 1 columnwise blocks (COL), or one block per tile (TILE).
+template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_>
+struct TileCfg {
+  using Rule = Rule_;
+  using S = typename Rule::ScaleT;
+  static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
+  static constexpr bool COL = COL_, TILE = TILE_;
+  // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
+  static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
+  // The row slot's blocks: 1 x RBK, or TM x TK for 2-D tiles.
+  static constexpr int ROW_BM = TILE ? TM : 1, ROW_BK = TILE ? TK : RBK;
+};
+
+// Calls f(cfg, rule) with the tile configuration and scale rule for the usages of `a`.
+template <class F>
+ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
+  return with_rule(a, [&](auto rule) -> ffi::Error {
+    using R = decltype(rule);
+    if constexpr (std::is_same_v<R, MxRule>) {
+      if (a.row_block && a.col_block) return f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
+      if (a.row_block) return f(TileCfg<R, 32, 256, 32, false, false>{}, rule);
+      return f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
+    } else {
+      if (a.tile_block) return f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
+      if (a.row_block && a.col_block) return f(TileCfg<R, 128, 128, 128, true, false>{}, rule);
+      if (a.row_block) return f(TileCfg<R, 128, 128, 128, false, false>{}, rule);
+      return f(TileCfg<R, 128, 128, 0, true, false>{}, rule);
+    }
+  });
+}
+
+// The kernel's output slot for usage-ordered pointers (data, scale, global per usage).
+template <class Cfg>
+Outs<typename Cfg::S> slot(int which, uint8_t* const* d, void* const* s, const void* const* g) {
+  using S = typename Cfg::S;
+  if (which < 0) return {};
+  return {d[which], static_cast<S*>(s[which]), static_cast<const S*>(g[which])};
+}
+
+// Fills in the tile counts and the alignment of a span; returns the number of tiles to launch.
+template <class L, int TM, int TK>
+int64_t plan_tiles(Span& sp, int64_t B, const void* x) {
+  if (sp.M * sp.K == 0) return 0;
+  sp.nTM = cdiv(sp.M, TM);
+  sp.nTK = cdiv(sp.K, TK);
+  // A shard of L elements spans at most ceil(L/K) + 1 rows, so that many rows' tiles (+1) cover it.
+  sp.nTM_launch = sp.dev_offset ? std::min(sp.nTM, cdiv(cdiv(sp.L, sp.K) + 1, TM) + 1) : sp.nTM;
+  sp.aligned_base = sp.K % L::VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  return B * sp.nTM_launch * sp.nTK;
+}
+
+}  // namespace
+}  // namespace jf
