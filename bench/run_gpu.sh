@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 rm -rf build
 python3 -m pip install --no-build-isolation --no-deps -e . -v > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-grep -E "ptxas info|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
+grep -E "ptxas info|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20 | tee "$OUT/ptxas_summary.txt"
 so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")" | tee "$OUT/sass_summary.txt"
