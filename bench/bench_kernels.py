@@ -75,6 +75,15 @@ def cases(M: int, K: int, isz: int):
          lambda x: R.quantize_blockwise(x, colwise=True), n * isz + 2 * (n + f8_scale)),
         ("float8 128x128", lambda x: jf.quantize_blockwise(x, block=(128, 128)),
          lambda x: R.quantize_blockwise(x, block=(128, 128)), n * isz + n + 4 * (n // 16384)),
+        # GEMM-ready: columnwise data transposed in the same pass, scales in cuBLASLt's order
+        ("float8 1x128 row+colT", lambda x: jf.quantize_blockwise(x, colwise=True, layout="gemm_ready"),
+         lambda x: R.quantize_blockwise(x, colwise=True, layout="gemm_ready"), n * isz + 2 * (n + f8_scale)),
+        ("float8 128x128 row+colT", lambda x: jf.quantize_blockwise(x, block=(128, 128), colwise=True,
+                                                                    layout="gemm_ready"),
+         lambda x: R.quantize_blockwise(x, block=(128, 128), colwise=True, layout="gemm_ready"),
+         n * isz + 2 * (n + 4 * (n // 16384))),
+        ("mxfp8 row+colT", lambda x: jf.quantize_mxfp8(x, colwise=True, layout="gemm_ready"),
+         lambda x: R.quantize_mxfp8(x, colwise=True, layout="gemm_ready"), n * isz + 2 * (n + mx_scale)),
     ]
 
 

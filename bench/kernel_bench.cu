@@ -95,8 +95,10 @@ Launch quantize_cfg() {
     Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
-    if constexpr (MINB > 0) launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE, MINB>(nullptr, a, x, sp, rule, r, c);
-    else launch_tiles<LoadBF16, Rule, TM, TK, RBK, COL, TILE>(nullptr, a, x, sp, rule, r, c);
+    using C = TileCfg<Rule, TM, TK, RBK, COL, TILE>;
+    const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : RBK), c_at = compact_scale_at(sp.M, sp.K, TM, 1);
+    if constexpr (MINB > 0) launch_tiles<LoadBF16, C, MINB>(nullptr, a, x, sp, rule, r, c, r_at, c_at);
+    else launch_tiles<LoadBF16, C>(nullptr, a, x, sp, rule, r, c, r_at, c_at);
   };
 }
 
@@ -164,8 +166,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   if (f < jb.n_fill)
     fill_outside_walk<MxRowCol, MODE>(jb, rule, int64_t(f) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
   else
-    quantize_tile<LoadBF16, MxRule, 32, 256, 32, true, false, MODE>(static_cast<const uint16_t*>(jb.x), jb.sp, rule,
-                                                                    fp8, jb.row, jb.col, FILL_LAST ? t : t - jb.n_fill);
+    quantize_tile<LoadBF16, MxRowCol, MODE>(static_cast<const uint16_t*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col,
+                                            compact_scale_at(jb.sp.M, jb.sp.K, 1, 32),
+                                            compact_scale_at(jb.sp.M, jb.sp.K, 32, 1), FILL_LAST ? t : t - jb.n_fill);
 }
 
 // One bf16 MXFP8 row+col shard job, all or part of its CTAs; MINB 0: the shipped launch_shards.
@@ -403,9 +406,10 @@ int main(int argc, char** argv) {
     Buf out(n * 2);
     const QuantizeArgs a = bf16_args(true, 32, 0, 0, M, K);
     Outputs q(n, n / 32, 0, 1);
-    launch_tiles<LoadBF16, MxRule, 32, 256, 32, false, false>(
+    launch_tiles<LoadBF16, TileCfg<MxRule, 32, 256, 32, false, false>>(
         nullptr, a, xs[0]->p, dense_span(M, K), MxRule{kE4M3},
-        Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr}, Outs<uint8_t>{});
+        Outs<uint8_t>{q.d0.as<uint8_t>(), q.s0.as<uint8_t>(), nullptr}, Outs<uint8_t>{},
+        compact_scale_at(M, K, 1, 32), ScaleAt{});
     // host reference on the first 64 rows
     const int64_t R = std::min<int64_t>(64, M);
     std::vector<uint8_t> hd(R * K), hs(R * cdiv(K, 32));

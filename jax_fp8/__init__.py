@@ -2,7 +2,7 @@
 from . import _ffi  # registers the FFI targets before any primitive lowers
 from . import distributed, reference
 from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantize_blockwise, quantize_dequantize,
-                  quantize_mxfp8)
+                  quantize_mxfp8, to_layout)
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
@@ -27,6 +27,6 @@ def kernels_available() -> dict:
 
 
 __all__ = ["distributed", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
-           "quantize_dequantize", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
+           "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
            "kernels_available"]
 __version__ = "0.1.0"

@@ -7,7 +7,8 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from . import layout, reference
+from . import layout as _layout
+from . import reference
 from .formats import check_input, fp8_dtype
 from .primitives import KERNELS
 from .scheme import Scheme
@@ -28,10 +29,11 @@ def quantize(x, scheme: Scheme) -> QuantizedTensor:
     """Quantize ``x`` with a :class:`jax_fp8.Scheme` (the format, FP8 dtype, usages and options)."""
     if not isinstance(scheme, Scheme):
         raise TypeError(f"quantize: scheme must be a jax_fp8.Scheme, got {scheme!r}")
-    return layout.quantize(x, scheme, KERNELS)
+    return _layout.quantize(x, scheme, KERNELS)
 
 
-def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False) -> MXFP8Tensor:
+def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
+                   layout: str = "compact") -> MXFP8Tensor:
     """Quantize ``x`` to MXFP8: FP8 data with an E8M0 scale per 32-element block.
 
     Args:
@@ -40,16 +42,19 @@ def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bo
       dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
       rowwise: produce 1x32 blocks along the last dim.
       colwise: produce 32x1 blocks along the first dim of the 2-D view (same pass as rowwise).
+      layout: ``"compact"``, or ``"gemm_ready"`` to store the columnwise data transposed, (K, M), in the
+        same pass (the K-major operand of a GEMM over M); the scales stay compact.
 
     Scales follow TE: ``e = float_to_e8m0(amax / fp8_max)`` (rounded up to a power of two), elements
     are multiplied by ``2**(127 - e)`` and cast with saturation; NaN elements stay NaN (byte 0x7F).
     Not differentiable; see :func:`quantize_dequantize` for a straight-through estimator.
     """
-    return quantize(x, _scheme("quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise))
+    return quantize(x, _scheme("quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise, layout=layout))
 
 
 def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3fn, pow2_scales: bool = True,
-                       amax_epsilon: float = 0.0, rowwise: bool = True, colwise: bool = False) -> BlockwiseTensor:
+                       amax_epsilon: float = 0.0, rowwise: bool = True, colwise: bool = False,
+                       layout: str = "compact") -> BlockwiseTensor:
     """Quantize ``x`` to Float8 blockwise (TE's Float8BlockQuantizer, DeepSeek-V3 style).
 
     Args:
@@ -59,12 +64,20 @@ def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3
       pow2_scales: round each scale down to a power of two (TE's default for this recipe).
       amax_epsilon: lower bound applied to each block amax.
       rowwise / colwise: which usages to produce (for 128x128 tiles both are the same tiles).
+      layout: ``"compact"`` or ``"gemm_ready"`` (TE's GEMM_READY, what cuBLASLt's block-scaled GEMMs
+        read): columnwise data transposed to (K, M) and the scales transposed / padded to multiples of
+        4 (padding 1.0), written by the quantize kernels in the same pass. See ``Scheme.scale_shape``.
 
     Scale as TE's ``compute_scale_from_amax``: 1 for a zero, inf or NaN amax, else ``fp8_max / amax``
     (an infinite quotient becomes the input dtype's largest finite value); stored ``scale_inv = 1/scale``.
     """
     return quantize(x, _scheme("quantize_blockwise", "blockwise", dtype, rowwise=rowwise, colwise=colwise,
-                               block=block, pow2_scales=pow2_scales, amax_epsilon=amax_epsilon))
+                               block=block, pow2_scales=pow2_scales, amax_epsilon=amax_epsilon, layout=layout))
+
+
+def to_layout(q: QuantizedTensor, layout: str) -> QuantizedTensor:
+    """``q`` rearranged into ``layout`` ('compact' or 'gemm_ready'): the same bits, exact both ways."""
+    return _layout.to_layout(q, layout)
 
 
 def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
@@ -73,7 +86,7 @@ def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
     ``dtype`` defaults to the dtype that was quantized; ``usage`` ('rowwise' or 'colwise') defaults to
     rowwise when present. NaN outputs are the dtype's canonical quiet NaN.
     """
-    return layout.dequantize(q, dtype, usage, KERNELS)
+    return _layout.dequantize(q, dtype, usage, KERNELS)
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):

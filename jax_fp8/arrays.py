@@ -14,7 +14,7 @@ def xp_of(*arrays):
 def bitcast(a, dtype):
     """Reinterpret the bits of ``a`` as ``dtype`` (same item size), in ``a``'s namespace."""
     if isinstance(a, (np.ndarray, np.generic)):
-        return np.asarray(a).view(dtype)
+        return np.ascontiguousarray(a).view(dtype)
     return lax.bitcast_convert_type(a, dtype)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .arrays import bitcast, cdiv, view_2d, xp_of
 from .formats import check_input, high_dtype
-from .scheme import Scheme
+from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
@@ -31,44 +31,45 @@ class Kernels:
 
 
 def assemble(scheme: Scheme, pairs, shape, dtype):
-    """The tensor of ``scheme`` from the kernels' (data, scale) pairs, given in kernel-block order; data
-    already has ``shape`` and the FP8 dtype. 128x128 tiles serve both usages."""
-    pairs = iter(pairs)
-    if scheme.tiles:
-        tile = next(pairs)
-        row, col = (tile if scheme.rowwise else (None, None)), (tile if scheme.colwise else (None, None))
-    else:
-        row = next(pairs) if scheme.rowwise else (None, None)
-        col = next(pairs) if scheme.colwise else (None, None)
+    """The tensor of ``scheme`` from the kernels' (data, scale) pairs, given in ``kernel_usages`` order;
+    data already has the layout's shape and the FP8 dtype. Compact 128x128 tiles serve both usages."""
+    got = dict(zip(scheme.kernel_usages, pairs))
+    if "tile" in got:
+        got = {u: got["tile"] for u in ("rowwise", "colwise") if getattr(scheme, u)}
+    row, col = got.get("rowwise", (None, None)), got.get("colwise", (None, None))
     if scheme.e8m0:
-        return MXFP8Tensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype)
+        return MXFP8Tensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.layout)
     return BlockwiseTensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.block,
-                           scheme.pow2_scales, scheme.amax_epsilon)
+                           scheme.pow2_scales, scheme.amax_epsilon, scheme.layout)
 
 
 def quantize(x, scheme: Scheme, kernels: Kernels):
     """Quantize ``x`` (validated here) with ``scheme`` on ``kernels``."""
     x = check_input(x)
     M, K = view_2d(x.shape)
+    shapes = [(scheme.data_shape(x.shape, u if u != "tile" else "rowwise"),
+               scheme.scale_shape(M, K, u if u != "tile" else "rowwise")) for u in scheme.kernel_usages]
     if x.size == 0:  # empty input: empty data and scales of the documented shapes
         xp = xp_of(x)
-        pairs = [(xp.zeros(x.shape, scheme.dtype), xp.zeros((cdiv(M, bm), cdiv(K, bk)), scheme.scale_dtype))
-                 for bm, bk in scheme.kernel_blocks]
+        pad = GEMM_SCALE_PAD if not scheme.e8m0 else 0
+        pairs = [(xp.zeros(d, scheme.dtype), xp.full(sc, pad, scheme.scale_dtype)) for d, sc in shapes]
     else:
         outs = kernels.quantize(x.reshape(1, M, K), scheme=scheme)
-        pairs = [(bitcast(outs[2 * i].reshape(x.shape), scheme.dtype), outs[2 * i + 1][0])
-                 for i in range(len(scheme.kernel_blocks))]
+        pairs = [(bitcast(outs[2 * i].reshape(d), scheme.dtype), outs[2 * i + 1][0]) for i, (d, _) in enumerate(shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
 def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     """``data * scale`` of one usage of ``q`` (default: rowwise when present), rounded to ``dtype``
-    (default: the dtype that was quantized)."""
+    (default: the dtype that was quantized). A GEMM-ready tensor is read through its compact form."""
     if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
         raise TypeError(f"dequantize: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
     out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
     if usage is None:
         usage = "rowwise" if q.has_rowwise else "colwise"
+    q.usage_fields(usage, "dequantize")  # checks the tensor's fields against its layout
+    if q.layout != "compact":
+        q = to_layout(q, "compact")
     data, scale = q.usage_fields(usage, "dequantize")
     if data.size == 0:
         return xp_of(data).zeros(q.shape, out_dtype)
@@ -76,3 +77,44 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(1, M, K), scale[None], scheme=q.scheme.only(usage),
                            out_dtype=np.dtype(out_dtype))
     return y.reshape(q.shape)
+
+
+def scales_to_layout(xp, scale, scheme: Scheme, M: int, K: int, usage: str, layout: str):
+    """A usage's scales (the last two axes of ``scale``), converted to ``layout`` from the other one."""
+    if scheme.e8m0:
+        return scale  # MXFP8 scales are compact in both layouts
+    rows, cols = scheme.grid(M, K, usage)
+    gemm = dataclasses.replace(scheme, layout="gemm_ready")
+    transposed = gemm.transposed_scales(usage)
+    if layout == "gemm_ready":
+        g = xp.swapaxes(scale, -1, -2) if transposed else scale
+        pad = [(0, 0)] * (g.ndim - 1) + [(0, gemm.scale_shape(M, K, usage)[1] - g.shape[-1])]
+        return xp.pad(g, pad, constant_values=np.float32(GEMM_SCALE_PAD))
+    g = scale[..., :rows] if transposed else scale[..., :cols]  # drop the padding
+    return xp.swapaxes(g, -1, -2) if transposed else g
+
+
+def to_layout(q, layout: str):
+    """``q`` in ``layout`` ('compact' or 'gemm_ready'): the same bits, rearranged (exact both ways).
+
+    GEMM-ready: columnwise data transposed to (K, M); Float8 blockwise scales transposed / padded as
+    ``Scheme.scale_shape`` says, padding ``GEMM_SCALE_PAD``. MXFP8 scales stay compact.
+    """
+    if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
+        raise TypeError(f"to_layout: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"to_layout: layout must be 'compact' or 'gemm_ready', got {layout!r}")
+    if q.layout == layout:
+        return q
+    scheme = q.scheme
+    M, K = view_2d(q.shape)
+    fields = {}
+    for usage in q.usage_blocks():
+        data, scale = q.usage_fields(usage, "to_layout")
+        xp = xp_of(data, scale)
+        if usage == "colwise":  # transposed in GEMM-ready, compact otherwise
+            data = (xp.transpose(data.reshape(M, K)) if layout == "gemm_ready"
+                    else xp.transpose(data).reshape(q.shape))
+        fields[f"{usage}_data"] = data
+        fields[f"{usage}_scale_inv"] = scales_to_layout(xp, scale, scheme, M, K, usage, layout)
+    return dataclasses.replace(q, **fields, layout=layout)

@@ -138,11 +138,18 @@ def quantize_blocks(x, bm, bk, scheme: Scheme):
 
 
 def quantize_usages(x, *, scheme: Scheme):
-    """Every kernel block of (B, M, K) ``x``, in the scheme's order: [data, scale, ...] (the primitive's
-    contract)."""
+    """Every kernel output of (B, M, K) ``x``, in ``scheme.kernel_usages`` order: [data, scale, ...]
+    (the primitive's contract). GEMM-ready outputs are the compact ones rearranged: columnwise data
+    transposed to (B, K, M), scales as ``layout.scales_to_layout`` places them."""
+    xp = xp_of(x)
+    M, K = x.shape[-2:]
     outs = []
-    for bm, bk in scheme.kernel_blocks:
-        outs += quantize_blocks(x, bm, bk, scheme)
+    for usage, (bm, bk) in zip(scheme.kernel_usages, scheme.kernel_blocks):
+        data, scale = quantize_blocks(x, bm, bk, scheme)
+        if scheme.gemm_ready:
+            data = xp.swapaxes(data, -1, -2) if usage == "colwise" else data
+            scale = layout.scales_to_layout(xp, scale, scheme, M, K, usage, "gemm_ready")
+        outs += [data, scale]
     return outs
 
 
@@ -166,16 +173,16 @@ def quantize(x, scheme: Scheme):
     return layout.quantize(x, scheme, KERNELS)
 
 
-def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False):
+def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, layout="compact"):
     """Reference of :func:`jax_fp8.quantize_mxfp8`."""
-    return quantize(x, Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise))
+    return quantize(x, Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise, layout=layout))
 
 
 def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0,
-                       rowwise=True, colwise=False):
+                       rowwise=True, colwise=False, layout="compact"):
     """Reference of :func:`jax_fp8.quantize_blockwise`."""
     return quantize(x, Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
-                              pow2_scales=pow2_scales, amax_epsilon=amax_epsilon))
+                              pow2_scales=pow2_scales, amax_epsilon=amax_epsilon, layout=layout))
 
 
 def dequantize(q, dtype=None, usage=None):

@@ -16,11 +16,14 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .arrays import cdiv
+from .arrays import cdiv, view_2d
 from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
 
 FORMATS = ("mxfp8", "blockwise")
 USAGES = ("rowwise", "colwise")
+LAYOUTS = ("compact", "gemm_ready")
+#: Value of the padding entries of GEMM-ready fp32 scales: the scale_inv of an all-zero block.
+GEMM_SCALE_PAD = 1.0
 BLOCKWISE_BLOCKS = ((1, FLOAT8_BLOCK), (FLOAT8_BLOCK, FLOAT8_BLOCK))
 
 
@@ -49,6 +52,13 @@ class Scheme:
 
     MXFP8 has 1x32 / 32x1 blocks with E8M0 scales (powers of two by nature: ``pow2_scales`` must stay
     True and ``amax_epsilon`` 0). Hashable and immutable: a valid static argument for jit.
+
+    ``layout``: ``"compact"`` (data of the input's shape, scale grids ``grid(M, K, usage)``) or
+    ``"gemm_ready"``, the operand layout of Hopper's FP8 GEMMs, which take both operands K-major ("TN"):
+    columnwise data is stored transposed, as the (K, M) transpose of the 2-D view, and Float8 blockwise
+    scales are laid out as TransformerEngine's Float8BlockScaleTensorFormat.GEMM_READY and cuBLASLt's
+    ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` / ``BLK128x128_32F`` read them (TE's
+    ``Float8BlockQuantizer::get_scale_shape``). See :meth:`scale_shape`. MXFP8 scales stay compact.
     """
 
     fmt: str = "mxfp8"
@@ -58,6 +68,7 @@ class Scheme:
     block: Optional[tuple] = None  # None: the format's own ((1, 32) MXFP8, (1, 128) blockwise)
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
+    layout: str = "compact"
 
     def __post_init__(self):
         where = type(self).__name__
@@ -70,6 +81,8 @@ class Scheme:
             raise ValueError(f"{where}: at least one of rowwise, colwise must be True")
         set_("dtype", fp8_dtype(self.dtype, f"{where}: dtype"))
         set_("amax_epsilon", check_amax_epsilon(self.amax_epsilon, where))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{where}: layout must be 'compact' or 'gemm_ready', got {self.layout!r}")
         if self.fmt == "blockwise":
             set_("block", check_block((1, FLOAT8_BLOCK) if self.block is None else self.block, where))
             return
@@ -83,10 +96,11 @@ class Scheme:
 
     def __str__(self) -> str:
         usages = "+".join(u for u in USAGES if getattr(self, u))
+        layout = "" if self.layout == "compact" else f" {self.layout}"
         if self.fmt == "mxfp8":
-            return f"mxfp8 {self.dtype.name} {usages}"
+            return f"mxfp8 {self.dtype.name} {usages}{layout}"
         bm, bk = self.block
-        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages} (pow2_scales={self.pow2_scales}, "
+        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages}{layout} (pow2_scales={self.pow2_scales}, "
                 f"amax_epsilon={self.amax_epsilon})")
 
     # ---- what the scheme implies ------------------------------------------------------------------
@@ -112,16 +126,58 @@ class Scheme:
         return (1, b) if usage == "rowwise" else (b, 1)
 
     @property
+    def gemm_ready(self) -> bool:
+        return self.layout == "gemm_ready"
+
+    @property
+    def shared_tiles(self) -> bool:
+        """Compact 128x128 tiles: one (data, scale) pair serves both usages."""
+        return self.tiles and not self.gemm_ready
+
+    @property
+    def kernel_usages(self) -> tuple[str, ...]:
+        """The usage of each (data, scale) pair the kernels produce, in order ('tile' for shared tiles)."""
+        if self.shared_tiles:
+            return ("tile",)
+        return tuple(u for u in USAGES if getattr(self, u))
+
+    @property
     def kernel_blocks(self) -> tuple[tuple[int, int], ...]:
-        """The blocks the kernels produce, one (data, scale) pair each, in the order row, col, tile."""
-        if self.tiles:
-            return (self.block,)
-        return tuple(self.usage_block(u) for u in USAGES if getattr(self, u))
+        """The block of each (data, scale) pair the kernels produce (``kernel_usages`` order)."""
+        return tuple(self.block if u == "tile" else self.usage_block(u) for u in self.kernel_usages)
 
     def grid(self, M: int, K: int, usage: str) -> tuple[int, int]:
-        """Shape of a usage's scale grid for the (M, K) view."""
+        """Shape of a usage's compact scale grid for the (M, K) view: one scale per block."""
         bm, bk = self.usage_block(usage)
         return cdiv(M, bm), cdiv(K, bk)
+
+    def transposed_scales(self, usage: str) -> bool:
+        """GEMM-ready blockwise scales stored as the transpose of the compact grid (1x128 rowwise
+        scales M-major; 128x128 columnwise tiles, whose grid is the transposed tensor's)."""
+        return self.gemm_ready and not self.e8m0 and (usage == "rowwise") != self.tiles
+
+    def data_shape(self, shape, usage: str) -> tuple[int, ...]:
+        """Shape of a usage's data: the input's, or (K, M) for GEMM-ready columnwise data."""
+        if usage == "colwise" and self.gemm_ready:
+            M, K = view_2d(shape)
+            return (K, M)
+        return tuple(shape)
+
+    def scale_shape(self, M: int, K: int, usage: str) -> tuple[int, int]:
+        """Shape of a usage's stored scales for the (M, K) view.
+
+        Compact, and MXFP8 in either layout: ``grid(M, K, usage)``. GEMM-ready Float8 blockwise (TE's
+        GEMM_READY), for the operand the GEMM reads (rows R, contraction C: (M, K) rowwise, (K, M)
+        columnwise): 1x128 blocks ``(ceil(C/128), roundup(R, 4))`` (the grid transposed, its rows
+        padded to 4); 128x128 tiles ``(ceil(R/128), roundup(ceil(C/128), 4))``. Padding entries hold
+        ``GEMM_SCALE_PAD`` (1.0, the scale_inv of an all-zero block).
+        """
+        rows, cols = self.grid(M, K, usage)
+        if not self.gemm_ready or self.e8m0:
+            return rows, cols
+        if self.transposed_scales(usage):
+            rows, cols = cols, rows
+        return rows, -(-cols // 4) * 4
 
     @property
     def block_rows(self) -> int:
@@ -139,7 +195,8 @@ class Scheme:
                           (self.block[0] if self.tiles else 0))
         return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0), row_block=np.int32(row),
                     col_block=np.int32(col), tile_block=np.int32(tile), pow2=np.bool_(self.pow2_scales),
-                    eps=np.float32(self.amax_epsilon))
+                    eps=np.float32(self.amax_epsilon), gemm_ready=np.bool_(self.gemm_ready),
+                    tile_rows=np.bool_(self.tiles and self.rowwise), tile_cols=np.bool_(self.tiles and self.colwise))
 
     def packed_grids(self, shapes) -> list[list[tuple[int, tuple[int, int]]]]:
         """Where each weight's scale grids lie in one packed buffer (the master-weight kernels' layout):

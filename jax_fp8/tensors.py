@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ._compat import E8M0_DTYPE
-from .arrays import cdiv, view_2d
+from .arrays import view_2d
 from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK
 from .scheme import Scheme
 
@@ -47,9 +47,9 @@ class _QuantizedBase:
         return self.colwise_data is not None
 
     def usage_fields(self, usage: str, where: str):
-        """The (data, scale_inv) of a usage, checked against the static layout: data of ``shape`` and
-        ``fp8_dtype``, scales of the block grid's shape and the format's scale dtype (E8M0 scales as
-        uint8). Raises naming the field, never reinterprets bits."""
+        """The (data, scale_inv) of a usage, checked against the static layout: data of the layout's
+        shape and ``fp8_dtype``, scales of the layout's shape and the format's scale dtype (E8M0 scales
+        as uint8). Raises naming the field, never reinterprets bits."""
         blocks = self.usage_blocks()
         if usage not in blocks:
             raise ValueError(f"{where}: usage must be one of {sorted(blocks)}, got {usage!r}")
@@ -60,21 +60,23 @@ class _QuantizedBase:
             raise TypeError(f"{where}: {cls}.fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8}")
         if scale is None:
             raise ValueError(f"{where}: {cls} has {usage}_data but {usage}_scale_inv is None")
+        scheme = self.scheme
         stacked = ("; its leaves look stacked (e.g. by vmap or scan outside the quantize): index the tensor "
                    "first or dequantize inside jax.vmap")
-        if tuple(data.shape) != tuple(self.shape):
-            extra = stacked if tuple(data.shape[-len(self.shape):]) == tuple(self.shape) else ""
-            raise ValueError(f"{where}: {cls}.{usage}_data has shape {tuple(data.shape)} but the tensor's shape is "
-                             f"{tuple(self.shape)}{extra}")
+        want = scheme.data_shape(self.shape, usage)
+        if tuple(data.shape) != want:
+            extra = stacked if tuple(data.shape[-len(want):]) == want else ""
+            raise ValueError(f"{where}: {cls}.{usage}_data has shape {tuple(data.shape)} but the tensor's "
+                             f"{self.layout} layout has {want}{extra}")
         if np.dtype(data.dtype) != fp8:
             raise TypeError(f"{where}: {cls}.{usage}_data has dtype {data.dtype} but fp8_dtype is {fp8}")
         M, K = view_2d(self.shape)
-        bm, bk = blocks[usage]
-        grid = (cdiv(M, bm), cdiv(K, bk))
+        grid = scheme.scale_shape(M, K, usage)
         if tuple(scale.shape) != grid:
             extra = stacked if tuple(scale.shape[-2:]) == grid else ""
+            bm, bk = blocks[usage]
             raise ValueError(f"{where}: {cls}.{usage}_scale_inv has shape {tuple(scale.shape)}, want {grid} "
-                             f"({bm}x{bk} blocks of the {M}x{K} view){extra}")
+                             f"({bm}x{bk} blocks of the {M}x{K} view, {self.layout} layout){extra}")
         return data, self._checked_scale(scale, f"{where}: {cls}.{usage}_scale_inv")
 
     def usage_blocks(self) -> dict:
@@ -95,8 +97,11 @@ class MXFP8Tensor(_QuantizedBase):
     ``rowwise_data`` / ``colwise_data`` have the input's shape and an FP8 dtype; the scales are uint8
     biased exponents (value ``2**(e - 127)``): rowwise ``(M, ceil(K/32))`` for 1x32 blocks along the
     last dim, columnwise ``(ceil(M/32), K)`` for 32x1 blocks along the first dim of the 2-D view
-    ``(M, K) = (prod(shape[:-1]), shape[-1])``. Fields not asked for are None.
+    ``(M, K) = (prod(shape[:-1]), shape[-1])``. Fields not asked for are None. ``layout="gemm_ready"``:
+    ``colwise_data`` is stored transposed, (K, M) (K-major for a GEMM over M); scales stay as above.
     """
+
+    layout: str = "compact"
 
     row_block = (1, MX_BLOCK)
     col_block = (MX_BLOCK, 1)
@@ -104,7 +109,7 @@ class MXFP8Tensor(_QuantizedBase):
     @property
     def scheme(self) -> Scheme:
         """The scheme that produced this tensor."""
-        return Scheme("mxfp8", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise)
+        return Scheme("mxfp8", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise, layout=self.layout)
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -130,15 +135,19 @@ class MXFP8Tensor(_QuantizedBase):
 class BlockwiseTensor(_QuantizedBase):
     """A Float8 blockwise tensor (DeepSeek-V3 / TE Float8BlockQuantizer): FP8 data, fp32 ``scale_inv``.
 
-    ``block == (1, 128)``: rowwise 1x128 blocks, scales ``(M, ceil(K/128))``; columnwise (if asked)
-    128x1 blocks, scales ``(ceil(M/128), K)``. ``block == (128, 128)``: one scale per 128x128 tile,
-    ``(ceil(M/128), ceil(K/128))``; the tiles serve both usages, so ``colwise_*`` (if asked) are the
-    same arrays as ``rowwise_*``. Data has the input's shape; dequantized value = data * scale_inv.
+    ``layout="compact"``: ``block == (1, 128)``: rowwise 1x128 blocks, scales ``(M, ceil(K/128))``;
+    columnwise (if asked) 128x1 blocks, scales ``(ceil(M/128), K)``. ``block == (128, 128)``: one scale
+    per 128x128 tile, ``(ceil(M/128), ceil(K/128))``; the tiles serve both usages, so ``colwise_*`` (if
+    asked) are the same arrays as ``rowwise_*``. Data has the input's shape; dequantized value =
+    data * scale_inv. ``layout="gemm_ready"`` (TE's GEMM_READY): columnwise data is the (K, M)
+    transpose and the scales are transposed / padded as ``Scheme.scale_shape`` says; ``to_layout``
+    converts between the two, exactly.
     """
 
     block: tuple = (1, FLOAT8_BLOCK)
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
+    layout: str = "compact"
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -150,7 +159,8 @@ class BlockwiseTensor(_QuantizedBase):
     def scheme(self) -> Scheme:
         """The scheme that produced this tensor."""
         return Scheme("blockwise", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise,
-                      block=tuple(self.block), pow2_scales=self.pow2_scales, amax_epsilon=self.amax_epsilon)
+                      block=tuple(self.block), pow2_scales=self.pow2_scales, amax_epsilon=self.amax_epsilon,
+                      layout=self.layout)
 
     @property
     def row_block(self) -> tuple:

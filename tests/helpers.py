@@ -35,7 +35,7 @@ def on_cpu(fn, *args, **kw):
 
 
 def bits(a) -> np.ndarray:
-    a = np.asarray(jax.device_get(a))
+    a = np.ascontiguousarray(jax.device_get(a))
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"uint{8 * a.dtype.itemsize}")
 
 

@@ -87,16 +87,19 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
   }
 }
 
-// Quantize one usage: blocks of bm rows x bk cols of every (M, K) matrix in the batch.
+// Quantize one output: blocks of o.bm rows x o.bk cols of every (M, K) matrix in the batch, its data
+// and scales where the output's layout puts them (OutLayout: transposed data, strided padded scales).
 // Walks one block-row at a time (block-rows spread over the cores); each row is widened to fp32 once,
 // and the inner loops are plain contiguous loops (no per-element division) that the compiler can
 // vectorize.
 template <class L, class Rule>
-void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, int bm, int bk,
+void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, const OutLayout& o,
                      const Rule& rule, int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
+  const int bm = o.bm, bk = o.bk;
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
   parallel_for(B * sm, B * M * K, [&](int64_t t0, int64_t t1) {
     std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
+    std::vector<uint8_t> bytes(o.transposed ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / sm, i = t % sm;
       const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
@@ -112,38 +115,38 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, in
           });
         }
       }
-      typename Rule::ScaleT* srow = scale + (b * sm + i) * sk;
-      for (int64_t j = 0; j < sk; ++j) rule(amax[j], srow[j], mult[j]);
+      typename Rule::ScaleT* sb = scale + b * o.s_batch;
+      for (int64_t j = 0; j < sk; ++j) rule(amax[j], sb[i * o.s_row + j * o.s_col], mult[j]);
       if (bk > 1)  // per-element multipliers: one long vectorized cast loop per row
         for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) { std::fill(&mult_k[k0], &mult_k[0] + k1, mult[j]); });
       const float* mk = bk == 1 ? mult.data() : mult_k.data();
       for (int64_t r = r0; r < r1; ++r) {
         const typename L::T* xr = x + (b * M + r) * K;
-        uint8_t* out = data + (b * M + r) * K;
         for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
-        cast_span<1>(row.data(), mk, out, K, fp8);
+        if (!o.transposed) {
+          cast_span<1>(row.data(), mk, data + (b * M + r) * K, K, fp8);
+        } else {  // (B, K, M): the row's bytes go down column r of the transpose
+          cast_span<1>(row.data(), mk, bytes.data(), K, fp8);
+          uint8_t* col = data + b * K * M + r;
+          for (int64_t k = 0; k < K; ++k) col[k * M] = bytes[k];
+        }
       }
     }
   });
+  for (int64_t b = 0; b < B; ++b)  // GEMM-ready padding: the scale of an all-zero block
+    for (int64_t p = 0; p < o.pad_rows; ++p)
+      for (int64_t c = o.pad_from; c < o.ld; ++c) scale[b * o.s_batch + p * o.ld + c] = kGemmScalePad;
 }
 
 template <class L, class Rule>
 void quantize_all(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_t* const* data,
                   void* const* scale) {
-  const auto* in = static_cast<const typename L::T*>(x);
   using S = typename Rule::ScaleT;
-  int u = 0;
-  if (a.row_block) {
-    quantize_blocks<L>(in, a.B, a.M, a.K, 1, a.row_block, rule, a.fp8, data[u], static_cast<S*>(scale[u]));
-    ++u;
-  }
-  if (a.col_block) {
-    quantize_blocks<L>(in, a.B, a.M, a.K, a.col_block, 1, rule, a.fp8, data[u], static_cast<S*>(scale[u]));
-    ++u;
-  }
-  if (a.tile_block)
-    quantize_blocks<L>(in, a.B, a.M, a.K, a.tile_block, a.tile_block, rule, a.fp8, data[u],
-                       static_cast<S*>(scale[u]));
+  OutLayout o[2];
+  const int n = outputs_of(a, o);
+  for (int k = 0; k < n; ++k)
+    quantize_blocks<L>(static_cast<const typename L::T*>(x), a.B, a.M, a.K, o[k], rule, a.fp8, data[k],
+                       static_cast<S*>(scale[k]));
 }
 
 // Calls f(loader) for the input type.

@@ -24,6 +24,9 @@ struct Scheme {
   int32_t tile_block;  // tile_block x tile_block tiles (0: none)
   bool pow2;           // blockwise: scales rounded down to powers of two
   float eps;           // blockwise: lower bound of every block amax
+  bool gemm_ready;     // columnwise data transposed; blockwise scales in GEMM order (OutLayout)
+  bool tile_rows;      // tiles: the rowwise usage asked for (a GEMM-ready output of its own)
+  bool tile_cols;      // tiles: the columnwise usage asked for (likewise)
 };
 
 // A quantize-style call: its scheme and an input of shape (B, M, K) and type `in`.
@@ -63,7 +66,8 @@ inline ffi::Error check_scheme(const Scheme& s) {
   const int want = s.e8m0 ? 32 : 128;
   if ((s.row_block && s.row_block != want) || (s.col_block && s.col_block != want) ||
       (s.tile_block && (s.e8m0 || s.tile_block != 128)) || (s.tile_block && (s.row_block || s.col_block)) ||
-      !(s.row_block || s.col_block || s.tile_block))
+      !(s.row_block || s.col_block || s.tile_block) ||
+      (s.tile_block && s.gemm_ready && !(s.tile_rows || s.tile_cols)))
     return bad("unsupported block configuration");
   return ffi::Error::Success();
 }
@@ -105,6 +109,47 @@ inline int usages_of(const Scheme& s, Usage* u) {
   if (s.col_block) u[n++] = {s.col_block, 1};
   if (s.tile_block) u[n++] = {s.tile_block, s.tile_block};
   return n;
+}
+
+// Where one output of a quantize call puts its data and scales (jax_fp8/scheme.py's data_shape and
+// scale_shape). Data: (B, M, K), or its transpose (B, K, M) for GEMM-ready columnwise data. The scale
+// of block (i, j) of matrix b: scale[b * s_batch + i * s_row + j * s_col]. Compact: the grid row-major.
+// GEMM-ready Float8 blockwise (TE's GEMM_READY): the grid, or its transpose (1x128 rowwise, 128x128
+// columnwise), with each stored row padded to a multiple of 4 entries; entries [pad_from, ld) of
+// each of the pad_rows stored rows hold kGemmScalePad.
+constexpr float kGemmScalePad = 1.0f;  // the scale_inv of an all-zero block
+struct OutLayout {
+  int bm, bk;
+  bool col;                      // the columnwise usage's output (compact shared tiles count as rowwise)
+  bool transposed;               // data stored (B, K, M)
+  bool scales_transposed;        // stored row = block column j (else block row i)
+  int64_t s_batch, s_row, s_col;
+  int64_t pad_rows, pad_from, ld;
+};
+inline int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
+inline OutLayout out_layout(const Scheme& s, Usage u, bool col, int64_t M, int64_t K) {
+  const int64_t sm = cdiv(M, u.bm), sk = cdiv(K, u.bk);
+  const bool transposed = s.gemm_ready && col;
+  if (!s.gemm_ready || s.e8m0) return {u.bm, u.bk, col, transposed, false, sm * sk, sk, 1, 0, 0, 0};
+  if (col == (u.bm == u.bk)) {  // 1x128 rowwise, 128x128 columnwise: the grid transposed
+    const int64_t ld = round4(sm);
+    return {u.bm, u.bk, col, transposed, true, sk * ld, 1, ld, sk, sm, ld};
+  }
+  const int64_t ld = round4(sk);
+  return {u.bm, u.bk, col, transposed, false, sm * ld, ld, 1, sm, sk, ld};
+}
+// The outputs of a quantize call, in its result order; returns their number (1 or 2).
+inline int outputs_of(const QuantizeArgs& a, OutLayout* o) {
+  Usage u[2];
+  const int nu = usages_of(a, u);
+  if (a.tile_block && a.gemm_ready) {  // GEMM-ready tiles: a rowwise and a transposed columnwise output
+    int n = 0;
+    if (a.tile_rows) o[n++] = out_layout(a, u[0], false, a.M, a.K);
+    if (a.tile_cols) o[n++] = out_layout(a, u[0], true, a.M, a.K);
+    return n;
+  }
+  for (int k = 0; k < nu; ++k) o[k] = out_layout(a, u[k], u[k].bk == 1, a.M, a.K);
+  return nu;
 }
 
 // ---- master-weight groups ------------------------------------------------------------------------
@@ -220,4 +265,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jf::Scheme, ::xla::ffi::StructMember<int32
                                       ::xla::ffi::StructMember<int32_t>("row_block"),
                                       ::xla::ffi::StructMember<int32_t>("col_block"),
                                       ::xla::ffi::StructMember<int32_t>("tile_block"),
-                                      ::xla::ffi::StructMember<bool>("pow2"), ::xla::ffi::StructMember<float>("eps"));
+                                      ::xla::ffi::StructMember<bool>("pow2"), ::xla::ffi::StructMember<float>("eps"),
+                                      ::xla::ffi::StructMember<bool>("gemm_ready"),
+                                      ::xla::ffi::StructMember<bool>("tile_rows"),
+                                      ::xla::ffi::StructMember<bool>("tile_cols"));

@@ -11,34 +11,43 @@
 namespace jf {
 namespace {
 
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB>
+template <class L, class Cfg, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB)
-    tile_kernel(const typename L::T* __restrict__ x, Span sp, Rule rule, int fp8, Outs<typename Rule::ScaleT> row,
-                Outs<typename Rule::ScaleT> col) {
-  quantize_tile<L, Rule, TM, TK, RBK, COL, TILE, kQuantize>(x, sp, rule, fp8, row, col, blockIdx.x);
+    tile_kernel(const typename L::T* __restrict__ x, Span sp, typename Cfg::Rule rule, int fp8,
+                Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at) {
+  quantize_tile<L, Cfg, kQuantize>(x, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x);
 }
 
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE,
-          int MINB = min_blocks_for<L, Rule, COL, kQuantize>()>
-ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp, Rule rule,
-                        Outs<typename Rule::ScaleT> row, Outs<typename Rule::ScaleT> col) {
-  const int64_t n_tiles = plan_tiles<L, TM, TK>(sp, a.B, x);
+// One launch over every tile of x; `row` / `col`: the rowwise (or tile) and columnwise outputs.
+template <class L, class Cfg, int MINB = min_blocks_for<L, typename Cfg::Rule, Cfg::COL || Cfg::COL_T, kQuantize>()>
+ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp,
+                        const typename Cfg::Rule& rule, Outs<typename Cfg::S> row, Outs<typename Cfg::S> col,
+                        ScaleAt row_at, ScaleAt col_at) {
+  const int64_t n_tiles = plan_tiles<L, Cfg::TM, Cfg::TK>(sp, a.B, x);
   if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
   if (n_tiles == 0) return ffi::Error::Success();
-  tile_kernel<L, Rule, TM, TK, RBK, COL, TILE, MINB><<<unsigned(n_tiles), kThreads, 0, stream>>>(
-      static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col);
+  tile_kernel<L, Cfg, MINB><<<unsigned(n_tiles), kThreads, 0, stream>>>(static_cast<const typename L::T*>(x), sp, rule,
+                                                                       a.fp8, row, col, row_at, col_at);
   return ffi::Error::Success();
 }
 
-// Quantizes the (B, M, K) tensor x; `d`/`s` hold the outputs per usage in the order row, col, tile.
+// Quantizes the (B, M, K) tensor x; `d`/`s` hold the data and scales of each output, in the call's
+// result order (outputs_of).
 inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d,
                                  void* const* s) {
-  const void* none[2] = {nullptr, nullptr};
+  OutLayout o[2];
+  const int n = outputs_of(a, o);
   return with_loader(a.in, [&](auto ld) {
     return with_cfg(a, [&](auto cfg, auto rule) {
       using C = decltype(cfg);
-      return launch_tiles<decltype(ld), typename C::Rule, C::TM, C::TK, C::RBK, C::COL, C::TILE>(
-          st, a, x, dense_span(a.M, a.K), rule, slot<C>(C::ROW_SLOT, d, s, none), slot<C>(C::COL_SLOT, d, s, none));
+      using S = typename C::S;
+      Outs<S> row{}, col{};
+      ScaleAt row_at{}, col_at{};
+      for (int k = 0; k < n; ++k) {
+        (o[k].col ? col : row) = Outs<S>{d[k], static_cast<S*>(s[k]), nullptr};
+        (o[k].col ? col_at : row_at) = scale_at(o[k]);
+      }
+      return launch_tiles<decltype(ld), C>(st, a, x, dense_span(a.M, a.K), rule, row, col, row_at, col_at);
     });
   });
 }

@@ -96,8 +96,9 @@ __device__ __forceinline__ void shard_cta(const ShardGroup<typename Cfg::S>& grp
   if (t < jb.n_fill)
     fill_outside_walk<Cfg, MODE>(jb, rule, int64_t(t) * kThreads + threadIdx.x, int64_t(jb.n_fill) * kThreads);
   else
-    quantize_tile<L, typename Cfg::Rule, Cfg::TM, Cfg::TK, Cfg::RBK, Cfg::COL, Cfg::TILE, MODE>(
-        static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col, t - jb.n_fill);
+    quantize_tile<L, Cfg, MODE>(static_cast<const typename L::T*>(jb.x), jb.sp, rule, fp8, jb.row, jb.col,
+                                compact_scale_at(jb.sp.M, jb.sp.K, Cfg::ROW_BM, Cfg::ROW_BK),
+                                compact_scale_at(jb.sp.M, jb.sp.K, Cfg::TM, 1), t - jb.n_fill);
 }
 
 template <class L, class Cfg, int MODE, bool ONE>
@@ -125,8 +126,12 @@ ffi::Error shard_job(const ShardIO& io, ShardJob<typename Cfg::S>* jb) {
   using S = typename Cfg::S;
   jb->x = io.x;
   jb->sp = shard_span(io.M, io.K, io.L, io.window, io.window + 1);
-  jb->row = slot<Cfg>(Cfg::ROW_SLOT, io.data, io.scale, io.global);
-  jb->col = slot<Cfg>(Cfg::COL_SLOT, io.data, io.scale, io.global);
+  const auto slot = [&](int k) -> Outs<S> {  // the usage-ordered output k (the kernel's row or col slot)
+    if (k < 0) return {};
+    return {io.data[k], static_cast<S*>(io.scale[k]), static_cast<const S*>(io.global[k])};
+  };
+  jb->row = slot(Cfg::ROW_SLOT);
+  jb->col = slot(Cfg::COL_SLOT);
   const int64_t tiles = plan_tiles<L, Cfg::TM, Cfg::TK>(jb->sp, 1, jb->x);
   // fill work, at most: every block of the written grids, and the data padding; ~256 bytes a thread
   int64_t bytes = 0;
@@ -153,29 +158,33 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
     return with_cfg(a, [&](auto cfg, auto rule) -> ffi::Error {
       using L = decltype(ld);
       using C = decltype(cfg);
-      ShardGroup<typename C::S> grp;
-      grp.n = 0;
-      int64_t ctas = 0;
-      const auto flush = [&] {
-        if (grp.n == 1) shard_kernel<L, C, MODE, true><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
-        if (grp.n > 1) shard_kernel<L, C, MODE, false><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+      if constexpr (C::COL_T) {
+        return bad("master-weight shards are compact");  // no such kernels are built
+      } else {
+        ShardGroup<typename C::S> grp;
         grp.n = 0;
-        ctas = 0;
-      };
-      for (int i = 0; i < n; ++i) {
-        ShardJob<typename C::S> jb;
-        if (auto e = shard_job<L, C, MODE>(io[i], &jb); e.failure()) return e;
-        const int64_t own = jb.n_tiles + jb.n_fill;
-        if (own == 0) continue;
-        const bool alone = own >= kAloneCtas;
-        if (grp.n == kMaxJobs || ctas + own > 0x7FFFFFFF || alone) flush();
-        jb.begin = uint32_t(ctas);
-        grp.job[grp.n++] = jb;
-        ctas += own;
-        if (alone) flush();
+        int64_t ctas = 0;
+        const auto flush = [&] {
+          if (grp.n == 1) shard_kernel<L, C, MODE, true><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+          if (grp.n > 1) shard_kernel<L, C, MODE, false><<<unsigned(ctas), kThreads, 0, st>>>(grp, rule, a.fp8);
+          grp.n = 0;
+          ctas = 0;
+        };
+        for (int i = 0; i < n; ++i) {
+          ShardJob<typename C::S> jb;
+          if (auto e = shard_job<L, C, MODE>(io[i], &jb); e.failure()) return e;
+          const int64_t own = jb.n_tiles + jb.n_fill;
+          if (own == 0) continue;
+          const bool alone = own >= kAloneCtas;
+          if (grp.n == kMaxJobs || ctas + own > 0x7FFFFFFF || alone) flush();
+          jb.begin = uint32_t(ctas);
+          grp.job[grp.n++] = jb;
+          ctas += own;
+          if (alone) flush();
+        }
+        flush();
+        return ffi::Error::Success();
       }
-      flush();
-      return ffi::Error::Success();
     });
   });
 }

@@ -41,12 +41,48 @@ inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, 
 
 enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
 
+// One output of a tile.
 template <class S>
 struct Outs {
-  uint8_t* data;
+  uint8_t* data;          // (B, M, K), or (B, K, M) when the tile's config stores columnwise data transposed
   S* scale;               // kQuantize: scales; kAmax: partial values; kCast: fp32 scale_inv (null for E8M0)
   const S* global;        // kCast: the reduced per-block values
 };
+
+// Where an output keeps the scale of block (i, j) of matrix b (OutLayout, ffi_common.h):
+// scale[b * s_batch + i * s_row + j * s_col]. GEMM-ready scales pad each stored row from pad_from to
+// ld; a stored row is a block column j when `transposed`, else a block row i.
+struct ScaleAt {
+  int64_t s_batch, s_row, s_col, pad_from, ld;
+  bool transposed;
+  __device__ __forceinline__ int64_t operator()(int64_t b, int64_t i, int64_t j) const {
+    return b * s_batch + i * s_row + j * s_col;
+  }
+};
+inline ScaleAt scale_at(const OutLayout& o) { return {o.s_batch, o.s_row, o.s_col, o.pad_from, o.ld, o.scales_transposed}; }
+// The compact grid of bm x bk blocks of an (M, K) matrix, row-major (master-weight shards).
+__host__ __device__ __forceinline__ ScaleAt compact_scale_at(int64_t M, int64_t K, int bm, int bk) {
+  const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
+  return {sm * sk, sk, 1, 0, 0, false};
+}
+
+// Four words of four bytes (rows a, b, c, d) transposed: o[t] holds byte t of a, b, c, d, in that order.
+__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&o)[4]) {
+  const uint32_t ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);
+  const uint32_t cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
+  o[0] = __byte_perm(ab01, cd01, 0x5410);
+  o[1] = __byte_perm(ab01, cd01, 0x7632);
+  o[2] = __byte_perm(ab23, cd23, 0x5410);
+  o[3] = __byte_perm(ab23, cd23, 0x7632);
+}
+
+// NV bytes (NV / 4 words) as one store: 4, 8 or 16 bytes.
+template <int NV>
+__device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[NV / 4]) {
+  if constexpr (NV == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
+  else if constexpr (NV == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  else *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // The shard window of a call (the whole matrix when dense), read once per CTA.
 struct Window {
@@ -154,7 +190,9 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   return mult;
 }
 
-// The TM x TK tile geometry: thread tid holds VEC-element chunk c of rows g, g+G, ..., NV vectors.
+// The TM x TK tile geometry: thread tid holds VEC-element chunk c of NV rows: g, g+G, ..., or, when
+// columnwise data is stored transposed (COL_T), the NV consecutive rows g*NV ... g*NV + NV-1, so that
+// each column's NV bytes go out as one store.
 template <class L, int TM, int TK>
 struct Geom {
   static constexpr int VEC = L::VEC;
@@ -164,16 +202,22 @@ struct Geom {
   static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
 };
 
-// Quantizes tile t of a matrix or shard. RBK > 0: rowwise 1 x RBK blocks; COL: TM x 1 blocks; TILE:
-// one TM x TK block. Every scale block belongs to exactly one tile, so no atomics are needed in any mode.
-template <class L, class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MODE>
-__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp, const Rule& rule,
-                                              int fp8, const Outs<typename Rule::ScaleT>& row,
-                                              const Outs<typename Rule::ScaleT>& col, uint32_t t) {
+// Quantizes tile t of a matrix or shard with the tile configuration Cfg (TileCfg below): rowwise
+// 1 x RBK blocks (RBK > 0), TM x 1 columnwise blocks (COL), one TM x TK block (TILE); columnwise data
+// stored transposed (COL_T: GEMM-ready). Every scale block belongs to exactly one tile, so no atomics
+// are needed in any mode.
+template <class L, class Cfg, int MODE>
+__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp,
+                                              const typename Cfg::Rule& rule, int fp8,
+                                              const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col,
+                                              const ScaleAt& row_at, const ScaleAt& col_at, uint32_t t) {
+  constexpr int TM = Cfg::TM, TK = Cfg::TK, RBK = Cfg::RBK;
+  constexpr bool COL = Cfg::COL, TILE = Cfg::TILE, COL_T = Cfg::COL_T;
   using Gm = Geom<L, TM, TK>;
-  using S = typename Rule::ScaleT;
+  using S = typename Cfg::S;
   constexpr int VEC = Gm::VEC, CHUNKS = Gm::CHUNKS, G = Gm::G, NV = Gm::NV;
   constexpr bool SHARD = MODE != kQuantize;
+  static_assert(!(COL_T && SHARD), "master-weight shards are compact");
   Window w;
   w.offset = sp.dev_offset ? *sp.dev_offset : 0;
   w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
@@ -184,33 +228,36 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   const int tid = threadIdx.x;
   const int c = tid % CHUNKS, g = tid / CHUNKS;
   const int64_t col0 = p.tk * TK + int64_t(c) * VEC;
-  const int64_t row0 = p.tm * TM + g;
+  const auto row_of = [&](int i) -> int64_t { return p.tm * TM + (COL_T ? g * NV + i : g + i * G); };
   const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
-  const int64_t n_row_scales = RBK > 0 ? cdiv(sp.K, RBK) : 0;
-  const auto row_gi = [&](int i) {  // scale index of row i's block
-    return (p.b * sp.M + row0 + int64_t(i) * G) * n_row_scales + col0 / (RBK > 0 ? RBK : 1);
+  const auto row_gi = [&](int i) { return row_at(p.b, row_of(i), col0 / (RBK > 0 ? RBK : 1)); };  // row i's block
+  const int64_t col_gi = col_at(p.b, p.tm, p.tk * TK + tid);
+  // GEMM-ready scales: the tiles of block row 0 (transposed scales) or of block column 0 pad the
+  // stored rows of their blocks with the scale of an all-zero block.
+  const auto write_pads = [&](const Outs<S>& o, const ScaleAt& at) {
+    if (MODE != kQuantize || at.pad_from >= at.ld || (at.transposed ? p.tm : p.tk) != 0) return;
+    const int64_t r = at.transposed ? p.tk : p.tm;
+    if (tid < at.ld - at.pad_from) o.scale[p.b * at.s_batch + r * at.ld + at.pad_from + tid] = S(kGemmScalePad);
   };
-  const int64_t col_gi = (p.b * sp.nTM + p.tm) * sp.K + p.tk * TK + tid;
-  const int64_t tile_gi = (p.b * sp.nTM + p.tm) * sp.nTK + p.tk;
 
   const auto run = [&](auto interior) {
     constexpr bool INTERIOR = decltype(interior)::value;
     const bool aligned = INTERIOR || w.aligned;
     uint4 raw[NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) raw[i] = load_vector<L, SHARD, INTERIOR>(x + base, row0 + int64_t(i) * G, col0, sp, w);
+    for (int i = 0; i < NV; ++i) raw[i] = load_vector<L, SHARD, INTERIOR>(x + base, row_of(i), col0, sp, w);
     // Rowwise blocks: the LANES threads of a block hold NV vectors (rows) each, and lane gl applies
     // the rule for row gl % NV only (NV <= LANES), so each thread evaluates the rule once, not NV times.
     constexpr int LANES = RBK > 0 ? RBK / VEC : 1;
     static_assert(RBK == 0 || (LANES <= 32 && CHUNKS % LANES == 0 && NV <= LANES), "row block inside a warp");
     const int gl = c % LANES, mi = gl % NV;
-    const bool row_in = INTERIOR || (row0 + int64_t(mi) * G < sp.M && col0 - gl * VEC < sp.K);
+    const bool row_in = INTERIOR || (row_of(mi) < sp.M && col0 - gl * VEC < sp.K);
     // A shard cast's reduced scales are loaded with the tile, not after it.
     S g_row = {}, g_col = {};
     if constexpr (MODE == kCast) {
       if constexpr (RBK > 0)
         if (row_in) g_row = row.global[row_gi(mi)];
-      if constexpr (TILE) g_row = row.global[tile_gi];
+      if constexpr (TILE) g_row = row.global[row_at(p.b, p.tm, p.tk)];
       if constexpr (COL)
         if (tid < TK && p.tk * TK + tid < sp.K) g_col = col.global[col_gi];
     }
@@ -223,8 +270,47 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         L::unpack(raw[i], v);
         mult_of(i, mult);
         int64_t idx;
-        const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row0 + int64_t(i) * G, col0, sp, w, idx);
+        const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row_of(i), col0, sp, w, idx);
         if (mask) store_fp8<VEC>(out + base, idx, mask, aligned, v, mult, fp8);
+      }
+    };
+    // The same into the transposed (B, K, M) `out`: this thread's NV x VEC bytes, cast row by row, are
+    // transposed in registers, so that each of its VEC columns stores its NV consecutive rows at once.
+    const auto cast_store_T = [&](uint8_t* out, auto&& mult_of) {
+      uint32_t rows[NV][VEC / 4];  // row i's bytes, four columns a word
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        float v[VEC], mult[VEC];
+        L::unpack(raw[i], v);
+        mult_of(i, mult);
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q)
+          rows[i][q] = fp8x2_from_float(v[4 * q] * mult[4 * q], v[4 * q + 1] * mult[4 * q + 1], fp8) |
+                       uint32_t(fp8x2_from_float(v[4 * q + 2] * mult[4 * q + 2], v[4 * q + 3] * mult[4 * q + 3], fp8))
+                           << 16;
+      }
+      uint32_t cols[VEC][NV / 4];  // column e's bytes, four rows a word
+#pragma unroll
+      for (int i = 0; i < NV; i += 4)
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+          uint32_t o[4];
+          transpose4x4(rows[i][q], rows[i + 1][q], rows[i + 2][q], rows[i + 3][q], o);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) cols[4 * q + e][i / 4] = o[e];
+        }
+      const int64_t r0 = row_of(0);
+      const bool whole = INTERIOR && sp.M % NV == 0;  // every column's NV bytes present and aligned
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        uint8_t* dst = out + base + (col0 + e) * sp.M + r0;  // (K, M) per matrix
+        if (whole) {
+          store_bytes<NV>(dst, cols[e]);
+        } else if (col0 + e < sp.K) {
+#pragma unroll
+          for (int i = 0; i < NV; ++i)
+            if (r0 + i < sp.M) dst[i] = uint8_t(cols[e][i / 4] >> (8 * (i % 4)));
+        }
       }
     };
 
@@ -240,6 +326,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         }
       }
       const float my_m = row_in ? block_multiplier<MODE>(rule, my_amax, g_row, row, row_gi(mi), gl < NV) : 1.0f;
+      if (gl == 0) write_pads(row, row_at);
       if constexpr (MODE != kAmax)
         cast_store(row.data, [&](int i, float (&mult)[VEC]) {
           const float m = __shfl_sync(0xFFFFFFFFu, my_m, i, LANES);  // row i's multiplier, from lane i
@@ -278,6 +365,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         }
         col_mult[tid] = m;
       }
+      write_pads(col, col_at);
       __syncthreads();
       if constexpr (MODE != kAmax) {
         float cm[VEC];  // this thread's columns' multipliers, the same for all its rows
@@ -286,10 +374,12 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
           const float4 m4 = reinterpret_cast<const float4*>(&col_mult[c * VEC])[q];
           cm[4 * q] = m4.x, cm[4 * q + 1] = m4.y, cm[4 * q + 2] = m4.z, cm[4 * q + 3] = m4.w;
         }
-        cast_store(col.data, [&](int, float (&mult)[VEC]) {
+        const auto col_mults = [&](int, float (&mult)[VEC]) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) mult[e] = cm[e];
-        });
+        };
+        if constexpr (COL_T) cast_store_T(col.data, col_mults);
+        else cast_store(col.data, col_mults);
       }
     }
 
@@ -309,12 +399,22 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
 #pragma unroll
         for (int k = 0; k < kThreads / 32; ++k) amax = fmaxf(amax, warp_max[k]);
       }
-      const float m = block_multiplier<MODE>(rule, amax, g_row, row, tile_gi, tid == 0);
-      if constexpr (MODE != kAmax)
-        cast_store(row.data, [&](int, float (&mult)[VEC]) {
+      // GEMM-ready tiles may have a rowwise output, a transposed columnwise one, or both
+      const bool rows_out = !COL_T || row.data;
+      const float m = block_multiplier<MODE>(rule, amax, g_row, row, row_at(p.b, p.tm, p.tk), tid == 0 && rows_out);
+      if (rows_out) write_pads(row, row_at);
+      const auto tile_mults = [&](int, float (&mult)[VEC]) {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) mult[e] = m;
-        });
+        for (int e = 0; e < VEC; ++e) mult[e] = m;
+      };
+      if constexpr (MODE != kAmax)
+        if (rows_out) cast_store(row.data, tile_mults);
+      if constexpr (COL_T)
+        if (col.data) {
+          block_multiplier<MODE>(rule, amax, g_row, col, col_at(p.b, p.tm, p.tk), tid == 0);
+          write_pads(col, col_at);
+          cast_store_T(col.data, tile_mults);
+        }
     }
   };
   if (tile_interior<TM, TK, SHARD>(p.tm, p.tk, sp, w)) run(std::true_type{});
@@ -334,13 +434,14 @@ constexpr int min_blocks_for() {
 }
 
 // The tile geometry and usages of one call: Rule, TM x TK tiles, rowwise 1 x RBK blocks (RBK > 0),
-// TM x 1 columnwise blocks (COL), or one block per tile (TILE).
-template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_>
+// TM x 1 columnwise blocks (COL), or one block per tile (TILE); COL_T: the columnwise data (of COL or
+// of GEMM-ready tiles) stored transposed.
+template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_, bool COL_T_ = false>
 struct TileCfg {
   using Rule = Rule_;
   using S = typename Rule::ScaleT;
   static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
-  static constexpr bool COL = COL_, TILE = TILE_;
+  static constexpr bool COL = COL_, TILE = TILE_, COL_T = COL_T_;
   // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
   static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
   // The row slot's blocks: 1 x RBK, or TM x TK for 2-D tiles.
@@ -352,26 +453,25 @@ template <class F>
 ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
   return with_rule(a, [&](auto rule) -> ffi::Error {
     using R = decltype(rule);
+    const bool T = a.gemm_ready;  // GEMM-ready: columnwise data transposed
     if constexpr (std::is_same_v<R, MxRule>) {
-      if (a.row_block && a.col_block) return f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
+      if (a.row_block && a.col_block)
+        return T ? f(TileCfg<R, 32, 256, 32, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
       if (a.row_block) return f(TileCfg<R, 32, 256, 32, false, false>{}, rule);
-      return f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
+      return T ? f(TileCfg<R, 32, 256, 0, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
     } else {
-      if (a.tile_block) return f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
-      if (a.row_block && a.col_block) return f(TileCfg<R, 128, 128, 128, true, false>{}, rule);
+      if (a.tile_block)
+        return T && a.tile_cols ? f(TileCfg<R, 128, 128, 0, false, true, true>{}, rule)
+                                : f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
+      if (a.row_block && a.col_block)
+        return T ? f(TileCfg<R, 128, 128, 128, true, false, true>{}, rule)
+                 : f(TileCfg<R, 128, 128, 128, true, false>{}, rule);
       if (a.row_block) return f(TileCfg<R, 128, 128, 128, false, false>{}, rule);
-      return f(TileCfg<R, 128, 128, 0, true, false>{}, rule);
+      return T ? f(TileCfg<R, 128, 128, 0, true, false, true>{}, rule) : f(TileCfg<R, 128, 128, 0, true, false>{}, rule);
     }
   });
 }
 
-// The kernel's output slot for usage-ordered pointers (data, scale, global per usage).
-template <class Cfg>
-Outs<typename Cfg::S> slot(int which, uint8_t* const* d, void* const* s, const void* const* g) {
-  using S = typename Cfg::S;
-  if (which < 0) return {};
-  return {d[which], static_cast<S*>(s[which]), static_cast<const S*>(g[which])};
-}
 
 // Fills in the tile counts and the alignment of a span; returns the number of tiles to launch.
 template <class L, int TM, int TK>

@@ -29,8 +29,10 @@ def _quantize_abstract(x, *, scheme):
         raise ValueError(f"jf_quantize takes a (batch, rows, cols) array, got shape {x.shape}")
     B, M, K = x.shape
     outs = []
-    for bm, bk in scheme.kernel_blocks:
-        outs += [ShapedArray((B, M, K), np.uint8), ShapedArray((B, cdiv(M, bm), cdiv(K, bk)), scheme.scale_dtype)]
+    for usage in scheme.kernel_usages:
+        usage = "rowwise" if usage == "tile" else usage
+        outs += [ShapedArray((B, *scheme.data_shape((M, K), usage)), np.uint8),
+                 ShapedArray((B, *scheme.scale_shape(M, K, usage)), scheme.scale_dtype)]
     return outs
 
 
