@@ -24,7 +24,7 @@ from jax import lax
 from .arrays import bitcast, view_2d
 from .formats import high_dtype
 from .gather import all_gather_dequantized, all_gather_first_dim
-from .layout import assemble
+from .layout import assemble, to_layout
 from .primitives.partial import partial_amax_p, partial_cast_p
 from .scheme import Quantizer, Scheme, unpack_grids
 from .shard_layout import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
@@ -186,12 +186,16 @@ def _check_tiling(windows, held, shapes, axis_name):
     jax.debug.callback(report, lax.all_gather(windows, axis_name))
 
 
-def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
+def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: str = "compact") -> list:
     """All-gather each rank's FP8 shard into the full quantized tensors (inside shard_map).
 
     ``qshards``: the list :func:`quantize_master_weights` returned. Returns one MXFP8Tensor or
-    BlockwiseTensor per weight, with the weight's full shape, the same on every rank.
+    BlockwiseTensor per weight, with the weight's full shape, the same on every rank, in ``layout``:
+    'compact', or 'gemm_ready' (for a 128x128 weight: both orientations a GEMM reads, the columnwise
+    one transposed, scales in cuBLASLt's order), rearranged after the gather.
     """
+    if layout not in ("compact", "gemm_ready"):
+        raise ValueError(f"gather_master_weights: layout must be 'compact' or 'gemm_ready', got {layout!r}")
     if isinstance(qshards, QuantizedShard) or not isinstance(qshards, Sequence):
         raise TypeError("gather_master_weights: qshards must be the list of QuantizedShard that "
                         f"quantize_master_weights returned, got {type(qshards).__name__}")
@@ -215,7 +219,7 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name) -> list:
             ok = (j[None, :] < lens[:, None]) & (pos < M * K)
             flat = jnp.zeros(M * K, jnp.uint8).at[jnp.where(ok, pos, M * K)].set(g, mode="drop")
             fields[f"{usage}_data"] = bitcast(flat.reshape(t.shape), t.fp8_dtype)
-        out.append(dataclasses.replace(t, **fields))
+        out.append(to_layout(dataclasses.replace(t, **fields), layout))
     return out
 
 

@@ -16,14 +16,17 @@ from typing import Optional
 import jax
 from jax import lax
 
-from .api import dequantize
+import jax.numpy as jnp
+
+from .api import dequantize, to_layout
 from .arrays import view_2d
+from .layout import scales_to_layout
 from .scheme import Quantizer
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
-def _gather(a, axis_name):
-    return lax.all_gather(a, axis_name, axis=0, tiled=True)
+def _gather(a, axis_name, axis: int = 0):
+    return lax.all_gather(a, axis_name, axis=axis, tiled=True)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -37,9 +40,28 @@ gather_high.defvjp(lambda x, axis_name: (_gather(x, axis_name), None),
 
 
 def _gather_quantized(q, axis_name, ranks: int):
-    fields = {f: (None if getattr(q, f) is None else _gather(getattr(q, f), axis_name))
-              for f in ("rowwise_data", "rowwise_scale_inv", "colwise_data", "colwise_scale_inv")}
-    return dataclasses.replace(q, **fields, shape=(q.shape[0] * ranks, *q.shape[1:]))
+    """Every field of ``q`` gathered along the tensor's first dim, in ``q``'s own layout.
+
+    GEMM-ready tensors are gathered as they are, not converted around a compact gather: the FP8 data
+    moves the same bytes either way, and converting would add a transpose of the whole gathered
+    columnwise data on every rank. Transposed columnwise data (K, M) gathers along its second axis;
+    GEMM-ready scales (small) travel without their padding, in compact order, and are laid out again.
+    """
+    scheme = q.scheme
+    M, K = view_2d(q.shape)
+    shape = (q.shape[0] * ranks, *q.shape[1:])
+    gemm_scales = scheme.gemm_ready and not scheme.e8m0
+    fields = {}
+    for usage in q.usage_blocks():
+        data, scale = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
+        fields[f"{usage}_data"] = _gather(data, axis_name, 1 if usage == "colwise" and scheme.gemm_ready else 0)
+        if gemm_scales:
+            scale = scales_to_layout(jnp, scale, scheme, M, K, usage, "compact")
+        scale = _gather(scale, axis_name)
+        if gemm_scales:
+            scale = scales_to_layout(jnp, scale, scheme, M * ranks, K, usage, "gemm_ready")
+        fields[f"{usage}_scale_inv"] = scale
+    return dataclasses.replace(q, **fields, shape=shape)
 
 
 def _keep(q, quantizer: Quantizer):
@@ -75,6 +97,8 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
     shape = x.shape
     if len(shape) < 2:
         raise ValueError(f"all_gather_first_dim: a quantized gather needs rank >= 2, got shape {shape}")
+    if quantized and x.layout != quantizer.layout and quantizer.satisfied_by(to_layout(x, quantizer.layout)):
+        x = to_layout(x, quantizer.layout)  # the same bits rearranged: exact
     convert = quantized and not quantizer.satisfied_by(x)
     if convert:
         warnings.warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "

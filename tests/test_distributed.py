@@ -411,3 +411,28 @@ def test_master_weight_argument_errors():
                   out_specs=P())(np.zeros((2, 32), np.float32))
     with pytest.raises(ValueError, match="layout"):
         shard_windows([(2, 2)], 2, "zero3")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gather_master_weights_gemm_ready(n):
+    """128x128 master weights gathered in the GEMM-ready layout: both orientations of each weight for
+    the GEMMs (the columnwise one transposed), equal to quantizing the whole weight that way."""
+    rng = np.random.default_rng(n + 50)
+    masters = [random_input(rng, s, jnp.float32) for s in [(130, 300), (256, 128), (5, 7)]]
+    shapes = [m.shape for m in masters]
+    bufs = split_masters(masters, n)
+
+    def step(local):
+        shards, offsets, lengths = local_shards([b[0] for b in local], shapes, "data")
+        qs = quantize_master_weights(shards, shapes, "data", offsets=offsets, lengths=lengths, fmt="blockwise",
+                                     block=(128, 128))
+        return gather_master_weights(qs, "data", layout="gemm_ready")
+
+    got = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P()))(bufs)
+    for w, q in zip(masters, got):
+        assert q.layout == "gemm_ready"
+        assert_tensors_equal(q, jf.quantize_blockwise(w.astype(jnp.bfloat16), block=(128, 128), colwise=True,
+                                                      layout="gemm_ready"))
+    with pytest.raises(ValueError, match="layout"):
+        shard_map(lambda b: gather_master_weights([], "data", layout="tn"), mesh=_mesh(2), in_specs=P("data"),
+                  out_specs=P())(np.zeros((2, 4), np.float32))

@@ -1,4 +1,5 @@
 """Sequence-parallel all-gather: both paths equal quantizing the full tensor, on 2, 3, 4, 8 CPU devices."""
+import dataclasses
 import re
 import warnings
 
@@ -187,3 +188,30 @@ def test_quantizer_validates_options():
     with pytest.raises(ValueError, match="block"):
         Quantizer("blockwise", block=(1, 32))
     assert Quantizer("blockwise", block=[128, 128]).block == (128, 128)
+
+
+GEMM_READY = {
+    "f8-1d-gr": Quantizer("blockwise", rowwise=True, colwise=True, layout="gemm_ready"),
+    "f8-2d-gr": Quantizer("blockwise", block=(128, 128), rowwise=True, colwise=True, layout="gemm_ready"),
+    "f8-col-gr": Quantizer("blockwise", rowwise=False, colwise=True, layout="gemm_ready"),
+    "mx-gr": Quantizer("mxfp8", rowwise=True, colwise=True, layout="gemm_ready"),
+}
+
+
+@pytest.mark.parametrize("name", list(GEMM_READY))
+@pytest.mark.parametrize("n,local_rows", [(2, 256), (4, 128), (3, 100)])
+def test_gemm_ready_gather_equals_full_quantization(name, n, local_rows):
+    """GEMM-ready quantizers: both paths give the GEMM-ready quantization of the gathered tensor
+    (transposed columnwise data gathered along its second axis, scales re-padded)."""
+    qz = GEMM_READY[name]
+    x = random_input(np.random.default_rng(n * 7 + local_rows), (n * local_rows, 200), jnp.bfloat16)
+    got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
+    assert_tensors_equal(got, qz.quantize(x))
+    assert bool(warns) == (local_rows % qz.block_rows != 0), warns
+    # an input already quantized, compact or GEMM-ready, converts its layout exactly (no warning)
+    compact = dataclasses.replace(qz, layout="compact")
+    for src in (qz, compact):
+        got, _, warns = _gathered(lambda v: all_gather_first_dim(src.quantize(v), "sp", qz), x, n)  # noqa: B023
+        if local_rows % qz.block_rows == 0:
+            assert_tensors_equal(got, qz.quantize(x))
+            assert not warns, warns
