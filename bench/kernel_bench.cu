@@ -420,27 +420,33 @@ int main(int argc, char** argv) {
       want[i] = bf16_from_float(fp8_to_float(hd[i], kE4M3) * e8m0_to_float(hs[(i / K) * cdiv(K, 32) + (i % K) / 32]));
     const double bytes = double(n) + n / 32 + 2.0 * n;
     // B > 1: the same rows as B matrices of M / B rows (the same scales and output)
-    const auto run = [&](auto unroll, int per_sm, int64_t B = 1) {
-      constexpr int U = decltype(unroll)::value;
+    const auto run = [&](auto unroll, auto vec, int per_sm, int64_t B = 1) {
+      constexpr int U = decltype(unroll)::value, V = decltype(vec)::value;
       const auto go = [&](int) {
-        launch_dequantize<MxRule, Store16<false>, 16, U>(nullptr, q.d0.p, q.s0.p, out.p, B, M / B, K, 1, 32, kE4M3,
-                                                         per_sm);
+        launch_dequantize<MxRule, Store16<false>, V, U>(nullptr, q.d0.p, q.s0.p, out.p, B, M / B, K, 1, 32, kE4M3,
+                                                        per_sm);
       };
       go(0);
       CUDA_OK(cudaDeviceSynchronize());
       std::vector<uint16_t> got(R * K);
       CUDA_OK(cudaMemcpy(got.data(), out.p, got.size() * 2, cudaMemcpyDeviceToHost));
       const bool ok = std::memcmp(got.data(), want.data(), got.size() * 2) == 0;
-      report("dequant mx->bf16 unroll " + std::to_string(U) + " ctas/sm " + std::to_string(per_sm) +
-                 (B > 1 ? " B=" + std::to_string(B) : ""),
+      report("dequant mx->bf16 vec " + std::to_string(V) + " unroll " + std::to_string(U) + " ctas/sm " +
+                 std::to_string(per_sm) + (B > 1 ? " B=" + std::to_string(B) : ""),
              time_us(go), bytes, ok ? "exact" : "MISMATCH");
     };
     using U2 = std::integral_constant<int, 2>;
     using U4 = std::integral_constant<int, 4>;
-    run(U2{}, 32);  // shipped
-    run(U2{}, 16);
-    run(U4{}, 32);
-    if (M % 4 == 0) run(U2{}, 32, 4);
+    using V16 = std::integral_constant<int, 16>;
+    using V32 = std::integral_constant<int, 32>;
+    run(U2{}, V16{}, 32);  // shipped
+    run(U2{}, V16{}, 16);
+    run(U4{}, V16{}, 32);
+    run(U4{}, V16{}, 64);
+    run(U2{}, V32{}, 32);
+    run(U4{}, V32{}, 32);
+    run(U2{}, V32{}, 16);
+    if (M % 4 == 0) run(U2{}, V16{}, 32, 4);
   }
   for (Buf* b : xs) delete b;
   return 0;

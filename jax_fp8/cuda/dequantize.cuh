@@ -58,6 +58,12 @@ struct Fp8Vec<16> {
   __device__ void load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
   __device__ uint32_t word(int i) const { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 };
+template <>
+struct Fp8Vec<32> {
+  Fp8Vec<16> a, b;
+  __device__ void load(const uint8_t* p) { a.load(p), b.load(p + 16); }
+  __device__ uint32_t word(int i) const { return i < 4 ? a.word(i) : b.word(i - 4); }
+};
 
 // grid.x walks VEC-element column vectors, grid.y (strided) the B*M rows; block sizes are powers of
 // two, so block indices are shifts (no 64-bit division per element). A vector shares one scale unless
