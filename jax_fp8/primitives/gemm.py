@@ -1,0 +1,268 @@
+"""``jf_fp8_gemm``: ``out = A · Bᵀ (+ C)`` on FP8 operands with Float8 block scales, the "TN" GEMM of
+Hopper's FP8 tensor cores (cuBLASLt ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` / ``BLK128x128_32F``).
+
+Contract, the same for every lowering (the jax.numpy reference below, and a cuBLASLt one on CUDA):
+
+- operands ``a, a_scale, b, b_scale[, c]``:
+
+  - ``a``: (M, K) and ``b``: (N, K), both K-major (the contraction dim is the last one, contiguous),
+    dtype ``float8_e4m3fn`` or ``float8_e5m2`` each, not both E5M2;
+  - ``a_scale`` / ``b_scale``: fp32 ``scale_inv`` (dequantized value = data * scale) in the GEMM-ready
+    order of ``Scheme.scale_shape`` (TransformerEngine's GEMM_READY), for an operand of ``rows`` rows:
+    1x128 blocks ``(ceil(K/128), roundup(rows, 4))`` (transposed: rows contiguous), 128x128 blocks
+    ``(ceil(rows/128), roundup(ceil(K/128), 4))``; padding entries are read by nobody (1.0 by
+    convention, ``GEMM_SCALE_PAD``);
+  - ``c`` (only with ``accumulate=True``): (M, N) of ``out_dtype``; ``out = A·Bᵀ + C``. A lowering may
+    alias it with the output.
+
+- params: ``a_block``, ``b_block`` each ``(1, 128)`` or ``(128, 128)``, not both (128, 128);
+  ``out_dtype`` ``float32`` or ``bfloat16``; ``accumulate`` (bool).
+- shapes satisfy :func:`gemm_supported` with no padding left to do (cuBLASLt's rules): M, N, K >= 1,
+  K % 16 == 0, N % 8 == 0, M % 8 == 0 when ``a`` has 1x128 blocks; every dim < 2**31. The abstract
+  eval rejects anything else, on every platform, so the reference path enforces what cuBLASLt needs.
+  (With these rules the 1x128 scale grids never carry padding columns.)
+- result: (M, N) ``out_dtype``. The reference: both operands dequantized to fp32 from their block
+  scales, ``lax.dot_general`` in fp32 at ``Precision.HIGHEST``, ``+ C`` in fp32, rounded to
+  ``out_dtype``. A tensor-core lowering differs from it only by accumulation order and precision.
+
+With these cuBLASLt column-major arguments the CUDA lowering computes it: cuBLAS ``A`` = our ``b``
+(transa = T, m = N), cuBLAS ``B`` = our ``a`` (transb = N, n = M), k = K, lda = ldb = K, D (and C)
+column-major (N, M) with ldd = N, i.e. our row-major (M, N) output; the scale pointer and mode of
+cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`` / ``a_block``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import reference
+from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, mlir
+from ..arrays import bitcast, cdiv, xp_of
+from ..formats import FLOAT8_BLOCK, FP8_DTYPES
+from ..layout import scales_to_layout
+from ..scheme import Scheme
+
+BLOCK_1D = (1, FLOAT8_BLOCK)
+BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
+#: Output dtypes of the primitive (others: compute in fp32 and cast).
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+#: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
+#: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
+#: 2-byte output); M a multiple of 8 when the (M, K) operand has 1x128 blocks.
+K_ALIGN, MN_ALIGN = 16, 8
+MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
+#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
+#: unpadded one. The fallback (dequantize both operands to fp32, fp32 dot) moves >= 4x the operand bytes
+#: and runs the dot on CUDA cores, ~15x slower than FP8 tensor cores on H100/H200 (67 vs 989 dense
+#: TFLOP/s); padding up to 16x the work stays ahead, and the fallback is left to degenerate shapes
+#: (e.g. M = N = 1, or M = 1 with K = 1).
+MAX_PAD_GROWTH = 16
+
+
+def _round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+def _block(block, name: str) -> tuple[int, int]:
+    block = tuple(int(b) for b in block)
+    if block not in (BLOCK_1D, BLOCK_2D):
+        raise ValueError(f"jf_fp8_gemm: {name} must be (1, 128) or (128, 128), got {block}")
+    return block
+
+
+def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
+    """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
+    return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
+
+
+def operand_scale_shape(rows: int, k: int, block) -> tuple[int, int]:
+    """GEMM-ready scale shape of a (rows, k) operand, contraction over k (``Scheme.scale_shape``)."""
+    return operand_scheme(block).scale_shape(rows, k, "rowwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """What :func:`gemm_supported` decided: the (M, N, K) to run the GEMM at (>= the problem's; larger
+    means pad with zeros: K columns of both operands, rows of ``a`` or ``b``, then slice the output),
+    or ``reason`` (why the FP8 GEMM cannot take it: compute it by dequantize + dot instead)."""
+
+    M: int
+    N: int
+    K: int
+    reason: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+def gemm_supported(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=jnp.float8_e4m3fn,
+                   b_dtype=jnp.float8_e4m3fn) -> GemmPlan:
+    """cuBLASLt's block-scaled FP8 GEMM rules, in one place: can ``a`` (M, K) x ``b`` (N, K)ᵀ with these
+    blocks and dtypes run as ``jf_fp8_gemm``, and at which padded sizes.
+
+    Rules (TE ``cublaslt_gemm.cu``; cuBLAS >= 12.9 on sm_90): pairs 1D x 1D, 1D x 2D, 2D x 1D (not
+    2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
+    output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
+    are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
+    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work; else ``reason`` says why not. Empty
+    problems (a zero dim) have a ``reason`` too: there is nothing to multiply.
+    """
+    a_block, b_block = _block(a_block, "a_block"), _block(b_block, "b_block")
+    dims = dict(M=int(M), N=int(N), K=int(K))
+    if min(dims.values()) <= 0:
+        return GemmPlan(M, N, K, f"an empty GEMM ({M}x{N}x{K})")
+    if max(dims.values()) > MAX_DIM:
+        return GemmPlan(M, N, K, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})")
+    if a_block == b_block == BLOCK_2D:
+        return GemmPlan(M, N, K, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)")
+    e5m2 = jnp.dtype(jnp.float8_e5m2)
+    if jnp.dtype(a_dtype) == e5m2 and jnp.dtype(b_dtype) == e5m2:
+        return GemmPlan(M, N, K, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)")
+    Mp = _round_up(M, MN_ALIGN) if a_block == BLOCK_1D else M
+    Np, Kp = _round_up(N, MN_ALIGN), _round_up(K, K_ALIGN)
+    growth = (Mp * Np * Kp) / (M * N * K)
+    if growth > MAX_PAD_GROWTH:
+        return GemmPlan(M, N, K, f"padding {M}x{N}x{K} to cuBLASLt's alignment ({Mp}x{Np}x{Kp}) would multiply "
+                                 f"the GEMM's work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
+    return GemmPlan(Mp, Np, Kp)
+
+
+# ---- reference math: the one definition of the GEMM's numbers -----------------------------------
+def operand_values(data, scale, block):
+    """fp32 values (rows, K) of a GEMM operand: FP8 ``data`` times its GEMM-ready block ``scale``."""
+    rows, k = data.shape
+    scheme = operand_scheme(block, data.dtype)
+    compact = scales_to_layout(xp_of(data, scale), scale, scheme, rows, k, "rowwise", "compact")
+    return reference.dequantize_blocks(bitcast(data, np.uint8), compact, scheme=scheme.only("rowwise"),
+                                       out_dtype=np.float32)
+
+
+def dense_gemm(a_values, b_values, c=None, *, out_dtype):
+    """``a_values · b_valuesᵀ (+ c)`` in fp32 (``Precision.HIGHEST``), rounded to ``out_dtype``."""
+    out = lax.dot_general(a_values, b_values, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+    if c is not None:
+        out = out + c.astype(jnp.float32)
+    return out.astype(out_dtype)
+
+
+def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
+    """The reference lowering of ``jf_fp8_gemm`` (see the module docstring)."""
+    del accumulate  # implied by ``c``
+    return dense_gemm(operand_values(a, a_scale, a_block), operand_values(b, b_scale, b_block), *c,
+                      out_dtype=out_dtype)
+
+
+# ---- the primitive ------------------------------------------------------------------------------
+gemm_p = Primitive("jf_fp8_gemm")
+gemm_p.def_impl(partial(apply_primitive, gemm_p))
+
+
+def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
+    where = "jf_fp8_gemm"
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim != 2:
+            raise ValueError(f"{where}: {name} must be 2-D (rows, K), got shape {x.shape}")
+        if np.dtype(x.dtype) not in FP8_DTYPES:
+            raise TypeError(f"{where}: {name} must be float8_e4m3fn or float8_e5m2, got {x.dtype}")
+    (M, K), (N, Kb) = a.shape, b.shape
+    if K != Kb:
+        raise ValueError(f"{where}: a {a.shape} and b {b.shape} must share K, their last dim")
+    plan = gemm_supported(M, N, K, a_block, b_block, a.dtype, b.dtype)
+    if not plan.ok:
+        raise ValueError(f"{where}: cannot take {plan.reason}")
+    if (plan.M, plan.N, plan.K) != (M, N, K):
+        raise ValueError(f"{where}: {M}x{N}x{K} is not aligned for cuBLASLt (needs {plan.M}x{plan.N}x{plan.K}): "
+                         "pad with zeros first (jax_fp8.gemm.fp8_gemm does)")
+    for name, s, rows, block in (("a_scale", a_scale, M, a_block), ("b_scale", b_scale, N, b_block)):
+        want = operand_scale_shape(rows, K, block)
+        if s.shape != want or np.dtype(s.dtype) != np.float32:
+            raise ValueError(f"{where}: {name} must be float32 {want} (GEMM-ready scales of {block[0]}x{block[1]} "
+                             f"blocks of a {rows}x{K} operand), got {s.dtype}{s.shape}")
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{where}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if bool(accumulate) != bool(c):
+        raise ValueError(f"{where}: accumulate={accumulate} but {len(c)} accumulator operand(s)")
+    if c and (c[0].shape != (M, N) or np.dtype(c[0].dtype) != out_dtype):
+        raise ValueError(f"{where}: c must be {out_dtype}{(M, N)}, got {c[0].dtype}{c[0].shape}")
+    return ShapedArray((M, N), out_dtype)
+
+
+gemm_p.def_abstract_eval(_gemm_abstract)
+
+
+def fp8_gemm_bind(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
+    """Bind ``jf_fp8_gemm`` (aligned operands; :func:`jax_fp8.gemm.fp8_gemm` pads and checks)."""
+    params = dict(a_block=tuple(a_block), b_block=tuple(b_block), out_dtype=np.dtype(out_dtype),
+                  accumulate=c is not None)
+    return gemm_p.bind(a, a_scale, b, b_scale, *([] if c is None else [c]), **params)
+
+
+# ---- batching -----------------------------------------------------------------------------------
+def _fold_rows(data, scale, block):
+    """A stack of operands (S, rows, K) as one (S*rows, K) operand, or None when its scales cannot be
+    stacked (128x128 tiles with rows % 128 != 0). 1x128 scales have no padding here (rows % 8 == 0)."""
+    S, rows, K = data.shape
+    if block == BLOCK_1D:
+        scale = jnp.moveaxis(scale, 0, 1).reshape(scale.shape[1], S * rows)
+    elif rows % FLOAT8_BLOCK == 0:
+        scale = scale.reshape(S * scale.shape[1], scale.shape[2])
+    else:
+        return None
+    return data.reshape(S * rows, K), scale
+
+
+def _gemm_batch(args, dims, *, a_block, b_block, out_dtype, accumulate):
+    params = dict(a_block=a_block, b_block=b_block, out_dtype=out_dtype, accumulate=accumulate)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    stack = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+             for x, d in zip(args, dims)]
+    batched = [d is not None for d in dims]
+    a_side, b_side = batched[0] or batched[1], batched[2] or batched[3]
+    if a_side != b_side:  # one side stacked: fold it into M (or N), one GEMM
+        side = 0 if a_side else 2
+        folded = _fold_rows(stack[side], stack[side + 1], (a_block, b_block)[side // 2])
+        if folded is not None:
+            ops = list(args)
+            ops[side:side + 2] = folded
+            if a_side:
+                if accumulate:
+                    ops[4] = stack[4].reshape(-1, stack[4].shape[-1])
+                out = gemm_p.bind(*ops, **params)
+                return out.reshape(size, -1, out.shape[-1]), 0
+            if accumulate:
+                c = jnp.moveaxis(stack[4], 0, 1)
+                ops[4] = c.reshape(c.shape[0], -1)
+            out = gemm_p.bind(*ops, **params)
+            return out.reshape(out.shape[0], size, -1), 1
+    # both sides stacked (or tiles that do not fold): one GEMM per example
+    which = [i for i, b in enumerate(batched) if b]
+
+    def one(xs):
+        ops = list(args)
+        for i, x in zip(which, xs):
+            ops[i] = x
+        return gemm_p.bind(*ops, **params)
+
+    return lax.map(one, [stack[i] for i in which]), 0
+
+
+batching.primitive_batchers[gemm_p] = _gemm_batch
+
+
+def _no_jvp(primals, tangents, **params):
+    raise TypeError("jf_fp8_gemm is not differentiable: FP8 data cannot carry a gradient. Use "
+                    "jax_fp8.fp8_dot_general, whose custom VJP runs the backward GEMMs in FP8.")
+
+
+ad.primitive_jvps[gemm_p] = _no_jvp
+
+# Every platform lowers through the reference; a CUDA rule (cuBLASLt) registers for platform "cuda".
+mlir.register_lowering(gemm_p, mlir.lower_fun(gemm_reference, multiple_results=False))

@@ -1,0 +1,602 @@
+"""FP8 GEMM (``jf_fp8_gemm``, ``fp8_gemm``) and ``fp8_dot_general`` with its training VJP.
+
+Error bound (checked everywhere a GEMM result is compared with exact arithmetic). Let ã (M, K), b̃ (N, K)
+be the DEQUANTIZED operands (``jf.dequantize``, exact fp64 copies) and r = ã·b̃ᵀ (+ c) exactly, S = |ã|·|b̃|ᵀ
+(+ |c|). The GEMM forms each product and sum in floating point with unit roundoff u; whatever the
+summation order (blocked, split-K, FMA or not), the standard bound for a length-K dot product with n = K + 1
+rounded operations (K products and sums, one more with c) is
+
+    |fl(r) - r| <= gamma_n · S + n · 2^-126,      gamma_n = n·u / (1 - n·u)
+
+(the last term covers products and partial sums flushed to zero below fp32's normal range, as XLA's CPU
+runtime does). Rounding the fp32 result to the output dtype adds half an ulp of it, at most u_out·|fl(r)|
+<= u_out·(|r| + gamma_n·S) (u_out = 2^-8 for bf16, 2^-11 fp16, 2^-24 fp32), plus half the output's
+smallest spacing. u = 2^-24 (fp32 accumulation) on CPU, and wherever the reference lowering runs. On a
+GPU, FP8 tensor cores add products inside an MMA with fewer bits than fp32 (DeepSeek-V3 §3.3.2 measured
+about 14 on H800; cuBLASLt promotes the partial sums to fp32 registers): there the bound takes
+u = 2^-13, still ~2^-8 of S at K = 256, far below the O(1) error of a wrong scale or orientation.
+
+Gradients are checked against ``jax.vjp`` of the same product on the dequantized operands (fp32, HIGHEST)
+with the unquantized cotangent: the difference is bounded by the GEMM bound of each side plus the
+propagated quantization differences, computed exactly (|Q(dy) - dy|·|W̃| etc.), by the triangle
+inequality. The FP8 gradients also EQUAL the GEMMs of the saved residuals with the quantized cotangent.
+"""
+import dataclasses
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8 as jf
+from jax_fp8 import gemm as G
+from jax_fp8._compat import shard_map
+from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_p, gemm_supported
+from helpers import assert_bits_equal, stable_seed
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
+U_ACC = 2.0**-24 if jax.default_backend() == "cpu" else 2.0**-13
+U_OUT = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
+TINY_OUT = {BF16: 2.0**-126, F16: 2.0**-25, F32: 2.0**-126}
+TINY = 2.0**-126
+B1, B2 = (1, 128), (128, 128)
+NK, KN = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+
+
+# ---- bound helpers --------------------------------------------------------------------------------
+def f64(a):
+    return np.asarray(jax.device_get(a)).astype(np.float64)
+
+
+def gemm_bound(a, b, out_dtype, c=None, u=U_ACC):
+    """(exact a·bᵀ (+ c), elementwise bound on |GEMM - exact|) for fp64 a (M, K), b (N, K) (module doc)."""
+    exact, S, n = a @ b.T, np.abs(a) @ np.abs(b).T, a.shape[1] + 1
+    if c is not None:
+        exact, S, n = exact + c, S + np.abs(c), n + 1
+    acc = n * u / (1 - n * u) * S + n * TINY
+    out_dtype = jnp.dtype(out_dtype)
+    return exact, acc + U_OUT[out_dtype] * (np.abs(exact) + acc) + TINY_OUT[out_dtype]
+
+
+def assert_within(got, exact, bound, what=""):
+    got = f64(got)
+    assert got.shape == exact.shape, (what, got.shape, exact.shape)
+    err = np.abs(got - exact)
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst err/bound "
+                           f"{np.nanmax(err / bound):.3g} at {np.unravel_index(np.nanargmax(err / bound), err.shape)}")
+
+
+def check_gemm(out, a, b, out_dtype, c=None, what=""):
+    exact, bound = gemm_bound(a, b, out_dtype, c)
+    assert jnp.dtype(out.dtype) == jnp.dtype(out_dtype), (what, out.dtype)
+    assert_within(out, exact, bound, what)
+
+
+def deq(q, usage="rowwise"):
+    """fp64 values of a quantized tensor's usage, as its 2-D view."""
+    v = f64(jf.dequantize(q, jnp.float32, usage))
+    return v.reshape(-1, v.shape[-1])
+
+
+def data(rng, shape, dtype, outliers=False, spread=12):
+    """Normal values, rows scaled by 2**[-spread, spread); ``outliers``: ~0.5% of entries x 1e2..1e4."""
+    x = rng.standard_normal(shape)
+    if x.ndim:
+        x *= 2.0 ** rng.integers(-spread, spread, size=x.shape[:-1] + (1,))
+    if outliers:
+        flat = x.reshape(-1)
+        idx = rng.integers(0, flat.size, max(1, flat.size // 200))
+        flat[idx] *= 10.0 ** rng.uniform(2, 4, idx.size) * rng.choice([-1, 1], idx.size)
+    return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+@pytest.fixture
+def strict():
+    """Fail on any fallback warning inside the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", G.Fp8GemmFallbackWarning)
+        yield
+
+
+def one_warning(fn, match):
+    """fn() emits exactly one Fp8GemmFallbackWarning, attributed to its call site here (this file)."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = fn()
+    ours = [r for r in rec if issubclass(r.category, G.Fp8GemmFallbackWarning)]
+    assert len(ours) == 1, [str(r.message) for r in ours]
+    assert match in str(ours[0].message), str(ours[0].message)
+    return out, ours[0]
+
+
+# ---- gemm_supported and the primitive's contract --------------------------------------------------
+def test_gemm_supported_rules():
+    p = gemm_supported(4096, 4096, 4096)
+    assert p.ok and (p.M, p.N, p.K) == (4096, 4096, 4096)
+    p = gemm_supported(37, 50, 300, B1, B2)  # K -> 16, N -> 8, M -> 8 (1x128 a)
+    assert p.ok and (p.M, p.N, p.K) == (40, 56, 304)
+    p = gemm_supported(37, 50, 300, B2, B1)  # 128x128 a: M needs no alignment
+    assert p.ok and (p.M, p.N, p.K) == (37, 56, 304)
+    assert gemm_supported(1, 4096, 4096).ok  # decode: M 1 -> 8 is 8x the work of a tiny GEMM
+    assert "both operands" in gemm_supported(128, 128, 128, B2, B2).reason
+    assert "E5M2 on both" in gemm_supported(128, 128, 128, B1, B1, E5M2, E5M2).reason
+    assert gemm_supported(128, 128, 128, B1, B1, E5M2, E4M3).ok
+    assert "multiply the GEMM's work" in gemm_supported(1, 1, 100).reason
+    assert "empty" in gemm_supported(0, 8, 16).reason
+    assert "2**31" in gemm_supported(8, 8, 2**31).reason
+    with pytest.raises(ValueError, match="a_block"):
+        gemm_supported(8, 8, 16, (32, 32))
+
+
+def _aligned(rng, M, N, K, a_block=B1, b_block=B2, a_dtype=E4M3, b_dtype=E4M3):
+    qa = jf.quantize_blockwise(data(rng, (M, K), F32), block=a_block, dtype=a_dtype, layout="gemm_ready")
+    qb = jf.quantize_blockwise(data(rng, (N, K), F32), block=b_block, dtype=b_dtype, layout="gemm_ready")
+    return qa, qb, G.gemm_operand(qa), G.gemm_operand(qb)
+
+
+def test_primitive_checks_its_contract():
+    rng = np.random.default_rng(0)
+    _, _, a, b = _aligned(rng, 16, 24, 256)
+    bind = lambda *ops, **kw: fp8_gemm_bind(*ops, **{**dict(a_block=B1, b_block=B2, out_dtype=BF16), **kw})  # noqa
+    assert bind(a.data, a.scale, b.data, b.scale).shape == (16, 24)
+    cases = [
+        (ValueError, "not aligned", lambda: bind(a.data[:, :200], a.scale, b.data[:, :200], b.scale)),
+        (ValueError, "not aligned", lambda: bind(a.data[:12], a.scale, b.data, b.scale)),
+        (ValueError, "both operands", lambda: bind(a.data, a.scale, b.data, b.scale, a_block=B2)),
+        (ValueError, "a_scale must be float32 (2, 16)", lambda: bind(a.data, a.scale[:, :8], b.data, b.scale)),
+        (ValueError, "b_scale must be float32", lambda: bind(a.data, a.scale, b.data, b.scale.astype(BF16))),
+        (ValueError, "share K", lambda: bind(a.data, a.scale, b.data[:, :128], b.scale)),
+        (ValueError, "must be 2-D", lambda: bind(a.data[None], a.scale, b.data, b.scale)),
+        (TypeError, "float8_e4m3fn or float8_e5m2", lambda: bind(a.data.astype(BF16), a.scale, b.data, b.scale)),
+        (TypeError, "out_dtype must be float32 or bfloat16", lambda: bind(a.data, a.scale, b.data, b.scale,
+                                                                          out_dtype=F16)),
+        (ValueError, "c must be bfloat16(16, 24)", lambda: bind(a.data, a.scale, b.data, b.scale,
+                                                                 jnp.zeros((16, 24), F32))),
+    ]
+    for exc, match, fn in cases:
+        with pytest.raises(exc, match=match.replace("(", r"\(").replace(")", r"\)")):
+            fn()
+    e5 = _aligned(rng, 16, 24, 256, B1, B1, E5M2, E5M2)
+    with pytest.raises(ValueError, match="E5M2 on both"):
+        fp8_gemm_bind(e5[2].data, e5[2].scale, e5[3].data, e5[3].scale, a_block=B1, b_block=B1, out_dtype=F32)
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.jvp(lambda d: bind(d, a.scale, b.data, b.scale), (a.data,), (a.data,))
+
+
+# ---- the GEMM against fp64 --------------------------------------------------------------------------
+GEMM_SHAPES = [(1, 8, 256), (37, 50, 300), (128, 136, 128), (130, 257, 200), (9, 3, 40), (200, 64, 1000)]
+
+
+@pytest.mark.parametrize("M,N,K", GEMM_SHAPES, ids=str)
+@pytest.mark.parametrize("blocks", [(B1, B2), (B2, B1), (B1, B1)], ids=["1Dx2D", "2Dx1D", "1Dx1D"])
+def test_gemm_within_bound(M, N, K, blocks, strict):
+    rng = np.random.default_rng(stable_seed(M, N, K, blocks))
+    gemm = jax.jit(G.fp8_gemm, static_argnames="out_dtype")
+    for outliers in (False, True):
+        for out_dtype in (BF16, F32):
+            bd = E5M2 if out_dtype == F32 else E4M3  # an E4M3 x E5M2 pair too
+            qa = jf.quantize_blockwise(data(rng, (M, K), BF16, outliers), block=blocks[0])
+            qb = jf.quantize_blockwise(data(rng, (N, K), F32, outliers), block=blocks[1], dtype=bd)
+            out = gemm(qa, qb, out_dtype=out_dtype)
+            check_gemm(out, deq(qa), deq(qb), out_dtype, what=f"outliers={outliers} {out_dtype}")
+
+
+def test_gemm_accumulates_into_c(strict):
+    rng = np.random.default_rng(1)
+    qa = jf.quantize_blockwise(data(rng, (45, 300), F32), layout="gemm_ready")
+    qb = jf.quantize_blockwise(data(rng, (70, 300), F32), block=B2)
+    for out_dtype in (F32, BF16):
+        c = data(rng, (45, 70), out_dtype) * 30
+        out = jax.jit(G.fp8_gemm, static_argnames="out_dtype")(qa, qb, out_dtype=out_dtype, c=c)
+        check_gemm(out, deq(qa), deq(qb), out_dtype, c=f64(c), what=str(out_dtype))
+
+
+def test_gemm_fallback_warns_once_and_matches_reference():
+    rng = np.random.default_rng(2)
+    qa = jf.quantize_blockwise(data(rng, (1, 5), F32))
+    qb = jf.quantize_blockwise(data(rng, (1, 5), F32), block=B2)
+    out, w = one_warning(lambda: G.fp8_gemm(qa, qb, F32), "multiply the GEMM's work")
+    assert w.filename == __file__
+    check_gemm(out, deq(qa), deq(qb), F32)
+    q2 = jf.quantize_blockwise(data(rng, (16, 128), F32), block=B2)  # 2D x 2D
+    out, _ = one_warning(lambda: G.fp8_gemm(q2, q2, F32), "both operands")
+    check_gemm(out, deq(q2), deq(q2), F32)
+
+
+def test_gemm_operand_orientations():
+    """gemm_operand of either layout and usage: the same values as the tensor's dequantized view."""
+    rng = np.random.default_rng(3)
+    x = data(rng, (3, 70, 200), F32)
+    for block in (B1, B2):
+        for layout in ("compact", "gemm_ready"):
+            q = jf.quantize_blockwise(x, block=block, colwise=True, layout=layout)
+            last, first = G.gemm_operand(q, "last"), G.gemm_operand(q, "first")
+            assert last.shape == (210, 200) and first.shape == (200, 210) and last.block == first.block == block
+            assert_bits_equal(last.values(), deq(q).astype(np.float32), "rowwise")
+            assert_bits_equal(first.values(), deq(q, "colwise").T.astype(np.float32), "colwise")
+    only_row = jf.quantize_blockwise(x)
+    assert G.gemm_operand(only_row, "first") is None
+    tiles = jf.quantize_blockwise(x, block=B2, layout="gemm_ready")  # rowwise only: tiles serve both
+    assert_bits_equal(G.gemm_operand(tiles, "first").values(), deq(tiles).T.astype(np.float32), "tiles")
+    with pytest.raises(TypeError, match="BlockwiseTensor"):
+        G.gemm_operand(jf.quantize_mxfp8(x))
+
+
+# ---- batching of the primitive ----------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["a", "b_1d", "b_tiles_fold", "b_tiles_loop", "both", "c_only"])
+def test_gemm_vmap(case):
+    rng = np.random.default_rng(stable_seed(case))
+    S, M, K = 3, 16, 256
+    N = 128 if case == "b_tiles_fold" else 24
+    b_block = B1 if case == "b_1d" else B2
+    qs = [_aligned(rng, M, N, K, B1, b_block) for _ in range(S)]
+    stack = lambda i, f: jnp.stack([getattr(q[i], f) for q in qs])  # noqa: E731
+    a0, b0 = qs[0][2], qs[0][3]
+    c = data(rng, (S, M, N), F32)
+    ops = {"a": (stack(2, "data"), stack(2, "scale"), b0.data, b0.scale),
+           "b": (a0.data, a0.scale, stack(3, "data"), stack(3, "scale")),
+           "both": (stack(2, "data"), stack(2, "scale"), stack(3, "data"), stack(3, "scale")),
+           "c_only": (a0.data, a0.scale, b0.data, b0.scale)}[case if case in ("a", "both", "c_only") else "b"]
+    axes = tuple(0 if x.ndim == 3 else None for x in ops) + (0,)
+    f = partial(fp8_gemm_bind, a_block=B1, b_block=b_block, out_dtype=F32)
+    out = jax.vmap(lambda a, sa, b, sb, c: f(a, sa, b, sb, c), in_axes=axes)(*ops, c)
+    for i in range(S):
+        a = qs[i][0] if axes[0] == 0 else qs[0][0]
+        b = qs[i][1] if axes[2] == 0 else qs[0][1]
+        check_gemm(out[i], deq(a), deq(b), F32, c=f64(c[i]), what=f"{case} example {i}")
+    jaxpr = str(jax.make_jaxpr(jax.vmap(lambda *o: f(*o), in_axes=axes))(*ops, c))
+    folds = case in ("a", "b_1d", "b_tiles_fold")
+    assert ("scan" not in jaxpr) == folds, jaxpr
+
+
+# ---- fp8_dot_general: forward --------------------------------------------------------------------
+DOT_SHAPES = [((1, 256), 128), ((37, 300), 50), ((2, 3, 40, 130), 136), ((256, 384), 256), ((16, 100), 8)]
+
+
+def _w(rng, K, N, kn, dtype=F32):
+    return data(rng, (K, N) if kn else (N, K), dtype)
+
+
+def _wq(w, kn):
+    """W's fprop operand values (N, K) from an independent 128x128 quantization."""
+    q = jf.quantize_blockwise(w, block=B2)
+    return deq(q).T if kn else deq(q)
+
+
+@pytest.mark.parametrize("xshape,N", DOT_SHAPES, ids=str)
+@pytest.mark.parametrize("kn", [True, False], ids=["KN", "NK"])
+def test_dot_general_forward(xshape, N, kn, strict):
+    rng = np.random.default_rng(stable_seed(xshape, N, kn))
+    x, w = data(rng, xshape, BF16, outliers=True), _w(rng, xshape[-1], N, kn)
+    dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
+    y = jax.jit(jf.fp8_dot_general, static_argnums=2)(x, w, dn)
+    assert y.shape == (*xshape[:-1], N) and y.dtype == F32
+    check_gemm(y.reshape(-1, N), deq(jf.quantize_blockwise(x)), _wq(w, kn), F32)
+    y16 = jf.fp8_dot_general(x, w.astype(BF16), dn)  # bf16 x bf16 -> bf16, as lax.dot_general
+    assert y16.dtype == BF16
+    check_gemm(y16.reshape(-1, N), deq(jf.quantize_blockwise(x)), _wq(w.astype(BF16), kn), BF16)
+    yh = jf.fp8_dot_general(x, w, dn, preferred_element_type=jnp.float16)  # not a GEMM dtype: fp32 then cast
+    assert yh.dtype == F16
+
+
+def test_dense_and_einsum_drop_in(strict):
+    """flax.linen.Dense calls dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+    precision=...); jnp.einsum takes it as _dot_general. Both reach the FP8 GEMM, unwarned."""
+    rng = np.random.default_rng(4)
+    x, kernel = data(rng, (2, 24, 256), BF16), data(rng, (256, 136), BF16)
+
+    def dense(inputs, kernel, dot_general=jf.fp8_dot_general):
+        return dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=None)
+
+    y = dense(x, kernel)
+    assert y.shape == (2, 24, 136) and y.dtype == BF16
+    check_gemm(y.reshape(-1, 136), deq(jf.quantize_blockwise(x)), _wq(kernel, True), BF16)
+    e5 = partial(jf.fp8_dot_general, recipe=jf.Float8BlockScaling(grad_dtype=E5M2))
+    for spec, w in (("btk,kn->btn", kernel), ("btk,nk->btn", kernel.T)):
+        for dg in (jf.fp8_dot_general, e5):
+            ye = jnp.einsum(spec, x, w, _dot_general=dg)
+            assert_bits_equal(ye, y, spec)
+    ye = jnp.einsum("kn,btk->btn", kernel, x, _dot_general=jf.fp8_dot_general)  # weight first: same call
+    assert_bits_equal(ye, y, "kn,btk")
+    gx = jax.grad(lambda x: jnp.einsum("btk,kn->btn", x, kernel, _dot_general=jf.fp8_dot_general)
+                  .astype(F32).sum())(x)
+    assert gx.shape == x.shape and gx.dtype == BF16
+
+
+# ---- fp8_dot_general: the VJP ----------------------------------------------------------------------
+VJP_CASES = [((64, 256), 128, BF16, E4M3), ((37, 300), 50, F32, E4M3), ((2, 20, 130), 136, BF16, E5M2),
+             ((1, 256), 64, F32, E4M3), ((200, 160), 24, F16, E5M2)]
+
+
+def _vjp_setup(xshape, N, kn, x_dtype, grad_dtype, seed):
+    rng = np.random.default_rng(seed)
+    x, w = data(rng, xshape, x_dtype, spread=3), data(rng, (xshape[-1], N) if kn else (N, xshape[-1]), F32, spread=3)
+    recipe = jf.Float8BlockScaling(grad_dtype=grad_dtype)
+    dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
+    f = lambda x, w: jf.fp8_dot_general(x, w, dn, recipe=recipe)  # noqa: E731
+    g = data(rng, (*xshape[:-1], N), jnp.result_type(x_dtype, F32), spread=3)
+    return x, w, g, f, recipe, dn
+
+
+@pytest.mark.parametrize("xshape,N,x_dtype,grad_dtype", VJP_CASES, ids=str)
+@pytest.mark.parametrize("kn", [True, False], ids=["KN", "NK"])
+def test_vjp_against_grad_of_dequantized(xshape, N, x_dtype, grad_dtype, kn, strict):
+    x, w, g, f, recipe, dn = _vjp_setup(xshape, N, kn, x_dtype, grad_dtype, stable_seed(xshape, N, kn))
+    y, vjp = jax.vjp(f, x, w)
+    dx, dw = vjp(g)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dx.shape == x.shape and dw.shape == w.shape
+    assert_bits_equal(y, f(x, w), "primal call == forward of the VJP")
+    # independent quantizations of the same operands (the FP8 path's values)
+    xq = jf.quantize_blockwise(x, colwise=True)
+    gq = jf.quantize_blockwise(g, dtype=grad_dtype, colwise=True)
+    Xr, Xc, Gr, Gc, G64 = deq(xq), deq(xq, "colwise"), deq(gq), deq(gq, "colwise"), f64(g).reshape(-1, N)
+    Wnk = _wq(w, kn)  # (N, K)
+    check_gemm(y.reshape(-1, N), Xr, Wnk, y.dtype, what="fprop")
+    # jax.vjp of the same product on the dequantized operands, fp32 HIGHEST, unquantized cotangent
+    wt = jnp.asarray(Wnk.T if kn else Wnk, F32)
+    ref = lambda X, W: lax.dot_general(X, W, dn, precision=lax.Precision.HIGHEST)  # noqa: E731
+    _, ref_vjp = jax.vjp(ref, jnp.asarray(Xr.reshape(xshape), F32), wt)
+    rdx, rdw = (f64(v) for v in ref_vjp(jnp.asarray(g, F32)))
+    # dx = dy · W (M, K): ours uses Q(dy) rowwise
+    _, b_ours = gemm_bound(Gr, Wnk.T, x.dtype)
+    _, b_ref = gemm_bound(G64, Wnk.T, F32, u=2.0**-24)
+    assert_within(dx.reshape(-1, xshape[-1]), rdx.reshape(-1, xshape[-1]),
+                  b_ours + np.abs(Gr - G64) @ np.abs(Wnk) + b_ref, "dx")
+    # dW (N, K) = dyᵀ · x: ours uses the columnwise usages of dy and x; jax's the rowwise x
+    _, b_ours = gemm_bound(Gc.T, Xc.T, w.dtype)
+    _, b_ref = gemm_bound(G64.T, Xr.T, F32, u=2.0**-24)
+    b_dw = b_ours + np.abs(Gc - G64).T @ np.abs(Xc) + np.abs(G64).T @ np.abs(Xc - Xr) + b_ref
+    assert_within(dw if not kn else dw.T, rdw if not kn else rdw.T, b_dw, "dW")
+
+
+@pytest.mark.parametrize("kn", [True, False], ids=["KN", "NK"])
+def test_vjp_equals_gemms_of_saved_residuals(kn, strict):
+    """dgrad and wgrad are the FP8 GEMMs of the residuals saved by the forward (the operands quantized
+    there, not re-quantized) and of the cotangent quantized once; the residuals are the GEMM-ready
+    operands of one quantization pass per tensor."""
+    x, w, g, f, recipe, dn = _vjp_setup((40, 272), 56, kn, BF16, E5M2, stable_seed("residuals", kn))
+    _, vjp = jax.vjp(f, x, w)
+    dx, dw = vjp(g)
+    cfg = G._Linear(recipe, kn, jnp.dtype(F32))
+    _, (x_t, w_d, _, _) = G._linear_fwd(x, w, cfg)
+    xq = jf.quantize_blockwise(x, colwise=True, layout="gemm_ready")
+    wq = jf.quantize_blockwise(w, block=B2, colwise=True, layout="gemm_ready")
+    for got, want in ((x_t, G.gemm_operand(xq, "first")), (w_d, G.gemm_operand(wq, "last" if kn else "first"))):
+        assert got.block == want.block
+        assert_bits_equal(got.data, want.data, "residual data")
+        assert_bits_equal(got.scale, want.scale, "residual scales")
+    gq = jf.quantize(g, recipe.scheme("grad"))
+    dy, dy_t = G.gemm_operand(gq, "last"), G.gemm_operand(gq, "first")
+    assert_bits_equal(dx, G.fp8_gemm(dy, w_d, BF16), "dgrad")
+    assert_bits_equal(dw, G.fp8_gemm(x_t, dy_t, F32) if kn else G.fp8_gemm(dy_t, x_t, F32), "wgrad")
+
+
+def test_each_tensor_quantized_once():
+    """Forward + backward: one quantize of x, of W and of dy, and three FP8 GEMMs."""
+    x, w, g, f, *_ = _vjp_setup((64, 256), 128, True, BF16, E4M3, 5)
+    jaxpr = str(jax.make_jaxpr(lambda x, w, g: jax.vjp(f, x, w)[1](g))(x, w, g))
+    assert jaxpr.count("jf_quantize[") == 3 and jaxpr.count("jf_fp8_gemm[") == 3, jaxpr
+    assert "jf_dequantize" not in jaxpr and "dot_general" not in jaxpr
+
+
+# ---- transformations -----------------------------------------------------------------------------
+def _loss(f):
+    return lambda x, w, g: (f(x, w).astype(F32) * g).sum()
+
+
+def test_jit_and_remat_equal_eager(strict):
+    x, w, g, f, *_ = _vjp_setup((2, 24, 256), 136, True, BF16, E4M3, 6)
+    grad = jax.grad(_loss(f), argnums=(0, 1))
+    eager = grad(x, w, g)
+    for name, fn in (("jit", jax.jit(grad)), ("remat", jax.grad(jax.checkpoint(_loss(f)), argnums=(0, 1))),
+                     ("jit remat", jax.jit(jax.grad(_loss(jax.checkpoint(f)), argnums=(0, 1))))):
+        for a, b in zip(fn(x, w, g), eager):
+            assert_bits_equal(a, b, name)
+
+
+def test_vmap_over_leading_dims(strict):
+    """vmap over examples: each example's output and gradients within the bounds of its own GEMMs."""
+    x, w, g, f, *_ = _vjp_setup((3, 24, 256), 136, True, BF16, E4M3, 7)
+    fe = lambda xi, w: jf.fp8_dot_general(xi, w, KN)  # noqa: E731
+    y, dx, dw = jax.jit(lambda x, w, g: (jax.vmap(fe, (0, None))(x, w),
+                                         *jax.grad(_loss(jax.vmap(fe, (0, None))), argnums=(0, 1))(x, w, g)))(x, w, g)
+    Wnk = _wq(w, True)
+    dw_sum = np.zeros(w.shape)
+    dw_bound = np.zeros(w.shape)
+    for i in range(3):
+        xq = jf.quantize_blockwise(x[i], colwise=True)
+        gq = jf.quantize_blockwise(g[i], colwise=True)
+        check_gemm(y[i], deq(xq), Wnk, F32, what=f"y[{i}]")
+        check_gemm(dx[i], deq(gq), Wnk.T, BF16, what=f"dx[{i}]")
+        exact, bound = gemm_bound(deq(xq, "colwise").T, deq(gq, "colwise").T, F32)  # dW_i (K, N)
+        dw_sum, dw_bound = dw_sum + exact, dw_bound + bound + 3 * 2.0**-24 * np.abs(exact)
+    assert_within(dw, dw_sum, dw_bound, "dW summed over the vmapped examples")
+
+
+def test_shard_map_equals_per_shard(strict):
+    """Inside shard_map (rows of x on 4 devices, W replicated): y and dx are each shard's own FP8 linear
+    layer, dW the psum of the shards' wgrads."""
+    n, (x, w, g, f, *_) = 4, _vjp_setup((64, 256), 136, False, BF16, E4M3, 8)
+    mesh = Mesh(np.array(jax.devices("cpu")[:n]), ("data",))
+
+    def step(x, w, g):
+        y, vjp = jax.vjp(f, x, w)
+        dx, dw = vjp(g)
+        return y, dx, lax.psum(dw, "data")
+
+    y, dx, dw = jax.jit(shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                                  out_specs=(P("data"), P("data"), P())))(x, w, g)
+    def local(x, w, g):  # one shard's layer, by itself, on a CPU device like the mesh's
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(g))
+
+    cpu, rows = jax.devices("cpu")[0], x.shape[0] // n
+    parts = [jax.jit(local)(*jax.device_put((x[i * rows:(i + 1) * rows], w, g[i * rows:(i + 1) * rows]), cpu))
+             for i in range(n)]
+    assert_bits_equal(y, jnp.concatenate([p[0] for p in parts]), "y")
+    assert_bits_equal(dx, jnp.concatenate([p[1] for p in parts]), "dx")
+    dws = [f64(p[2]) for p in parts]
+    assert_within(dw, sum(dws), n * 2.0**-24 * sum(np.abs(d) for d in dws), "dW psum")
+
+
+# ---- pre-quantized operands ----------------------------------------------------------------------
+def test_prequantized_operands_used_as_they_are(strict):
+    rng = np.random.default_rng(9)
+    x, w = data(rng, (40, 272), BF16), data(rng, (272, 56), F32)
+    y = jf.fp8_dot_general(x, w, KN)
+    dx_ref, dw_ref = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)), argnums=(0, 1))(x, w, y)
+    for layout in ("compact", "gemm_ready"):
+        wq = jf.quantize_blockwise(w, block=B2, layout=layout)  # rowwise only: tiles give both orientations
+        xq = jf.quantize_blockwise(x, colwise=True, layout=layout)
+        assert_bits_equal(jf.fp8_dot_general(x, wq, KN), y, f"W pre-quantized {layout}")
+        assert_bits_equal(jf.fp8_dot_general(xq, w, KN), y, f"x pre-quantized {layout}")
+        assert_bits_equal(jf.fp8_dot_general(xq, wq, KN), y, f"both pre-quantized {layout}")
+        dx = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)))(x, wq, y)
+        dw = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)), argnums=1)(xq, w, y)
+        assert_bits_equal(dx, dx_ref, "dx with a pre-quantized W")
+        assert_bits_equal(dw, dw_ref, "dW with a pre-quantized x")
+
+
+# ---- fallbacks: one warning each, a correct answer ------------------------------------------------
+def _qdq(x, block):
+    return jf.quantize_dequantize(x, "blockwise", block=block)
+
+
+FALLBACKS = {
+    # name: (lhs shape, rhs shape, dimension_numbers, warning text)
+    "batch dims": ((3, 16, 128), (3, 128, 24), (((2,), (1,)), ((0,), (0,))), "batch dimensions"),
+    "rank-3 rhs": ((16, 128), (128, 4, 6), (((1,), (0,)), ((), ())), "rhs of rank 3"),
+    "lhs contraction not last": ((128, 16), (128, 24), (((0,), (0,)), ((), ())), "other than the last"),
+    "two contractions": ((4, 8, 16), (8, 16), (((1, 2), (0, 1)), ((), ())), "over 2 dimensions"),
+}
+
+
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_fallback_dimension_numbers(name):
+    ls, rs, dn, match = FALLBACKS[name]
+    rng = np.random.default_rng(stable_seed(name))
+    x, w = data(rng, ls, F32), data(rng, rs, F32)
+    loss = _loss(lambda x, w: jf.fp8_dot_general(x, w, dn))
+    y, _ = one_warning(lambda: jf.fp8_dot_general(x, w, dn), match)
+    assert_bits_equal(y, lax.dot_general(_qdq(x, B1), _qdq(w, B2), dn), name)
+    (dx, dw), _ = one_warning(lambda: jax.grad(loss, argnums=(0, 1))(x, w, jnp.ones_like(y)), match)
+    assert dx.shape == x.shape and dw.shape == w.shape  # straight-through: the gradients of the dot
+
+
+def test_fallback_operand_kinds():
+    rng = np.random.default_rng(10)
+    x, w = data(rng, (16, 128), F32), data(rng, (128, 24), F32)
+    mx = jf.quantize_mxfp8(x)
+    y, _ = one_warning(lambda: jf.fp8_dot_general(mx, w, KN), "MXFP8")
+    assert_bits_equal(y, lax.dot_general(jf.dequantize(mx), _qdq(w, B2), KN), "mxfp8 lhs")
+    xi = jnp.arange(16 * 128, dtype=jnp.int32).reshape(16, 128) % 7
+    y, _ = one_warning(lambda: jf.fp8_dot_general(xi, w, KN), "dtype int32")
+    assert_bits_equal(y, lax.dot_general(xi.astype(F32), _qdq(w, B2), KN), "int lhs")
+    sh = jax.sharding.NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+    one_warning(lambda: jf.fp8_dot_general(x, w, KN, out_sharding=sh), "out_sharding")
+    w_row = jf.quantize_blockwise(w)  # (K, N) 1x128 rowwise: blocks along N, but fprop contracts over K
+    y, _ = one_warning(lambda: jf.fp8_dot_general(x, w_row, KN), "lacks the usage the forward GEMM")
+    assert_bits_equal(y, lax.dot_general(_qdq(x, B1), jf.dequantize(w_row), KN), "unusable pre-quantized rhs")
+
+
+def test_fallback_per_gemm_keeps_the_rest_in_fp8():
+    """GEMMs the FP8 path cannot take (here: shapes too small to pad cheaply; a pre-quantized W without
+    its dgrad orientation; 2D x 2D; E5M2 x E5M2) run the reference math on the same quantized operands,
+    with one warning per call naming them, and gradients still within the bounds."""
+    rng = np.random.default_rng(11)
+    x, w = data(rng, (1, 5), F32), data(rng, (5, 1), F32)  # 1x1x5: fprop, dgrad and wgrad all fall back
+    loss = _loss(lambda x, w: jf.fp8_dot_general(x, w, KN))
+    y, wn = one_warning(lambda: jf.fp8_dot_general(x, w, KN), "fprop:")
+    assert "dgrad:" in str(wn.message) and "wgrad:" in str(wn.message) and wn.filename == __file__
+    check_gemm(y, deq(jf.quantize_blockwise(x)), _wq(w, True), F32)
+    (dx, dw), _ = one_warning(lambda: jax.grad(loss, argnums=(0, 1))(x, w, jnp.ones_like(y)), "wgrad:")
+    gq = jf.quantize_blockwise(jnp.ones_like(y), colwise=True)
+    check_gemm(dx, deq(gq), _wq(w, True).T, F32, what="dx")
+    check_gemm(dw, deq(jf.quantize_blockwise(x, colwise=True), "colwise").T, deq(gq, "colwise").T, F32, what="dW")
+
+    x, w = data(rng, (32, 256), BF16), data(rng, (64, 256), F32)  # W (N, K) 1x128 rowwise only
+    wq = jf.quantize_blockwise(w)
+    _, wn = one_warning(lambda: jf.fp8_dot_general(x, wq, NK), "dgrad: a pre-quantized operand lacks")
+    assert "fprop" not in str(wn.message)
+    g = data(rng, (32, 64), F32)
+    dx, _ = one_warning(lambda: jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, NK)))(x, wq, g), "dgrad")
+    check_gemm(dx, deq(jf.quantize_blockwise(g)), deq(wq).T, BF16, what="dx, dense dgrad")
+
+    xt = jf.quantize_blockwise(x, block=B2)  # 128x128 x and the recipe's 128x128 W: fprop 2D x 2D
+    y, _ = one_warning(lambda: jf.fp8_dot_general(xt, w, NK), "fprop: 128x128 blocks on both")
+    check_gemm(y, deq(xt), _wq(w, False), F32)
+    x5 = jf.quantize_blockwise(x, dtype=E5M2)  # E5M2 x, E5M2 gradients: wgrad E5M2 x E5M2... x gets no
+    w5 = jf.quantize_blockwise(w, dtype=E5M2, colwise=True)  # gradient; fprop is E5M2 x E5M2
+    y, _ = one_warning(lambda: jf.fp8_dot_general(x5, w5, NK), "E5M2 on both")
+    check_gemm(y, deq(x5), deq(w5), F32)
+
+
+def test_no_warning_on_supported_and_empty(strict):
+    rng = np.random.default_rng(12)
+    x, w = data(rng, (0, 64), F32), data(rng, (64, 24), F32)
+    assert jf.fp8_dot_general(x, w, KN).shape == (0, 24)
+    y = jf.fp8_dot_general(data(rng, (5, 0), F32), data(rng, (0, 3), F32), KN)
+    assert y.shape == (5, 3) and not y.any()
+    dx = jax.grad(lambda x: jf.fp8_dot_general(x, data(rng, (0, 3), F32), KN).sum())(data(rng, (5, 0), F32))
+    assert dx.shape == (5, 0)
+
+
+def test_argument_errors():
+    x, w = jnp.ones((8, 128)), jnp.ones((128, 16))
+    with pytest.raises(TypeError, match="recipe must be a Float8BlockScaling"):
+        jf.fp8_dot_general(x, w, KN, recipe="deepseek")
+    with pytest.raises(ValueError, match="do not share the contracted dim"):
+        jf.fp8_dot_general(x, jnp.ones((64, 16)), KN)
+    with pytest.raises(TypeError, match="grad_dtype"):
+        jf.Float8BlockScaling(grad_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        jf.Float8BlockScaling(amax_epsilon=-1.0)
+    with pytest.raises(TypeError, match="a must be a GemmOperand or BlockwiseTensor"):
+        G.fp8_gemm(x, jf.quantize_blockwise(x))
+    with pytest.raises(ValueError, match="no rowwise usage"):
+        G.fp8_gemm(jf.quantize_blockwise(x, rowwise=False, colwise=True), jf.quantize_blockwise(x))
+    assert hash(jf.Float8BlockScaling(grad_dtype=E5M2)) == hash(jf.Float8BlockScaling(grad_dtype=E5M2))
+
+
+# ---- MXFP8 interop --------------------------------------------------------------------------------
+def _scaled_matmul(a, b, sa, sb):
+    """jax.nn.scaled_matmul where this platform lowers it (cuDNN on Blackwell, ROCm); on CPU (jax 0.10
+    registers no CPU rule) the op its ROCm rule lowers to: lax.scaled_dot, batch 0, contracting the last
+    dims of both, (B, M, K) x (B, N, K) -> (B, M, N). Shapes are checked by scaled_matmul's own
+    validation on every platform (jax.eval_shape)."""
+    shape = jax.eval_shape(jax.nn.scaled_matmul, a, b, sa, sb)
+    try:
+        out = jax.nn.scaled_matmul(a, b, sa, sb)
+    except NotImplementedError:
+        out = lax.scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                             preferred_element_type=jnp.float32)
+    assert out.shape == shape.shape and out.dtype == shape.dtype
+    return out[0]
+
+
+@pytest.mark.skipif(not hasattr(lax, "scaled_dot"), reason="this jax has no lax.scaled_dot")
+@pytest.mark.parametrize("M,N,K", [(16, 24, 64), (5, 7, 70), (33, 40, 100)], ids=str)
+def test_mxfp8_scaled_matmul_operands(M, N, K):
+    rng = np.random.default_rng(stable_seed("mx", M, N, K))
+    x, w = data(rng, (M, K), BF16, outliers=True), data(rng, (N, K), BF16)
+    qx, qw = jf.quantize_mxfp8(x, colwise=True), jf.quantize_mxfp8(w)
+    a, sa = jf.mxfp8_scaled_matmul_operands(qx)
+    b, sb = jf.mxfp8_scaled_matmul_operands(qw)
+    assert a.shape == (1, M, -(-K // 32) * 32) and sa.shape == (1, M, -(-K // 32)) and sa.dtype == jnp.float8_e8m0fnu
+    check_gemm(_scaled_matmul(a, b, sa, sb), deq(qx), deq(qw), F32, what="rowwise")
+    # columnwise usages (a wgrad's operands): xᵀ (K, M) contracted over M, either layout
+    g = data(rng, (M, N), BF16)
+    qg = jf.quantize_mxfp8(g, colwise=True, layout="gemm_ready")
+    xt, sxt = jf.mxfp8_scaled_matmul_operands(qx, "colwise")
+    gt, sgt = jf.mxfp8_scaled_matmul_operands(qg, "colwise")
+    check_gemm(_scaled_matmul(gt, xt, sgt, sxt), deq(qg, "colwise").T, deq(qx, "colwise").T, F32, what="colwise")
+    with pytest.raises(TypeError, match="MXFP8Tensor"):
+        jf.mxfp8_scaled_matmul_operands(jf.quantize_blockwise(x))
+    with pytest.raises(ValueError, match="usage must be"):
+        jf.mxfp8_scaled_matmul_operands(qx, "tile")
