@@ -158,7 +158,7 @@ ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* 
     return with_cfg(a, [&](auto cfg, auto rule) -> ffi::Error {
       using L = decltype(ld);
       using C = decltype(cfg);
-      if constexpr (C::COL_T) {
+      if constexpr (C::COL_T || C::GEMM_SCALES) {
         return bad("master-weight shards are compact");  // no such kernels are built
       } else {
         ShardGroup<typename C::S> grp;

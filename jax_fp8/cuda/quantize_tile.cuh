@@ -230,12 +230,18 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   const int64_t col0 = p.tk * TK + int64_t(c) * VEC;
   const auto row_of = [&](int i) -> int64_t { return p.tm * TM + (COL_T ? g * NV + i : g + i * G); };
   const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
-  const auto row_gi = [&](int i) { return row_at(p.b, row_of(i), col0 / (RBK > 0 ? RBK : 1)); };  // row i's block
-  const int64_t col_gi = col_at(p.b, p.tm, p.tk * TK + tid);
+  // The transposed tile of COL_T (cast_store_T), declared here once for both paths of `run` below.
+  __shared__ __align__(16) uint32_t stage[COL_T ? TK * TM / 4 : 1];
+  // Scale positions: GEMM-ready scales as the call's ScaleAt says; compact grids from the span, so
+  // that the compact kernels keep their registers (the strides are compile-time there).
+  const ScaleAt rat = Cfg::GEMM_SCALES ? row_at : compact_scale_at(sp.M, sp.K, Cfg::ROW_BM, Cfg::ROW_BK ? Cfg::ROW_BK : 1);
+  const ScaleAt cat = Cfg::GEMM_SCALES ? col_at : compact_scale_at(sp.M, sp.K, TM, 1);
+  const auto row_gi = [&](int i) { return rat(p.b, row_of(i), col0 / (RBK > 0 ? RBK : 1)); };  // row i's block
+  const int64_t col_gi = cat(p.b, p.tm, p.tk * TK + tid);
   // GEMM-ready scales: the tiles of block row 0 (transposed scales) or of block column 0 pad the
   // stored rows of their blocks with the scale of an all-zero block.
   const auto write_pads = [&](const Outs<S>& o, const ScaleAt& at) {
-    if (MODE != kQuantize || at.pad_from >= at.ld || (at.transposed ? p.tm : p.tk) != 0) return;
+    if (!Cfg::GEMM_SCALES || at.pad_from >= at.ld || (at.transposed ? p.tm : p.tk) != 0) return;
     const int64_t r = at.transposed ? p.tk : p.tm;
     if (tid < at.ld - at.pad_from) o.scale[p.b * at.s_batch + r * at.ld + at.pad_from + tid] = S(kGemmScalePad);
   };
@@ -257,7 +263,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
     if constexpr (MODE == kCast) {
       if constexpr (RBK > 0)
         if (row_in) g_row = row.global[row_gi(mi)];
-      if constexpr (TILE) g_row = row.global[row_at(p.b, p.tm, p.tk)];
+      if constexpr (TILE) g_row = row.global[rat(p.b, p.tm, p.tk)];
       if constexpr (COL)
         if (tid < TK && p.tk * TK + tid < sp.K) g_col = col.global[col_gi];
     }
@@ -274,8 +280,11 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         if (mask) store_fp8<VEC>(out + base, idx, mask, aligned, v, mult, fp8);
       }
     };
-    // The same into the transposed (B, K, M) `out`: this thread's NV x VEC bytes, cast row by row, are
-    // transposed in registers, so that each of its VEC columns stores its NV consecutive rows at once.
+    // The same into the transposed (B, K, M) `out`. This thread's NV x VEC bytes, cast row by row, are
+    // transposed in registers (4x4 byte blocks) and staged in shared memory as the tile's transpose
+    // (TK columns of TM bytes); the CTA then writes whole 16-byte pieces of each column's run of TM
+    // bytes, so every sector of the output is written whole (stores straight from the registers
+    // wrote 4-8 bytes at a stride of M and ran at 65% of memcpy; bench/RESULTS.md run 24).
     const auto cast_store_T = [&](uint8_t* out, auto&& mult_of) {
       uint32_t rows[NV][VEC / 4];  // row i's bytes, four columns a word
 #pragma unroll
@@ -289,7 +298,14 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
                        uint32_t(fp8x2_from_float(v[4 * q + 2] * mult[4 * q + 2], v[4 * q + 3] * mult[4 * q + 3], fp8))
                            << 16;
       }
-      uint32_t cols[VEC][NV / 4];  // column e's bytes, four rows a word
+      // the staged tile: column col's word w (rows 4w..4w+3) at stage[col * TM/4 + (w ^ swz(col))]; the
+      // XOR spreads a warp's writes (one word of 16 columns, two row groups) and reads (16-byte
+      // pieces of 4 adjacent columns) over the banks
+      constexpr int WORDS = TM / 4;
+      const auto at = [](int col, int w) {
+        const int cc = col / VEC, e = col % VEC;
+        return col * WORDS + ((w ^ ((((cc & 7) << 2) | ((cc >> 3) & 3)) ^ (e & 3))) & (WORDS - 1));
+      };
 #pragma unroll
       for (int i = 0; i < NV; i += 4)
 #pragma unroll
@@ -297,19 +313,26 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
           uint32_t o[4];
           transpose4x4(rows[i][q], rows[i + 1][q], rows[i + 2][q], rows[i + 3][q], o);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) cols[4 * q + e][i / 4] = o[e];
+          for (int e = 0; e < 4; ++e) stage[at(c * VEC + 4 * q + e, (g * NV + i) / 4)] = o[e];
         }
-      const int64_t r0 = row_of(0);
-      const bool whole = INTERIOR && sp.M % NV == 0;  // every column's NV bytes present and aligned
+      __syncthreads();
+      constexpr int PIECES = TM / 16;  // 16-byte pieces of a column's TM bytes
+      const int64_t r_tile = p.tm * TM, c_tile = p.tk * TK;
+      const bool whole = INTERIOR && sp.M % 16 == 0;  // every piece present and 16-byte aligned
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        uint8_t* dst = out + base + (col0 + e) * sp.M + r0;  // (K, M) per matrix
+      for (int k = tid; k < TK * PIECES; k += kThreads) {
+        const int col = k / PIECES, piece = k % PIECES;
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = stage[at(col, piece * 4 + j)];
+        const int64_t r = r_tile + piece * 16;
+        uint8_t* dst = out + base + (c_tile + col) * sp.M + r;  // (K, M) per matrix
         if (whole) {
-          store_bytes<NV>(dst, cols[e]);
-        } else if (col0 + e < sp.K) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else if (c_tile + col < sp.K) {
 #pragma unroll
-          for (int i = 0; i < NV; ++i)
-            if (r0 + i < sp.M) dst[i] = uint8_t(cols[e][i / 4] >> (8 * (i % 4)));
+          for (int b = 0; b < 16; ++b)
+            if (r + b < sp.M) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
         }
       }
     };
@@ -326,7 +349,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         }
       }
       const float my_m = row_in ? block_multiplier<MODE>(rule, my_amax, g_row, row, row_gi(mi), gl < NV) : 1.0f;
-      if (gl == 0) write_pads(row, row_at);
+      if (gl == 0) write_pads(row, rat);
       if constexpr (MODE != kAmax)
         cast_store(row.data, [&](int i, float (&mult)[VEC]) {
           const float m = __shfl_sync(0xFFFFFFFFu, my_m, i, LANES);  // row i's multiplier, from lane i
@@ -365,7 +388,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         }
         col_mult[tid] = m;
       }
-      write_pads(col, col_at);
+      write_pads(col, cat);
       __syncthreads();
       if constexpr (MODE != kAmax) {
         float cm[VEC];  // this thread's columns' multipliers, the same for all its rows
@@ -401,8 +424,8 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       }
       // GEMM-ready tiles may have a rowwise output, a transposed columnwise one, or both
       const bool rows_out = !COL_T || row.data;
-      const float m = block_multiplier<MODE>(rule, amax, g_row, row, row_at(p.b, p.tm, p.tk), tid == 0 && rows_out);
-      if (rows_out) write_pads(row, row_at);
+      const float m = block_multiplier<MODE>(rule, amax, g_row, row, rat(p.b, p.tm, p.tk), tid == 0 && rows_out);
+      if (rows_out) write_pads(row, rat);
       const auto tile_mults = [&](int, float (&mult)[VEC]) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) mult[e] = m;
@@ -411,8 +434,8 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         if (rows_out) cast_store(row.data, tile_mults);
       if constexpr (COL_T)
         if (col.data) {
-          block_multiplier<MODE>(rule, amax, g_row, col, col_at(p.b, p.tm, p.tk), tid == 0);
-          write_pads(col, col_at);
+          block_multiplier<MODE>(rule, amax, g_row, col, cat(p.b, p.tm, p.tk), tid == 0);
+          write_pads(col, cat);
           cast_store_T(col.data, tile_mults);
         }
     }
@@ -435,13 +458,14 @@ constexpr int min_blocks_for() {
 
 // The tile geometry and usages of one call: Rule, TM x TK tiles, rowwise 1 x RBK blocks (RBK > 0),
 // TM x 1 columnwise blocks (COL), or one block per tile (TILE); COL_T: the columnwise data (of COL or
-// of GEMM-ready tiles) stored transposed.
-template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_, bool COL_T_ = false>
+// of GEMM-ready tiles) stored transposed; GEMM_SCALES: Float8 scales in GEMM-ready order.
+template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_, bool COL_T_ = false, bool GEMM_SCALES_ = false>
 struct TileCfg {
   using Rule = Rule_;
   using S = typename Rule::ScaleT;
   static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
   static constexpr bool COL = COL_, TILE = TILE_, COL_T = COL_T_;
+  static constexpr bool GEMM_SCALES = GEMM_SCALES_;  // scales in GEMM-ready order (the call's ScaleAt)
   // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
   static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
   // The row slot's blocks: 1 x RBK, or TM x TK for 2-D tiles.
@@ -459,15 +483,20 @@ ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
         return T ? f(TileCfg<R, 32, 256, 32, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
       if (a.row_block) return f(TileCfg<R, 32, 256, 32, false, false>{}, rule);
       return T ? f(TileCfg<R, 32, 256, 0, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
-    } else {
-      if (a.tile_block)
-        return T && a.tile_cols ? f(TileCfg<R, 128, 128, 0, false, true, true>{}, rule)
-                                : f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
+    } else {  // GEMM-ready Float8: the scales too
+      if (a.tile_block) {
+        if (!T) return f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
+        return a.tile_cols ? f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule)
+                           : f(TileCfg<R, 128, 128, 0, false, true, false, true>{}, rule);
+      }
       if (a.row_block && a.col_block)
-        return T ? f(TileCfg<R, 128, 128, 128, true, false, true>{}, rule)
+        return T ? f(TileCfg<R, 128, 128, 128, true, false, true, true>{}, rule)
                  : f(TileCfg<R, 128, 128, 128, true, false>{}, rule);
-      if (a.row_block) return f(TileCfg<R, 128, 128, 128, false, false>{}, rule);
-      return T ? f(TileCfg<R, 128, 128, 0, true, false, true>{}, rule) : f(TileCfg<R, 128, 128, 0, true, false>{}, rule);
+      if (a.row_block)
+        return T ? f(TileCfg<R, 128, 128, 128, false, false, false, true>{}, rule)
+                 : f(TileCfg<R, 128, 128, 128, false, false>{}, rule);
+      return T ? f(TileCfg<R, 128, 128, 0, true, false, true, true>{}, rule)
+               : f(TileCfg<R, 128, 128, 0, true, false>{}, rule);
     }
   });
 }
