@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from ._compat import E8M0_DTYPE
-from .api import dequantize, quantize, quantize_dequantize
+from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, GemmPlan, dense_gemm, fp8_gemm_bind,
@@ -100,16 +100,10 @@ class GemmOperand:
 
 def _share_tiles(q: BlockwiseTensor) -> BlockwiseTensor:
     """128x128 tiles serve both usages: fill the missing one from the other (exact)."""
-    q = _to_layout(q, "compact")
+    q = to_layout(q, "compact")
     src = "rowwise" if q.has_rowwise else "colwise"
     d, s = getattr(q, f"{src}_data"), getattr(q, f"{src}_scale_inv")
     return dataclasses.replace(q, rowwise_data=d, rowwise_scale_inv=s, colwise_data=d, colwise_scale_inv=s)
-
-
-def _to_layout(q, layout):
-    from .layout import to_layout
-
-    return to_layout(q, layout)
 
 
 def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOperand]:
@@ -127,7 +121,7 @@ def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOpe
         if not tiles:
             return None
         q = _share_tiles(q)
-    q = _to_layout(q, "gemm_ready")
+    q = to_layout(q, "gemm_ready")
     data, scale = q.usage_fields(usage, "gemm_operand")
     R, C = view_2d(q.shape)
     return GemmOperand(data.reshape(R, C) if usage == "rowwise" else data, scale, BLOCK_2D if tiles else BLOCK_1D)
@@ -229,15 +223,19 @@ def _linear_fwd(x, w, cfg: _Linear):
     r = cfg.recipe
     xq, wq = _quantized(x, r.scheme("lhs")), _quantized(w, r.scheme("rhs"))
     y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
-    x_t = w_d = None
-    if not isinstance(w, BlockwiseTensor):  # dW wanted: wgrad needs xᵀ
-        x_t = gemm_operand(xq, "first") or dequantize(xq, jnp.float32).reshape(view_2d(xq.shape)).T
-    if not isinstance(x, BlockwiseTensor):  # dx wanted: dgrad needs W contracted over N
-        w_d = gemm_operand(wq, cfg.w_dgrad)
-        if w_d is None:
-            wv = dequantize(wq, jnp.float32)
-            w_d = wv if cfg.rhs_kn else wv.T
+    x_t = None if isinstance(w, BlockwiseTensor) else _operand_or_values(xq, "first")  # wgrad: xᵀ (K, M)
+    w_d = None if isinstance(x, BlockwiseTensor) else _operand_or_values(wq, cfg.w_dgrad)  # dgrad: (K, N)
     return y, (x_t, w_d, _dtype_of(x), _dtype_of(w))
+
+
+def _operand_or_values(q: BlockwiseTensor, contract: str):
+    """``gemm_operand(q, contract)``, or, where ``q`` lacks that usage, its fp32 values in the same
+    orientation (the backward then computes that GEMM by the reference math)."""
+    op = gemm_operand(q, contract)
+    if op is not None:
+        return op
+    v = dequantize(q, jnp.float32).reshape(view_2d(q.shape))
+    return v if contract == "last" else v.T
 
 
 def _dtype_of(v):
@@ -344,7 +342,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     flax's kernel, or (N, K)), no batch dims; ``lhs``'s leading dims flatten into M. Shapes are padded
     to cuBLASLt's alignment (:func:`gemm_supported`). Anything else is computed as ``lax.dot_general``
     of quantize-dequantized operands (dequantized ones for quantized inputs; unquantized for non-float
-    ones), with one :class:`Fp8GemmFallbackWarning` per call saying why: always a correct answer.
+    ones), with one :class:`Fp8GemmFallbackWarning` per call saying why: always a correct answer. A
+    single GEMM of the three that cannot run in FP8 (shapes too small to pad cheaply, 2D x 2D or
+    E5M2 x E5M2 pre-quantized pairs, a pre-quantized operand without the usage it needs) is computed
+    by the reference math on the same quantized operands; the call's one warning names each of them
+    (dgrad and wgrad included, decided from the shapes at the call).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
     ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback.
@@ -397,9 +399,11 @@ def mxfp8_scaled_matmul_operands(q: MXFP8Tensor, usage: str = "rowwise"):
 
     ``usage='rowwise'``: the (M, K) 2-D view contracted over K (1x32 blocks); ``'colwise'``: the (K, M)
     transpose contracted over M (32x1 blocks). The contraction dim is zero-padded to a multiple of 32
-    (``scaled_matmul`` infers the block size as K // K_scales), which changes no product. So
-    ``jax.nn.scaled_matmul(*zip(...))``: with ``a, sa = f(qx)``, ``b, sb = f(qw)`` for x (M, K) and
-    W (N, K), ``jax.nn.scaled_matmul(a, b, sa, sb)[0]`` is ``x̃ · W̃ᵀ`` of the dequantized operands.
+    (``scaled_matmul`` infers the block size as K // K_scales), which changes no product. With
+    ``a, sa = mxfp8_scaled_matmul_operands(qx)`` and ``b, sb = mxfp8_scaled_matmul_operands(qw)`` for x
+    (M, K) and W (N, K), ``jax.nn.scaled_matmul(a, b, sa, sb)[0]`` is ``x̃ · W̃ᵀ`` of the dequantized
+    operands. (jax 0.10 lowers ``scaled_matmul`` on CUDA and ROCm only; its ROCm rule is
+    ``lax.scaled_dot`` with dimension numbers (((2,), (2,)), ((0,), (0,))), which runs anywhere.)
     """
     if not isinstance(q, MXFP8Tensor):
         raise TypeError(f"mxfp8_scaled_matmul_operands: q must be a jax_fp8.MXFP8Tensor, got {type(q).__name__}")

@@ -170,7 +170,7 @@ def test_primitive_checks_its_contract():
 
 
 # ---- the GEMM against fp64 --------------------------------------------------------------------------
-GEMM_SHAPES = [(1, 8, 256), (37, 50, 300), (128, 136, 128), (130, 257, 200), (9, 3, 40), (200, 64, 1000)]
+GEMM_SHAPES = [(1, 8, 256), (37, 50, 300), (130, 257, 200), (9, 3, 40), (200, 64, 1000)]
 
 
 @pytest.mark.parametrize("M,N,K", GEMM_SHAPES, ids=str)
@@ -256,7 +256,7 @@ def test_gemm_vmap(case):
 
 
 # ---- fp8_dot_general: forward --------------------------------------------------------------------
-DOT_SHAPES = [((1, 256), 128), ((37, 300), 50), ((2, 3, 40, 130), 136), ((256, 384), 256), ((16, 100), 8)]
+DOT_SHAPES = [((1, 256), 128), ((37, 300), 50), ((2, 3, 40, 130), 136), ((256, 384), 256)]
 
 
 def _w(rng, K, N, kn, dtype=F32):
@@ -310,8 +310,16 @@ def test_dense_and_einsum_drop_in(strict):
 
 
 # ---- fp8_dot_general: the VJP ----------------------------------------------------------------------
-VJP_CASES = [((64, 256), 128, BF16, E4M3), ((37, 300), 50, F32, E4M3), ((2, 20, 130), 136, BF16, E5M2),
-             ((1, 256), 64, F32, E4M3), ((200, 160), 24, F16, E5M2)]
+VJP_CASES = [((37, 300), 50, F32, E4M3), ((2, 20, 130), 136, BF16, E5M2), ((1, 256), 64, F32, E4M3),
+             ((200, 160), 24, F16, E5M2)]
+
+
+def _fwd_bwd(f):
+    """(y, dx, dW) of f at (x, w) with cotangent g."""
+    def run(x, w, g):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(g))
+    return run
 
 
 def _vjp_setup(xshape, N, kn, x_dtype, grad_dtype, seed):
@@ -328,8 +336,7 @@ def _vjp_setup(xshape, N, kn, x_dtype, grad_dtype, seed):
 @pytest.mark.parametrize("kn", [True, False], ids=["KN", "NK"])
 def test_vjp_against_grad_of_dequantized(xshape, N, x_dtype, grad_dtype, kn, strict):
     x, w, g, f, recipe, dn = _vjp_setup(xshape, N, kn, x_dtype, grad_dtype, stable_seed(xshape, N, kn))
-    y, vjp = jax.vjp(f, x, w)
-    dx, dw = vjp(g)
+    y, dx, dw = jax.jit(_fwd_bwd(f))(x, w, g)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype and dx.shape == x.shape and dw.shape == w.shape
     assert_bits_equal(y, f(x, w), "primal call == forward of the VJP")
     # independent quantizations of the same operands (the FP8 path's values)
@@ -497,7 +504,7 @@ def test_fallback_operand_kinds():
     assert_bits_equal(y, lax.dot_general(jf.dequantize(mx), _qdq(w, B2), KN), "mxfp8 lhs")
     xi = jnp.arange(16 * 128, dtype=jnp.int32).reshape(16, 128) % 7
     y, _ = one_warning(lambda: jf.fp8_dot_general(xi, w, KN), "dtype int32")
-    assert_bits_equal(y, lax.dot_general(xi.astype(F32), _qdq(w, B2), KN), "int lhs")
+    assert_bits_equal(y, lax.dot_general(xi, _qdq(w, B2), KN, preferred_element_type=F32), "int lhs")
     sh = jax.sharding.NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), P())
     one_warning(lambda: jf.fp8_dot_general(x, w, KN, out_sharding=sh), "out_sharding")
     w_row = jf.quantize_blockwise(w)  # (K, N) 1x128 rowwise: blocks along N, but fprop contracts over K
@@ -531,8 +538,8 @@ def test_fallback_per_gemm_keeps_the_rest_in_fp8():
     xt = jf.quantize_blockwise(x, block=B2)  # 128x128 x and the recipe's 128x128 W: fprop 2D x 2D
     y, _ = one_warning(lambda: jf.fp8_dot_general(xt, w, NK), "fprop: 128x128 blocks on both")
     check_gemm(y, deq(xt), _wq(w, False), F32)
-    x5 = jf.quantize_blockwise(x, dtype=E5M2)  # E5M2 x, E5M2 gradients: wgrad E5M2 x E5M2... x gets no
-    w5 = jf.quantize_blockwise(w, dtype=E5M2, colwise=True)  # gradient; fprop is E5M2 x E5M2
+    x5 = jf.quantize_blockwise(x, dtype=E5M2)  # pre-quantized E5M2 x and W: fprop E5M2 x E5M2
+    w5 = jf.quantize_blockwise(w, dtype=E5M2, colwise=True)
     y, _ = one_warning(lambda: jf.fp8_dot_general(x5, w5, NK), "E5M2 on both")
     check_gemm(y, deq(x5), deq(w5), F32)
 
@@ -581,7 +588,7 @@ def _scaled_matmul(a, b, sa, sb):
 
 
 @pytest.mark.skipif(not hasattr(lax, "scaled_dot"), reason="this jax has no lax.scaled_dot")
-@pytest.mark.parametrize("M,N,K", [(16, 24, 64), (5, 7, 70), (33, 40, 100)], ids=str)
+@pytest.mark.parametrize("M,N,K", [(16, 24, 64), (33, 40, 100)], ids=str)
 def test_mxfp8_scaled_matmul_operands(M, N, K):
     rng = np.random.default_rng(stable_seed("mx", M, N, K))
     x, w = data(rng, (M, K), BF16, outliers=True), data(rng, (N, K), BF16)

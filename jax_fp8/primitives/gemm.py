@@ -57,10 +57,11 @@ OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 K_ALIGN, MN_ALIGN = 16, 8
 MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
 #: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
-#: unpadded one. The fallback (dequantize both operands to fp32, fp32 dot) moves >= 4x the operand bytes
-#: and runs the dot on CUDA cores, ~15x slower than FP8 tensor cores on H100/H200 (67 vs 989 dense
-#: TFLOP/s); padding up to 16x the work stays ahead, and the fallback is left to degenerate shapes
-#: (e.g. M = N = 1, or M = 1 with K = 1).
+#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
+#: slice of the output; the fallback (dequantize both operands to fp32, fp32 dot at HIGHEST) moves >= 4x
+#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
+#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
+#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
 MAX_PAD_GROWTH = 16
 
 
