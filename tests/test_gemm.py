@@ -21,7 +21,6 @@ with the unquantized cotangent: the difference is bounded by the GEMM bound of e
 propagated quantization differences, computed exactly (|Q(dy) - dy|·|W̃| etc.), by the triangle
 inequality. The FP8 gradients also EQUAL the GEMMs of the saved residuals with the quantized cotangent.
 """
-import dataclasses
 import warnings
 from functools import partial
 
@@ -35,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8 import gemm as G
 from jax_fp8._compat import shard_map
-from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_p, gemm_supported
+from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_supported
 from helpers import assert_bits_equal, stable_seed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -494,6 +493,11 @@ def test_fallback_dimension_numbers(name):
     assert_bits_equal(y, lax.dot_general(_qdq(x, B1), _qdq(w, B2), dn), name)
     (dx, dw), _ = one_warning(lambda: jax.grad(loss, argnums=(0, 1))(x, w, jnp.ones_like(y)), match)
     assert dx.shape == x.shape and dw.shape == w.shape  # straight-through: the gradients of the dot
+    with warnings.catch_warnings(record=True) as rec:  # Python's default filter: once per call site
+        warnings.simplefilter("default")
+        for _ in range(3):
+            jf.fp8_dot_general(x, w, dn)
+    assert len([r for r in rec if issubclass(r.category, G.Fp8GemmFallbackWarning)]) == 1
 
 
 def test_fallback_operand_kinds():
