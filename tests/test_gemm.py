@@ -35,7 +35,7 @@ import jax_fp8 as jf
 from jax_fp8 import gemm as G
 from jax_fp8._compat import shard_map
 from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_supported
-from helpers import assert_bits_equal, stable_seed
+from helpers import assert_bits_equal, on_cpu, stable_seed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
@@ -78,8 +78,9 @@ def check_gemm(out, a, b, out_dtype, c=None, what=""):
 
 
 def deq(q, usage="rowwise"):
-    """fp64 values of a quantized tensor's usage, as its 2-D view."""
-    v = f64(jf.dequantize(q, jnp.float32, usage))
+    """fp64 values of a quantized tensor's usage, as its 2-D view (the NumPy reference's dequantize:
+    independent of the code under test, and no compile)."""
+    v = on_cpu(jf.reference.dequantize, q, dtype=np.float32, usage=usage).astype(np.float64)
     return v.reshape(-1, v.shape[-1])
 
 
@@ -177,13 +178,12 @@ GEMM_SHAPES = [(1, 8, 256), (37, 50, 300), (130, 257, 200), (9, 3, 40), (200, 64
 def test_gemm_within_bound(M, N, K, blocks, strict):
     rng = np.random.default_rng(stable_seed(M, N, K, blocks))
     gemm = jax.jit(G.fp8_gemm, static_argnames="out_dtype")
-    for outliers in (False, True):
-        for out_dtype in (BF16, F32):
-            bd = E5M2 if out_dtype == F32 else E4M3  # an E4M3 x E5M2 pair too
-            qa = jf.quantize_blockwise(data(rng, (M, K), BF16, outliers), block=blocks[0])
-            qb = jf.quantize_blockwise(data(rng, (N, K), F32, outliers), block=blocks[1], dtype=bd)
-            out = gemm(qa, qb, out_dtype=out_dtype)
-            check_gemm(out, deq(qa), deq(qb), out_dtype, what=f"outliers={outliers} {out_dtype}")
+    for outliers, out_dtype in ((False, BF16), (True, F32)):
+        bd = E5M2 if out_dtype == F32 else E4M3  # an E4M3 x E5M2 pair too
+        qa = jf.quantize_blockwise(data(rng, (M, K), BF16, outliers), block=blocks[0])
+        qb = jf.quantize_blockwise(data(rng, (N, K), F32, outliers), block=blocks[1], dtype=bd)
+        out = gemm(qa, qb, out_dtype=out_dtype)
+        check_gemm(out, deq(qa), deq(qb), out_dtype, what=f"outliers={outliers} {out_dtype}")
 
 
 def test_gemm_accumulates_into_c(strict):
@@ -258,6 +258,10 @@ def test_gemm_vmap(case):
 DOT_SHAPES = [((1, 256), 128), ((37, 300), 50), ((2, 3, 40, 130), 136), ((256, 384), 256)]
 
 
+def jit_dot(x, w, dn, **kw):
+    return jax.jit(partial(jf.fp8_dot_general, dimension_numbers=dn, **kw))(x, w)
+
+
 def _w(rng, K, N, kn, dtype=F32):
     return data(rng, (K, N) if kn else (N, K), dtype)
 
@@ -274,13 +278,13 @@ def test_dot_general_forward(xshape, N, kn, strict):
     rng = np.random.default_rng(stable_seed(xshape, N, kn))
     x, w = data(rng, xshape, BF16, outliers=True), _w(rng, xshape[-1], N, kn)
     dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
-    y = jax.jit(jf.fp8_dot_general, static_argnums=2)(x, w, dn)
+    y = jit_dot(x, w, dn)
     assert y.shape == (*xshape[:-1], N) and y.dtype == F32
     check_gemm(y.reshape(-1, N), deq(jf.quantize_blockwise(x)), _wq(w, kn), F32)
-    y16 = jf.fp8_dot_general(x, w.astype(BF16), dn)  # bf16 x bf16 -> bf16, as lax.dot_general
+    y16 = jit_dot(x, w.astype(BF16), dn)  # bf16 x bf16 -> bf16, as lax.dot_general
     assert y16.dtype == BF16
     check_gemm(y16.reshape(-1, N), deq(jf.quantize_blockwise(x)), _wq(w.astype(BF16), kn), BF16)
-    yh = jf.fp8_dot_general(x, w, dn, preferred_element_type=jnp.float16)  # not a GEMM dtype: fp32 then cast
+    yh = jit_dot(x, w, dn, preferred_element_type=jnp.float16)  # not a GEMM dtype: fp32 then cast
     assert yh.dtype == F16
 
 
@@ -293,7 +297,7 @@ def test_dense_and_einsum_drop_in(strict):
     def dense(inputs, kernel, dot_general=jf.fp8_dot_general):
         return dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=None)
 
-    y = dense(x, kernel)
+    y = jax.jit(dense)(x, kernel)
     assert y.shape == (2, 24, 136) and y.dtype == BF16
     check_gemm(y.reshape(-1, 136), deq(jf.quantize_blockwise(x)), _wq(kernel, True), BF16)
     e5 = partial(jf.fp8_dot_general, recipe=jf.Float8BlockScaling(grad_dtype=E5M2))
@@ -303,8 +307,8 @@ def test_dense_and_einsum_drop_in(strict):
             assert_bits_equal(ye, y, spec)
     ye = jnp.einsum("kn,btk->btn", kernel, x, _dot_general=jf.fp8_dot_general)  # weight first: same call
     assert_bits_equal(ye, y, "kn,btk")
-    gx = jax.grad(lambda x: jnp.einsum("btk,kn->btn", x, kernel, _dot_general=jf.fp8_dot_general)
-                  .astype(F32).sum())(x)
+    gx = jax.jit(jax.grad(lambda x: jnp.einsum("btk,kn->btn", x, kernel, _dot_general=jf.fp8_dot_general)
+                  .astype(F32).sum()))(x)
     assert gx.shape == x.shape and gx.dtype == BF16
 
 
@@ -367,10 +371,9 @@ def test_vjp_equals_gemms_of_saved_residuals(kn, strict):
     there, not re-quantized) and of the cotangent quantized once; the residuals are the GEMM-ready
     operands of one quantization pass per tensor."""
     x, w, g, f, recipe, dn = _vjp_setup((40, 272), 56, kn, BF16, E5M2, stable_seed("residuals", kn))
-    _, vjp = jax.vjp(f, x, w)
-    dx, dw = vjp(g)
+    _, dx, dw = jax.jit(_fwd_bwd(f))(x, w, g)
     cfg = G._Linear(recipe, kn, jnp.dtype(F32))
-    _, (x_t, w_d, _, _) = G._linear_fwd(x, w, cfg)
+    _, (x_t, w_d, _, _) = jax.jit(lambda x, w: G._linear_fwd(x, w, cfg))(x, w)
     xq = jf.quantize_blockwise(x, colwise=True, layout="gemm_ready")
     wq = jf.quantize_blockwise(w, block=B2, colwise=True, layout="gemm_ready")
     for got, want in ((x_t, G.gemm_operand(xq, "first")), (w_d, G.gemm_operand(wq, "last" if kn else "first"))):
@@ -379,8 +382,9 @@ def test_vjp_equals_gemms_of_saved_residuals(kn, strict):
         assert_bits_equal(got.scale, want.scale, "residual scales")
     gq = jf.quantize(g, recipe.scheme("grad"))
     dy, dy_t = G.gemm_operand(gq, "last"), G.gemm_operand(gq, "first")
-    assert_bits_equal(dx, G.fp8_gemm(dy, w_d, BF16), "dgrad")
-    assert_bits_equal(dw, G.fp8_gemm(x_t, dy_t, F32) if kn else G.fp8_gemm(dy_t, x_t, F32), "wgrad")
+    gemm = jax.jit(G.fp8_gemm, static_argnums=2)
+    assert_bits_equal(dx, gemm(dy, w_d, BF16), "dgrad")
+    assert_bits_equal(dw, gemm(x_t, dy_t, F32) if kn else gemm(dy_t, x_t, F32), "wgrad")
 
 
 def test_each_tensor_quantized_once():
@@ -455,16 +459,18 @@ def test_shard_map_equals_per_shard(strict):
 def test_prequantized_operands_used_as_they_are(strict):
     rng = np.random.default_rng(9)
     x, w = data(rng, (40, 272), BF16), data(rng, (272, 56), F32)
-    y = jf.fp8_dot_general(x, w, KN)
-    dx_ref, dw_ref = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)), argnums=(0, 1))(x, w, y)
+    dot = jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))
+    grad = jax.jit(jax.grad(_loss(dot), argnums=(0, 1)))
+    y = dot(x, w)
+    dx_ref, dw_ref = grad(x, w, y)
     for layout in ("compact", "gemm_ready"):
         wq = jf.quantize_blockwise(w, block=B2, layout=layout)  # rowwise only: tiles give both orientations
         xq = jf.quantize_blockwise(x, colwise=True, layout=layout)
-        assert_bits_equal(jf.fp8_dot_general(x, wq, KN), y, f"W pre-quantized {layout}")
-        assert_bits_equal(jf.fp8_dot_general(xq, w, KN), y, f"x pre-quantized {layout}")
-        assert_bits_equal(jf.fp8_dot_general(xq, wq, KN), y, f"both pre-quantized {layout}")
-        dx = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)))(x, wq, y)
-        dw = jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, KN)), argnums=1)(xq, w, y)
+        assert_bits_equal(dot(x, wq), y, f"W pre-quantized {layout}")
+        assert_bits_equal(dot(xq, w), y, f"x pre-quantized {layout}")
+        assert_bits_equal(dot(xq, wq), y, f"both pre-quantized {layout}")
+        dx = jax.jit(jax.grad(_loss(dot)))(x, wq, y)
+        dw = jax.jit(jax.grad(_loss(dot), argnums=1))(xq, w, y)
         assert_bits_equal(dx, dx_ref, "dx with a pre-quantized W")
         assert_bits_equal(dw, dw_ref, "dW with a pre-quantized x")
 
@@ -491,7 +497,7 @@ def test_fallback_dimension_numbers(name):
     loss = _loss(lambda x, w: jf.fp8_dot_general(x, w, dn))
     y, _ = one_warning(lambda: jf.fp8_dot_general(x, w, dn), match)
     assert_bits_equal(y, lax.dot_general(_qdq(x, B1), _qdq(w, B2), dn), name)
-    (dx, dw), _ = one_warning(lambda: jax.grad(loss, argnums=(0, 1))(x, w, jnp.ones_like(y)), match)
+    (dx, dw), _ = one_warning(lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, jnp.ones_like(y)), match)
     assert dx.shape == x.shape and dw.shape == w.shape  # straight-through: the gradients of the dot
     with warnings.catch_warnings(record=True) as rec:  # Python's default filter: once per call site
         warnings.simplefilter("default")
@@ -523,28 +529,31 @@ def test_fallback_per_gemm_keeps_the_rest_in_fp8():
     rng = np.random.default_rng(11)
     x, w = data(rng, (1, 5), F32), data(rng, (5, 1), F32)  # 1x1x5: fprop, dgrad and wgrad all fall back
     loss = _loss(lambda x, w: jf.fp8_dot_general(x, w, KN))
-    y, wn = one_warning(lambda: jf.fp8_dot_general(x, w, KN), "fprop:")
+    y, wn = one_warning(lambda: jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))(x, w), "fprop:")
     assert "dgrad:" in str(wn.message) and "wgrad:" in str(wn.message) and wn.filename == __file__
     check_gemm(y, deq(jf.quantize_blockwise(x)), _wq(w, True), F32)
-    (dx, dw), _ = one_warning(lambda: jax.grad(loss, argnums=(0, 1))(x, w, jnp.ones_like(y)), "wgrad:")
+    (dx, dw), _ = one_warning(lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, jnp.ones_like(y)), "wgrad:")
     gq = jf.quantize_blockwise(jnp.ones_like(y), colwise=True)
     check_gemm(dx, deq(gq), _wq(w, True).T, F32, what="dx")
     check_gemm(dw, deq(jf.quantize_blockwise(x, colwise=True), "colwise").T, deq(gq, "colwise").T, F32, what="dW")
 
     x, w = data(rng, (32, 256), BF16), data(rng, (64, 256), F32)  # W (N, K) 1x128 rowwise only
     wq = jf.quantize_blockwise(w)
-    _, wn = one_warning(lambda: jf.fp8_dot_general(x, wq, NK), "dgrad: a pre-quantized operand lacks")
+    _, wn = one_warning(lambda: jax.jit(lambda x, w: jf.fp8_dot_general(x, w, NK))(x, wq),
+                        "dgrad: a pre-quantized operand lacks")
     assert "fprop" not in str(wn.message)
     g = data(rng, (32, 64), F32)
-    dx, _ = one_warning(lambda: jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, NK)))(x, wq, g), "dgrad")
+    dx, _ = one_warning(lambda: jax.jit(jax.grad(_loss(lambda x, w: jf.fp8_dot_general(x, w, NK))))(x, wq, g),
+                        "dgrad")
     check_gemm(dx, deq(jf.quantize_blockwise(g)), deq(wq).T, BF16, what="dx, dense dgrad")
 
     xt = jf.quantize_blockwise(x, block=B2)  # 128x128 x and the recipe's 128x128 W: fprop 2D x 2D
-    y, _ = one_warning(lambda: jf.fp8_dot_general(xt, w, NK), "fprop: 128x128 blocks on both")
+    y, _ = one_warning(lambda: jax.jit(lambda x, w: jf.fp8_dot_general(x, w, NK))(xt, w),
+                       "fprop: 128x128 blocks on both")
     check_gemm(y, deq(xt), _wq(w, False), F32)
     x5 = jf.quantize_blockwise(x, dtype=E5M2)  # pre-quantized E5M2 x and W: fprop E5M2 x E5M2
     w5 = jf.quantize_blockwise(w, dtype=E5M2, colwise=True)
-    y, _ = one_warning(lambda: jf.fp8_dot_general(x5, w5, NK), "E5M2 on both")
+    y, _ = one_warning(lambda: jax.jit(lambda x, w: jf.fp8_dot_general(x, w, NK))(x5, w5), "E5M2 on both")
     check_gemm(y, deq(x5), deq(w5), F32)
 
 
@@ -592,7 +601,7 @@ def _scaled_matmul(a, b, sa, sb):
 
 
 @pytest.mark.skipif(not hasattr(lax, "scaled_dot"), reason="this jax has no lax.scaled_dot")
-@pytest.mark.parametrize("M,N,K", [(16, 24, 64), (33, 40, 100)], ids=str)
+@pytest.mark.parametrize("M,N,K", [(33, 40, 100)], ids=str)
 def test_mxfp8_scaled_matmul_operands(M, N, K):
     rng = np.random.default_rng(stable_seed("mx", M, N, K))
     x, w = data(rng, (M, K), BF16, outliers=True), data(rng, (N, K), BF16)
