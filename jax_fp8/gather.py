@@ -14,9 +14,8 @@ from functools import partial
 from typing import Optional
 
 import jax
-from jax import lax
-
 import jax.numpy as jnp
+from jax import lax
 
 from .api import dequantize, to_layout
 from .arrays import view_2d
