@@ -115,7 +115,7 @@ class Scheme:
 
     @property
     def tiles(self) -> bool:
-        """128x128 tiles: one set of scales serves both usages."""
+        """128x128 tiles (each tile one block for both orientations; see shared_tiles)."""
         return self.block == (FLOAT8_BLOCK, FLOAT8_BLOCK)
 
     def usage_block(self, usage: str) -> tuple[int, int]:
