@@ -16,11 +16,13 @@ so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")" | tee "$OUT/sass_summary.txt"
 rm -f "$OUT/sass.txt"  # too large to bring back
-python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
+# no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
+python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
 python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 # kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
 # (KB_PREBUILT=1: use bench/.bin/kernel_bench as carried from the build machine; it takes ~3 min to build)
-if [ -z "${KB_PREBUILT:-}" ] || [ ! -x bench/.bin/kernel_bench ]; then
+# (a build from another machine's image may not run here: "Illegal instruction" in run 24; rebuild then)
+if [ -z "${KB_PREBUILT:-}" ] || ! bench/.bin/kernel_bench 256 256 > /dev/null 2>&1; then
   bash bench/build_kernel_bench.sh > "$OUT/kernel_bench_build.log" 2>&1 || cat "$OUT/kernel_bench_build.log"
 fi
 for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | tee "$OUT/kernel_bench.log"
