@@ -11,18 +11,10 @@ from . import layout as _layout
 from . import reference
 from .formats import check_input, fp8_dtype
 from .primitives import KERNELS
-from .scheme import Scheme
+from .scheme import Scheme, build_scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 QuantizedTensor = Union[MXFP8Tensor, BlockwiseTensor]
-
-
-def _scheme(where: str, *args, **kw) -> Scheme:
-    """Build a Scheme; its validation errors name the public function that was called."""
-    try:
-        return Scheme(*args, **kw)
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
 
 
 def quantize(x, scheme: Scheme) -> QuantizedTensor:
@@ -49,7 +41,7 @@ def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bo
     are multiplied by ``2**(127 - e)`` and cast with saturation; NaN elements stay NaN (byte 0x7F).
     Not differentiable; see :func:`quantize_dequantize` for a straight-through estimator.
     """
-    return quantize(x, _scheme("quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise, layout=layout))
+    return quantize(x, build_scheme("quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise, layout=layout))
 
 
 def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3fn, pow2_scales: bool = True,
@@ -71,7 +63,7 @@ def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3
     Scale as TE's ``compute_scale_from_amax``: 1 for a zero, inf or NaN amax, else ``fp8_max / amax``
     (an infinite quotient becomes the input dtype's largest finite value); stored ``scale_inv = 1/scale``.
     """
-    return quantize(x, _scheme("quantize_blockwise", "blockwise", dtype, rowwise=rowwise, colwise=colwise,
+    return quantize(x, build_scheme("quantize_blockwise", "blockwise", dtype, rowwise=rowwise, colwise=colwise,
                                block=block, pow2_scales=pow2_scales, amax_epsilon=amax_epsilon, layout=layout))
 
 
@@ -121,5 +113,5 @@ def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options
     x = check_input(x)
     if usage not in ("rowwise", "colwise"):
         raise ValueError(f"quantize_dequantize: usage must be 'rowwise' or 'colwise', got {usage!r}")
-    scheme = _scheme("quantize_dequantize", fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
+    scheme = build_scheme("quantize_dequantize", fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
     return _qdq(x, scheme, usage)

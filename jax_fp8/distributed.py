@@ -26,7 +26,7 @@ from .formats import high_dtype
 from .gather import all_gather_dequantized, all_gather_first_dim
 from .layout import assemble, to_layout
 from .primitives.partial import partial_amax_p, partial_cast_p
-from .scheme import Quantizer, Scheme, unpack_grids
+from .scheme import Quantizer, build_scheme, unpack_grids
 from .shard_layout import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
 
 Array = Any
@@ -115,11 +115,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     if len(shards) != len(shapes):
         raise ValueError(f"{where}: {len(shards)} shards but {len(shapes)} shapes")
     offsets, lengths = _per_weight(offsets, "offsets", len(shards)), _per_weight(lengths, "lengths", len(shards))
-    try:
-        scheme = Scheme(fmt, dtype, rowwise=rowwise, colwise=colwise, block=block, pow2_scales=pow2_scales,
-                        amax_epsilon=amax_epsilon)
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
+    scheme = build_scheme(where, fmt, dtype, rowwise=rowwise, colwise=colwise, block=block, pow2_scales=pow2_scales,
+                          amax_epsilon=amax_epsilon)
     if model_dtype is not None:
         model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
 
@@ -133,7 +130,7 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         xs.append(s.astype(model_dtype) if model_dtype is not None else s)
         off = _as_i32(offsets[i], "offsets", i) if offsets is not None else (rank * s.shape[0]).astype(jnp.int32)
         n = _as_i32(lengths[i], "lengths", i) if lengths is not None else jnp.int32(s.shape[0])
-        wins.append(_window(off, n))
+        wins.append(_valid_window(off, n))
         held.append(s.shape[0])
     if not xs:
         return []
@@ -168,7 +165,7 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     return out
 
 
-def _window(offset, length):
+def _valid_window(offset, length):
     """A shard's (offset, length) as an int32 pair. A negative offset is not a valid window: that shard
     then holds nothing (offset 0, length 0), as does a negative length."""
     ok = offset >= 0

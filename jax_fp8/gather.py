@@ -96,8 +96,8 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
     shape = x.shape
     if len(shape) < 2:
         raise ValueError(f"all_gather_first_dim: a quantized gather needs rank >= 2, got shape {shape}")
-    if quantized and x.layout != quantizer.layout and quantizer.satisfied_by(to_layout(x, quantizer.layout)):
-        x = to_layout(x, quantizer.layout)  # the same bits rearranged: exact
+    if quantized and quantizer.satisfied_by(dataclasses.replace(x.scheme, layout=quantizer.layout)):
+        x = to_layout(x, quantizer.layout)  # the same bits, rearranged if the layouts differ: exact
     convert = quantized and not quantizer.satisfied_by(x)
     if convert:
         warnings.warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "

@@ -67,9 +67,8 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
     if usage is None:
         usage = "rowwise" if q.has_rowwise else "colwise"
-    q.usage_fields(usage, "dequantize")  # checks the tensor's fields against its layout
     if q.layout != "compact":
-        q = to_layout(q, "compact")
+        q = to_layout(q, "compact")  # checks every field against the GEMM-ready layout
     data, scale = q.usage_fields(usage, "dequantize")
     if data.size == 0:
         return xp_of(data).zeros(q.shape, out_dtype)

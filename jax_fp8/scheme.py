@@ -218,8 +218,9 @@ class Scheme:
         return q.scheme
 
     def satisfied_by(self, q) -> bool:
-        """Whether ``q`` already holds every usage this scheme asks for, in this format."""
-        other = q.scheme
+        """Whether ``q`` (a quantized tensor, or the Scheme of one) already holds every usage this scheme
+        asks for, in this format and layout."""
+        other = q if isinstance(q, Scheme) else q.scheme
         same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise) == self
         return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)
 
@@ -228,6 +229,14 @@ class Scheme:
         from .api import quantize  # the API sits above the scheme
 
         return quantize(x, self)
+
+
+def build_scheme(where: str, *args, **kw) -> Scheme:
+    """A Scheme whose validation errors name ``where`` (the public function that was called)."""
+    try:
+        return Scheme(*args, **kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
 
 
 #: TE's name for a scheme; the same class.
