@@ -349,7 +349,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
         }
       }
       const float my_m = row_in ? block_multiplier<MODE>(rule, my_amax, g_row, row, row_gi(mi), gl < NV) : 1.0f;
-      if (gl == 0) write_pads(row, rat);
+      write_pads(row, rat);  // threads 0-2 of tile column 0 (or row 0) write a stored row's padding
       if constexpr (MODE != kAmax)
         cast_store(row.data, [&](int i, float (&mult)[VEC]) {
           const float m = __shfl_sync(0xFFFFFFFFu, my_m, i, LANES);  // row i's multiplier, from lane i
