@@ -21,10 +21,11 @@ from .tensors import BlockwiseTensor, MXFP8Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """A kernel set. ``quantize(x3, scheme=...)`` takes a (B, M, K) float array and returns, per kernel
-    block of the scheme (``Scheme.kernel_blocks``), the FP8 data as uint8 (B, M, K) and the scale grid
-    (B, ceil(M/bm), ceil(K/bk)). ``dequantize(data3, scale3, scheme=..., out_dtype=...)`` takes one
-    usage's uint8 data and scales (``scheme`` holds just that usage) and returns (B, M, K) values."""
+    """A kernel set. ``quantize(x3, scheme=...)`` takes a (B, M, K) float array and returns, per output
+    of ``Scheme.kernel_outputs``, the FP8 data as uint8 and the scales, each with a leading B (data
+    (B, M, K), or (B, K, M) transposed for GEMM-ready columnwise data). ``dequantize(data3, scale3,
+    scheme=..., out_dtype=...)`` takes one usage's compact uint8 data and scales (``scheme`` holds just
+    that usage) and returns (B, M, K) values."""
 
     quantize: Callable
     dequantize: Callable
@@ -47,8 +48,7 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
     """Quantize ``x`` (validated here) with ``scheme`` on ``kernels``."""
     x = check_input(x)
     M, K = view_2d(x.shape)
-    shapes = [(scheme.data_shape(x.shape, u if u != "tile" else "rowwise"),
-               scheme.scale_shape(M, K, u if u != "tile" else "rowwise")) for u in scheme.kernel_usages]
+    shapes = scheme.kernel_outputs(x.shape)
     if x.size == 0:  # empty input: empty data and scales of the documented shapes
         xp = xp_of(x)
         pad = GEMM_SCALE_PAD if not scheme.e8m0 else 0

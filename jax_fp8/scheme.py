@@ -179,6 +179,13 @@ class Scheme:
             rows, cols = cols, rows
         return rows, -(-cols // 4) * 4
 
+    def kernel_outputs(self, shape) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
+        """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
+        ``kernel_usages`` order (compact shared tiles are laid out as the rowwise usage)."""
+        M, K = view_2d(shape)
+        usages = ("rowwise" if u == "tile" else u for u in self.kernel_usages)
+        return [(self.data_shape(shape, u), self.scale_shape(M, K, u)) for u in usages]
+
     @property
     def block_rows(self) -> int:
         """Height of the tallest block among the usages asked for (1 when no block spans rows)."""

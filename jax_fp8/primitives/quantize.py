@@ -29,10 +29,8 @@ def _quantize_abstract(x, *, scheme):
         raise ValueError(f"jf_quantize takes a (batch, rows, cols) array, got shape {x.shape}")
     B, M, K = x.shape
     outs = []
-    for usage in scheme.kernel_usages:
-        usage = "rowwise" if usage == "tile" else usage
-        outs += [ShapedArray((B, *scheme.data_shape((M, K), usage)), np.uint8),
-                 ShapedArray((B, *scheme.scale_shape(M, K, usage)), scheme.scale_dtype)]
+    for data, scale in scheme.kernel_outputs((M, K)):
+        outs += [ShapedArray((B, *data), np.uint8), ShapedArray((B, *scale), scheme.scale_dtype)]
     return outs
 
 
