@@ -76,14 +76,6 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   o[3] = __byte_perm(ab23, cd23, 0x7632);
 }
 
-// NV bytes (NV / 4 words) as one store: 4, 8 or 16 bytes.
-template <int NV>
-__device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[NV / 4]) {
-  if constexpr (NV == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
-  else if constexpr (NV == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-  else *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // The shard window of a call (the whole matrix when dense), read once per CTA.
 struct Window {
   int64_t offset, length;
@@ -192,7 +184,7 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
 
 // The TM x TK tile geometry: thread tid holds VEC-element chunk c of NV rows: g, g+G, ..., or, when
 // columnwise data is stored transposed (COL_T), the NV consecutive rows g*NV ... g*NV + NV-1, so that
-// each column's NV bytes go out as one store.
+// each group of 4 rows transposes in registers into whole words of its columns.
 template <class L, int TM, int TK>
 struct Geom {
   static constexpr int VEC = L::VEC;
