@@ -52,6 +52,9 @@ def _gather_quantized(q, axis_name, ranks: int):
     gemm_scales = scheme.gemm_ready and not scheme.e8m0
     fields = {}
     for usage in q.usage_blocks():
+        if scheme.shared_tiles and fields:  # compact 128x128 tiles: the colwise fields are the rowwise ones
+            fields.update(colwise_data=fields["rowwise_data"], colwise_scale_inv=fields["rowwise_scale_inv"])
+            break
         data, scale = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
         fields[f"{usage}_data"] = _gather(data, axis_name, 1 if usage == "colwise" and scheme.gemm_ready else 0)
         if gemm_scales:

@@ -215,3 +215,13 @@ def test_gemm_ready_gather_equals_full_quantization(name, n, local_rows):
         if local_rows % qz.block_rows == 0:
             assert_tensors_equal(got, qz.quantize(x))
             assert not warns, warns
+
+
+def test_shared_tiles_travel_once():
+    """Compact 128x128 tiles serve both usages: their data and scales are gathered once, not twice."""
+    qz = Quantizer("blockwise", block=(128, 128), rowwise=True, colwise=True)
+    x = random_input(np.random.default_rng(9), (2 * 128, 200), jnp.bfloat16)
+    got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, 2)
+    assert not warns
+    assert_tensors_equal(got, qz.quantize(x))
+    assert len(re.findall(r'"stablehlo.all_gather"', f.lower(x).as_text())) == 2  # data + scales
