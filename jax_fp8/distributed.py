@@ -210,6 +210,9 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
             d = getattr(t, f"{usage}_data")
             if d is None:
                 continue
+            if t.scheme.shared_tiles and fields:  # 128x128 tiles: the colwise data is the rowwise data
+                fields["colwise_data"] = fields["rowwise_data"]
+                break
             g = lax.all_gather(bitcast(d, jnp.uint8), axis_name)  # (ranks, L)
             j = jnp.arange(g.shape[1])
             pos = offs[:, None] + j[None, :]

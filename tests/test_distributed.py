@@ -436,3 +436,19 @@ def test_gather_master_weights_gemm_ready(n):
     with pytest.raises(ValueError, match="layout"):
         shard_map(lambda b: gather_master_weights([], "data", layout="tn"), mesh=_mesh(2), in_specs=P("data"),
                   out_specs=P())(np.zeros((2, 4), np.float32))
+
+
+def test_gather_master_weights_sends_shared_tiles_once():
+    """A 128x128 weight's tiles serve both usages: its FP8 shard is gathered once (plus the windows)."""
+    shapes = [(256, 128)]
+    bufs = split_masters([np.ones(shapes[0], np.float32)], 2)
+
+    def step(local):
+        qs = quantize_master_weights([local[0][0]], shapes, "data", fmt="blockwise", block=(128, 128))
+        return gather_master_weights(qs, "data")
+
+    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=P("data"), out_specs=P()))
+    got = f(bufs)[0]
+    assert got.colwise_data is not None
+    assert_tensors_equal(got, jf.quantize_blockwise(np.ones(shapes[0], jnp.bfloat16), block=(128, 128), colwise=True))
+    assert len(re.findall(r'"stablehlo.all_gather"', f.lower(bufs).as_text())) == 3  # offset, length, data
