@@ -6,8 +6,11 @@ reference on that platform. Nothing here initialises a jax backend.
 """
 from __future__ import annotations
 
+import glob
 import importlib
+import os
 import warnings
+from typing import Optional
 
 from ._compat import ffi
 
@@ -46,3 +49,55 @@ def cuda_device_present() -> bool:
         return len(jax.devices("cuda")) > 0
     except Exception:  # RuntimeError "Unknown backend cuda" and its relatives
         return False
+
+
+_CUBLASLT: Optional[tuple[int, str]] = None
+#: cuBLASLt's first version with Hopper block scaling (cublasLtGetVersion's major*10000 + minor*100).
+CUBLASLT_MIN_VERSION = 120900
+
+
+def _cublaslt_candidates() -> list[str]:
+    """Where to look for libcublasLt: the nvidia wheels (where JAX's CUDA plugin finds it), newest
+    first, then the bare sonames for the system's library path."""
+    paths: list[str] = []
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+
+        for root in nvidia.__path__:
+            paths += sorted(glob.glob(os.path.join(root, "*", "lib", "libcublasLt.so*")), reverse=True)
+    except ImportError:
+        pass
+    return paths + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]
+
+
+def cublaslt() -> tuple[int, str]:
+    """Loads cuBLASLt for the FP8 GEMM, once (the copy XLA already loaded is preferred):
+    ``(version, path)``, or ``(0, why not)``. Never raises."""
+    global _CUBLASLT
+    if _CUBLASLT is None:
+        if not AVAILABLE["cuda"]:
+            _CUBLASLT = (0, "the jax_fp8 CUDA module is not built")
+        else:
+            mod = importlib.import_module("jax_fp8._jax_fp8_cuda")
+            version, message = mod.cublaslt_load(_cublaslt_candidates())
+            _CUBLASLT = (int(version), str(message))
+    return _CUBLASLT
+
+
+def gemm_cuda_unavailable() -> Optional[str]:
+    """None when ``jf_fp8_gemm`` runs on cuBLASLt here (the CUDA module built, cuBLASLt >= 12.9 loaded,
+    every CUDA device a Hopper, sm_90); else why not, in words. Never raises."""
+    version, message = cublaslt()
+    if not version:
+        return message
+    if version < CUBLASLT_MIN_VERSION:
+        return f"cuBLASLt {version} at {message} predates block scaling (needs >= {CUBLASLT_MIN_VERSION})"
+    try:
+        import jax
+
+        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
+    except Exception as e:  # no CUDA backend
+        return f"no CUDA device ({e})"
+    if not caps or any(not c.startswith("9.") for c in caps):
+        return f"cuBLASLt's FP8 block scaling needs Hopper (sm_90); the CUDA devices are sm {sorted(caps)}"
+    return None

@@ -30,18 +30,14 @@ from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, GemmPlan, dense_gemm, fp8_gemm_bind,
-                              gemm_supported, operand_scale_shape, operand_values)
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan, dense_gemm,
+                              fp8_gemm_bind, gemm_supported, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 Array = Any
 __all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "gemm_supported", "GemmOperand", "GemmPlan",
            "Float8BlockScaling", "Fp8GemmFallbackWarning", "mxfp8_scaled_matmul_operands"]
-
-
-class Fp8GemmFallbackWarning(UserWarning):
-    """``fp8_dot_general`` (or ``fp8_gemm``) computed a product without the FP8 GEMM; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

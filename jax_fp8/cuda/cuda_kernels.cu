@@ -1,13 +1,18 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
 // registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
-// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh.
+// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh; the FP8 GEMM is cuBLASLt's
+// (fp8_gemm.h, loaded at run time through cublaslt.h).
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <vector>
 
 #include "dequantize.cuh"
 #include "ffi_common.h"
+#include "fp8_gemm.h"
 #include "quantize_dense.cuh"
 #include "quantize_shards.cuh"
 
@@ -152,6 +157,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda,
                                   .Attr<ffi::Span<const int64_t>>("Ks")
                                   .Attr<jf::Scheme>("scheme"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()  // the cuBLASLt workspace
+                                  .Ctx<ffi::DeviceOrdinal>()     // keys the handle and algorithm caches
+                                  .Arg<ffi::AnyBuffer>()         // a (M, K) fp8
+                                  .Arg<ffi::AnyBuffer>()         // a_scale, GEMM-ready fp32
+                                  .Arg<ffi::AnyBuffer>()         // b (N, K) fp8
+                                  .Arg<ffi::AnyBuffer>()         // b_scale, GEMM-ready fp32
+                                  .RemainingArgs()               // c (M, N), only when accumulating
+                                  .Ret<ffi::AnyBuffer>()         // out (M, N) bfloat16 / float32
+                                  .Attr<int64_t>("a_rows")       // a's scale blocks: 1 (1x128) or 128
+                                  .Attr<int64_t>("b_rows"));     // b's likewise
+
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
@@ -159,6 +178,14 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
     d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
     d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
+    d["jf_fp8_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCuda));
     return d;
   });
+  // Loads cuBLASLt for jf_fp8_gemm (once): (version, path), or (0, why not).
+  m.def("cublaslt_load", [](const std::vector<std::string>& paths) {
+    std::string message;
+    const size_t version = jf::lt::load(paths, &message);
+    return std::make_pair(version, message);
+  });
+  m.attr("cublaslt_header_checked") = bool(JF_CUBLASLT_HEADER_CHECKED);
 }

@@ -33,6 +33,7 @@ cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from functools import partial
 from typing import Optional
 
@@ -40,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import reference
-from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, mlir
+from .. import _ffi, reference
+from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, ffi, mlir
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..layout import scales_to_layout
@@ -265,5 +266,26 @@ def _no_jvp(primals, tangents, **params):
 
 ad.primitive_jvps[gemm_p] = _no_jvp
 
-# Every platform lowers through the reference; a CUDA rule (cuBLASLt) registers for platform "cuda".
-mlir.register_lowering(gemm_p, mlir.lower_fun(gemm_reference, multiple_results=False))
+class Fp8GemmFallbackWarning(UserWarning):
+    """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product as dequantize + dot
+    (correct, not fast); the message says why."""
+
+
+# ---- lowering: the reference everywhere, cuBLASLt on Hopper -------------------------------------
+_reference_rule = mlir.lower_fun(gemm_reference, multiple_results=False)
+mlir.register_lowering(gemm_p, _reference_rule)
+
+
+def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
+    why = _ffi.gemm_cuda_unavailable()
+    if why is not None:  # an old cuBLASLt, or not a Hopper: the same numbers, from the reference
+        warnings.warn(f"jax_fp8: jf_fp8_gemm runs as dequantize + dot on this GPU: {why}", Fp8GemmFallbackWarning,
+                      stacklevel=2)
+        return _reference_rule(ctx, a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block,
+                               out_dtype=out_dtype, accumulate=accumulate)
+    return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c, a_rows=np.int64(a_block[0]),
+                                           b_rows=np.int64(b_block[0]))
+
+
+if _ffi.AVAILABLE["cuda"]:
+    mlir.register_lowering(gemm_p, _gemm_cuda_lowering, platform="cuda")

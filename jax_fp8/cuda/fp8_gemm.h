@@ -1,0 +1,166 @@
+// The FP8 block-scaled GEMM on cuBLASLt (host code only): out (M, N) = a (M, K) · b (N, K)ᵀ [+ c],
+// the contract of jax_fp8/primitives/gemm.py (which checks every shape before it lowers here).
+//
+// cuBLASLt is column-major and Hopper's FP8 GEMM is "TN" only, so: cuBLAS A = our b (transa = T,
+// m = N), cuBLAS B = our a (transb = N, n = M), k = K, lda = ldb = K, and D column-major (N, M) with
+// ld = N, which is our row-major (M, N). The scale pointer and mode of cuBLAS A are b's, of B a's.
+// Per call: the descriptors (host objects, microseconds), the algorithm from a cache keyed by device
+// and problem (the heuristic query is the slow part), a workspace from XLA's scratch allocator, and
+// one cublasLtMatmul on XLA's stream. No host synchronisation, no cudaMalloc.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "cublaslt.h"
+#include "ffi_common.h"
+
+namespace jf {
+namespace {
+
+// The workspace cuBLASLt may ask for; the heuristic picks algorithms that fit (TE gives Hopper 32 MiB).
+constexpr uint64_t kGemmWorkspaceBytes = 32ull << 20;
+
+inline std::string lt_failure(const char* what, lt::Status s) {
+  return std::string("jax_fp8: cuBLASLt ") + what + " failed with cublasStatus_t " + std::to_string(s);
+}
+#define JF_LT(call, what) \
+  if (lt::Status s_ = (call); s_ != lt::kSuccess) return ffi::Error(ffi::ErrorCode::kInternal, lt_failure(what, s_))
+
+// One cublasLtMatmulDesc_t and its four layouts, destroyed with the call.
+struct GemmDescs {
+  const lt::Api& api;
+  lt::MatmulDesc op = nullptr;
+  lt::Layout a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  ~GemmDescs() {
+    for (lt::Layout l : {a, b, c, d})
+      if (l) api.MatrixLayoutDestroy(l);
+    if (op) api.MatmulDescDestroy(op);
+  }
+};
+
+// Everything the algorithm choice depends on (the pointers do not matter to it).
+using GemmKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int, int, int, int, int, bool>;
+
+struct GemmCache {
+  std::mutex mu;
+  std::map<int32_t, lt::Handle> handles;  // one cuBLASLt handle per device, never destroyed
+  std::map<GemmKey, lt::Heuristic> algos;
+};
+inline GemmCache& gemm_cache() {
+  static GemmCache c;
+  return c;
+}
+
+inline ffi::Error cuda_type_of(ffi::DataType t, cudaDataType_t* out) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: *out = CUDA_R_8F_E4M3; break;
+    case ffi::DataType::F8E5M2: *out = CUDA_R_8F_E5M2; break;
+    case ffi::DataType::BF16: *out = CUDA_R_16BF; break;
+    case ffi::DataType::F32: *out = CUDA_R_32F; break;
+    default: return bad("fp8 gemm: operands must be float8_e4m3fn / float8_e5m2, out bfloat16 / float32");
+  }
+  return ffi::Error::Success();
+}
+
+// a: (M, K), b: (N, K) FP8; a_scale, b_scale: their GEMM-ready fp32 scales; c: none, or (M, N) of the
+// output's type (out = a·bᵀ + c). a_rows, b_rows: rows per scale block, 1 (1x128) or 128 (128x128).
+ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer a,
+                       ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::RemainingArgs c,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t a_rows, int64_t b_rows) {
+  const lt::Api* api = lt::api();
+  if (!api) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_fp8: " + lt::error());
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) return bad("fp8 gemm: a (M, K) and b (N, K)");
+  const int64_t M = ad[0], N = bd[0], K = ad[1];
+  if ((a_rows != 1 && a_rows != 128) || (b_rows != 1 && b_rows != 128)) return bad("fp8 gemm: blocks");
+  const void* c_ptr = nullptr;
+  if (c.size() > 1) return bad("fp8 gemm: at most one accumulator");
+  if (c.size() == 1) {
+    auto cb = c.get<ffi::AnyBuffer>(0);
+    if (cb.has_error()) return cb.error();
+    if (cb->element_type() != out->element_type() || cb->element_count() != M * N)
+      return bad("fp8 gemm: c must have the output's type and shape");
+    c_ptr = cb->untyped_data();
+  }
+  cudaDataType_t ta, tb, tout;
+  for (auto [t, o] : {std::pair{a.element_type(), &ta}, {b.element_type(), &tb}, {out->element_type(), &tout}})
+    if (auto e = cuda_type_of(t, o); e.failure()) return e;
+
+  GemmCache& cache = gemm_cache();
+  lt::Handle handle;
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.handles.find(device);
+    if (it == cache.handles.end()) {
+      JF_LT(api->Create(&handle), "cublasLtCreate");
+      it = cache.handles.emplace(device, handle).first;
+    }
+    handle = it->second;
+  }
+
+  GemmDescs g{*api};
+  const int32_t op_t = lt::kOpT, op_n = lt::kOpN;
+  const int32_t mode_a = b_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS A = our b
+  const int32_t mode_b = a_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS B = our a
+  const void* scale_a = b_scale.untyped_data();
+  const void* scale_b = a_scale.untyped_data();
+  JF_LT(api->MatmulDescCreate(&g.op, lt::kCompute32F, CUDA_R_32F), "MatmulDescCreate");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescTransA, &op_t, sizeof(op_t)), "set TRANSA");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescTransB, &op_n, sizeof(op_n)), "set TRANSB");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescAScaleMode, &mode_a, sizeof(mode_a)), "set A_SCALE_MODE");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescBScaleMode, &mode_b, sizeof(mode_b)), "set B_SCALE_MODE");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescAScalePointer, &scale_a, sizeof(scale_a)), "set A_SCALE_POINTER");
+  JF_LT(api->MatmulDescSetAttribute(g.op, lt::kDescBScalePointer, &scale_b, sizeof(scale_b)), "set B_SCALE_POINTER");
+  JF_LT(api->MatrixLayoutCreate(&g.a, tb, K, N, K), "layout A");  // our b, (N, K) row-major
+  JF_LT(api->MatrixLayoutCreate(&g.b, ta, K, M, K), "layout B");  // our a, (M, K) row-major
+  JF_LT(api->MatrixLayoutCreate(&g.c, tout, N, M, N), "layout C");
+  JF_LT(api->MatrixLayoutCreate(&g.d, tout, N, M, N), "layout D");
+
+  const GemmKey key{device, M, N, K, int(ta), int(tb), int(tout), mode_a, mode_b, c_ptr != nullptr};
+  lt::Heuristic algo;
+  bool cached;
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.algos.find(key);
+    cached = it != cache.algos.end();
+    if (cached) algo = it->second;
+  }
+  if (!cached) {
+    lt::Preference pref = nullptr;
+    JF_LT(api->MatmulPreferenceCreate(&pref), "MatmulPreferenceCreate");
+    int found = 0;
+    lt::Status s = api->MatmulPreferenceSetAttribute(pref, lt::kPrefMaxWorkspace, &kGemmWorkspaceBytes,
+                                                     sizeof(kGemmWorkspaceBytes));
+    if (s == lt::kSuccess) s = api->MatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.c, g.d, pref, 1, &algo, &found);
+    api->MatmulPreferenceDestroy(pref);
+    JF_LT(s, "MatmulAlgoGetHeuristic");
+    if (found == 0 || algo.state != lt::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                        "jax_fp8: cuBLASLt has no block-scaled FP8 algorithm for " + std::to_string(M) + "x" +
+                            std::to_string(N) + "x" + std::to_string(K) + " on this GPU (needs sm_90, cuBLAS >= 12.9)");
+    std::lock_guard<std::mutex> lock(cache.mu);
+    cache.algos.emplace(key, algo);
+  }
+
+  void* workspace = nullptr;
+  if (algo.workspace_size > 0) {
+    auto w = scratch.Allocate(algo.workspace_size, 256);
+    if (!w.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jax_fp8: no GEMM workspace");
+    workspace = *w;
+  }
+  const float alpha = 1.0f, beta = c_ptr ? 1.0f : 0.0f;
+  JF_LT(api->Matmul(handle, g.op, &alpha, b.untyped_data(), g.a, a.untyped_data(), g.b, &beta,
+                    c_ptr ? c_ptr : out->untyped_data(), g.c, out->untyped_data(), g.d, &algo.algo, workspace,
+                    algo.workspace_size, stream),
+        "cublasLtMatmul");
+  return ffi::Error::Success();
+}
+#undef JF_LT
+
+}  // namespace
+}  // namespace jf
