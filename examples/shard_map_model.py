@@ -1,14 +1,23 @@
-"""The FP8 MLP under shard_map on a (data x seq) mesh, with ZeRO-sharded fp32 master weights.
+"""The FP8 MLP under shard_map on a (data x seq) mesh, with ZeRO-sharded fp32 master weights, every
+projection on the FP8 GEMM (``jax_fp8.fp8_dot_general``, Float8 blockwise).
 
 Each step, inside shard_map:
-  1. quantize_master_weights: every data rank casts its flat fp32 master shard of every weight to
-     MXFP8 with ONE uint8 pmax of the E8M0 scales; gather_master_weights assembles the FP8 weights.
-  2. Activations are sequence-sharded; all_gather_dequantized gathers them along the sequence (the
-     local length is not a multiple of the 32-row block, so the dequantize-gather-requantize fallback
-     runs), the MLP runs on the full sequence, each seq rank keeps its own tokens' outputs.
-  3. Weight gradients (straight-through) are summed over the mesh and each data rank updates only its
-     own master shard with Adam (ZeRO-1 style).
-Runs on 8 simulated CPU devices by default, unchanged on GPUs.
+  1. quantize_master_weights: every data rank casts its flat fp32 master shard of every weight to Float8
+     128x128 tiles (the weights' recipe) with ONE pmax of the tile amaxes (uint32 bits) for all weights;
+     gather_master_weights all-gathers the FP8 shards (1 byte per element) and lays the weights out
+     GEMM-ready (both orientations: fprop reads one, dgrad the other, from the same tiles).
+  2. Activations are sequence-sharded; all_gather_first_dim gathers them along the sequence already
+     quantized as the GEMM wants them (1x128 blocks, rowwise for fprop and columnwise for wgrad,
+     GEMM-ready): FP8 travels when the local rows are a multiple of 128 (the 128x1 columnwise blocks stay
+     inside one rank), else the bf16 rows are gathered and quantized after the gather (one warning;
+     the same bits). The MLP runs on the full sequence; each seq rank keeps its own tokens' outputs.
+  3. fprop, dgrad and wgrad all run on the FP8 GEMM. The pre-quantized weights get no gradient from
+     fp8_dot_general (FP8 leaves cannot carry one), so fp8_linear below is straight-through: the weight
+     gradient dW = xᵀ·dy (an FP8 GEMM on the columnwise usages of x and dy) is delivered as the gradient
+     of the fp32 master, as TransformerEngine does for FP8 weights. The gradients are summed over the
+     mesh and each data rank updates only its own master shard with Adam (ZeRO-1 style).
+Runs on 8 simulated CPU devices by default, unchanged on GPUs. The final summary gives the bytes each
+collective moves per step next to the bf16 alternative.
 
   python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10]
 """
@@ -32,20 +41,75 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
 from jax_fp8._compat import shard_map  # noqa: E402
-from jax_fp8.distributed import (Quantizer, all_gather_dequantized, gather_master_weights,  # noqa: E402
-                                 quantize_master_weights)
+from jax_fp8.distributed import all_gather_first_dim, gather_master_weights, quantize_master_weights  # noqa: E402
+from jax_fp8.gemm import fp8_gemm, gemm_operand  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
 
+RECIPE = jf.Float8BlockScaling()     # 1x128 activations and gradients, 128x128 weights, E4M3
+X_SCHEME = RECIPE.scheme("lhs")      # what the GEMMs read of an activation: 1x128 both usages, GEMM-ready
+FPROP = (((1,), (0,)), ((), ()))     # x (M, K) . W (K, N)
+DGRAD = (((1,), (1,)), ((), ()))     # dy (M, N) . W (K, N), contracted over N
 
-def mlp_fp8(ws, bs, x):
-    """x (tokens, d) through the gathered FP8 weights (dequantized to bf16 for the matmul)."""
-    for i, (w, b) in enumerate(zip(ws, bs)):
-        x = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32) + b
+
+@jax.custom_vjp
+def fp8_linear(x, wq, w_grad):
+    """y (M, N) = x · W in bf16 on the FP8 GEMM. ``x``: (M, K) bf16, or a BlockwiseTensor already in
+    ``X_SCHEME`` (the gathered input); ``wq``: the gathered GEMM-ready 128x128 weight (K, N); ``w_grad``:
+    zeros of W's shape whose gradient is the straight-through weight gradient (see the module docstring)."""
+    return jf.fp8_dot_general(x, wq, FPROP, preferred_element_type=jnp.bfloat16)
+
+
+def _fp8_linear_fwd(x, wq, w_grad):
+    pre = isinstance(x, jf.BlockwiseTensor)
+    xq = x if pre else jf.quantize(x, X_SCHEME)  # one pass: rowwise (fprop) and columnwise (wgrad)
+    y = jf.fp8_dot_general(xq, wq, FPROP, preferred_element_type=jnp.bfloat16)
+    return y, (xq, wq, None if pre else jnp.zeros((0,), x.dtype))  # a pre-quantized x gets no gradient
+
+
+def _fp8_linear_bwd(res, dy):
+    xq, wq, x_dtype = res
+    dyq = jf.quantize(dy, RECIPE.scheme("grad"))  # 1x128 rowwise (dgrad) and columnwise (wgrad), one pass
+    dx = None if x_dtype is None else jf.fp8_dot_general(dyq, wq, DGRAD, preferred_element_type=x_dtype.dtype)
+    # wgrad, dW (K, N) = xᵀ (K, M) · [dyᵀ (N, M)]ᵀ, contracted over the tokens M: both columnwise usages
+    dw = fp8_gemm(gemm_operand(xq, "first"), gemm_operand(dyq, "first"), out_dtype=jnp.float32)
+    return dx, None, dw
+
+
+fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
+
+
+def mlp_fp8(x, ws, sinks, bs):
+    """x (tokens, d): the gathered BlockwiseTensor; ws: the gathered FP8 weights; every layer on the FP8 GEMM."""
+    for i, (w, g, b) in enumerate(zip(ws, sinks, bs)):
+        x = fp8_linear(x, w, g) + b
         if i < len(ws) - 1:
-            x = jax.nn.gelu(x)
+            x = jax.nn.gelu(x).astype(jnp.bfloat16)
     return x
+
+
+def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int) -> list[tuple[str, int, int]]:
+    """(collective, bytes gathered/reduced per step as seen by one rank, the bf16 alternative's bytes)."""
+    tiles = sum(-(-a // 128) * -(-b // 128) for a, b in shapes)
+    weights = nd * sum(Ls)  # elements of the gathered (padded) flat shards
+    rows = rows_local * ns
+    fast = rows_local % 128 == 0
+    if fast:  # rowwise + columnwise FP8 data and their fp32 scales (1x128 and 128x1 blocks)
+        act = 2 * rows * d_in + 4 * ns * (rows_local * -(-d_in // 128) + (rows_local // 128) * d_in)
+        act_name = ("activation all-gather over 'seq' (fast path: FP8 rowwise data for fprop + columnwise for wgrad, "
+                    "and their scales; each rank quantized only its own rows)")
+    else:
+        act = 2 * rows * d_in
+        act_name = "activation all-gather over 'seq' (fallback: bf16 rows, quantized after the gather)"
+    grads = 4 * sum(a * b for a, b in shapes)
+    return [
+        ("master scale all-reduce over 'data' (one pmax of the 128x128 tile amaxes, uint32)", 4 * tiles, 0),
+        ("master weight all-gather over 'data' (FP8 tiles, 1 byte per element; plus 2 int32 shard windows per "
+         "weight)", weights, 2 * weights),
+        (act_name, act, 2 * rows * d_in),
+        ("weight-gradient all-reduce over 'data' x 'seq' (fp32)", grads, grads),
+    ]
 
 
 def _mesh_devices(ap, args):
@@ -101,27 +165,30 @@ def main(argv=None):
     x_all, y_all = teacher_data(jax.random.key(1), 4096, sizes[0], sizes[-1])
     seq_local = args.seq_len // ns
     b_local = args.batch // nd
-    quantizer = Quantizer("mxfp8", rowwise=True, colwise=False)
-    print(f"backend {jax.default_backend()}, mesh data={nd} x seq={ns}; MLP {sizes}; local activations "
-          f"({seq_local} tokens x {b_local} seqs) = {seq_local * b_local} rows: "
-          f"{'fast path' if (seq_local * b_local) % 32 == 0 else 'fallback (not a multiple of 32)'}")
+    rows_local = seq_local * b_local
+    print(f"backend {jax.default_backend()}, mesh data={nd} x seq={ns}; MLP {sizes}, every layer on the FP8 GEMM "
+          f"(Float8 blockwise: 1x128 activations/gradients, 128x128 weights); local activations ({seq_local} tokens x "
+          f"{b_local} seqs) = {rows_local} rows: " + ("fast path (FP8 gathered)" if rows_local % 128 == 0 else
+                                                      "fallback (not a multiple of the 128-row columnwise blocks)"))
 
     def local_step(masters, opt_state, biases, x, y):
         masters = [m[0] for m in masters]
         opt_state = jax.tree_util.tree_map(lambda a: a[0], opt_state)
-        qs = quantize_master_weights(masters, shapes, "data", colwise=True)
-        ws = [jf.dequantize(w, jnp.bfloat16, "colwise") for w in gather_master_weights(qs, "data")]
+        qs = quantize_master_weights(masters, shapes, "data", fmt="blockwise", block=(128, 128))
+        ws = gather_master_weights(qs, "data", layout="gemm_ready")  # FP8 BlockwiseTensors, both orientations
         s, b = x.shape[:2]
+        # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
+        xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", X_SCHEME)
+        sinks = [jnp.zeros(shape, jnp.float32) for shape in shapes]  # their gradients: the masters' (ST)
 
-        def loss_fn(ws, biases):
-            xs = all_gather_dequantized(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", quantizer)
-            out = mlp_fp8(ws, biases, xs)  # the full sequence on every seq rank
+        def loss_fn(sinks, biases):
+            out = mlp_fp8(xs, ws, sinks, biases)  # the full sequence on every seq rank
             mine = lax.dynamic_slice_in_dim(out, lax.axis_index("seq") * s * b, s * b)
             return jnp.sum((mine - y.reshape(s * b, -1)) ** 2) / (args.seq_len * args.batch * sizes[-1])
 
-        loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(ws, biases)
+        loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, biases)
         loss = lax.psum(loss, ("data", "seq"))
-        gw = [lax.psum(g.astype(jnp.float32), ("data", "seq")) for g in gw]
+        gw = [lax.psum(g, ("data", "seq")) for g in gw]
         gb = [lax.psum(g, ("data", "seq")) for g in gb]
         # ZeRO: each data rank keeps the gradient slice of its own master shard
         r = lax.axis_index("data")
@@ -141,7 +208,8 @@ def main(argv=None):
     losses = []
     t0 = time.time()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's one-time notice; the header line reports the path
+        # the gather's one-time fallback notice (the header line reports the path); GEMM warnings still show
+        warnings.filterwarnings("ignore", message="all_gather_first_dim: local shape")
         for i in range(args.steps):
             idx = rng.integers(0, x_all.shape[0], (args.seq_len, args.batch))
             x, y = x_all[idx], y_all[idx]  # (seq, batch, d)
@@ -153,9 +221,9 @@ def main(argv=None):
                 print(f"step {i + 1:4d}/{args.steps}  loss {losses[-1]:.5f}  ({time.time() - t0:.1f}s)", flush=True)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
 
-    n_blocks = sum(a * -(-b // 32) + -(-a // 32) * b for a, b in shapes)
-    print(f"scale all-reduce per step: one uint8 pmax of {n_blocks} E8M0 bytes per rank "
-          f"(bf16-amax alternative: {2 * n_blocks} bytes, fp32: {4 * n_blocks} bytes)")
+    print("bytes per step (each rank's gathered / reduced payload) vs the same step with bf16 weights and activations:")
+    for name, fp8, bf16 in collective_bytes(shapes, Ls, nd, ns, rows_local, sizes[0]):
+        print(f"  {name}: {fp8:,} B   (bf16: {bf16:,} B" + (f", {fp8 / bf16:.2f}x)" if bf16 else ", none)"))
     return losses
 
 
