@@ -186,6 +186,17 @@ def test_gemm_within_bound(M, N, K, blocks, strict):
         check_gemm(out, deq(qa), deq(qb), out_dtype, what=f"outliers={outliers} {out_dtype}")
 
 
+@pytest.mark.parametrize("blocks", [(B1, B2), (B1, B1)], ids=["1Dx2D", "1Dx1D"])
+def test_gemm_large_within_bound(blocks, strict):
+    """A shape where cuBLASLt's algorithms ask for a workspace (XLA's scratch allocator gives it)."""
+    M, N, K = 2048, 1024, 4096
+    rng = np.random.default_rng(stable_seed(M, N, K, blocks))
+    qa = jf.quantize_blockwise(data(rng, (M, K), BF16), block=blocks[0])
+    qb = jf.quantize_blockwise(data(rng, (N, K), BF16), block=blocks[1])
+    out = jax.jit(G.fp8_gemm, static_argnames="out_dtype")(qa, qb, out_dtype=BF16)
+    check_gemm(out, deq(qa), deq(qb), BF16, what=f"{M}x{N}x{K}")
+
+
 def test_gemm_accumulates_into_c(strict):
     rng = np.random.default_rng(1)
     qa = jf.quantize_blockwise(data(rng, (45, 300), F32), layout="gemm_ready")

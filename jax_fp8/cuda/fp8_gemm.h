@@ -149,8 +149,14 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
 
   void* workspace = nullptr;
   if (algo.workspace_size > 0) {
-    auto w = scratch.Allocate(algo.workspace_size, 256);
-    if (!w.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jax_fp8: no GEMM workspace");
+    // XLA's FFI allocator takes alignments up to 16 (run 25: 256 was refused); its BFC allocator hands
+    // out 256-byte aligned buffers, which cuBLASLt wants for the workspace: check, do not assume.
+    auto w = scratch.Allocate(algo.workspace_size, 16);
+    if (!w.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jax_fp8: XLA's scratch allocator gave no " + std::to_string(algo.workspace_size) +
+                            "-byte cuBLASLt workspace");
+    if (reinterpret_cast<uintptr_t>(*w) % 256 != 0) return bad("fp8 gemm: cuBLASLt workspace not 256-byte aligned");
     workspace = *w;
   }
   const float alpha = 1.0f, beta = c_ptr ? 1.0f : 0.0f;
