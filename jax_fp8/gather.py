@@ -18,13 +18,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from .api import dequantize, to_layout
-from .arrays import view_2d
+from .arrays import bitcast, view_2d
 from .layout import scales_to_layout
 from .scheme import Quantizer
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
 
 def _gather(a, axis_name, axis: int = 0):
+    """Tiled all-gather. 8-bit floats (FP8 data, E8M0 scales) travel as their bytes: XLA's CPU
+    collectives widen them to f16, twice the bytes (seen in the compiled shard_map example)."""
+    if jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 1:
+        return bitcast(lax.all_gather(bitcast(a, jnp.uint8), axis_name, axis=axis, tiled=True), a.dtype)
     return lax.all_gather(a, axis_name, axis=axis, tiled=True)
 
 

@@ -53,8 +53,8 @@ def test_unquantized_input_equals_full_quantization(name, n, local_rows):
     fast = local_rows % qz.block_rows == 0
     assert bool(warns) == (not fast), warns
     dtypes = _all_gather_dtypes(f, x)
-    if fast:  # FP8 data and uint8 / fp32 scales travel; no high-precision gather
-        assert dtypes <= {"f8E4M3FN", "f8E5M2", "ui8", "f32"} and dtypes & {"f8E4M3FN", "f8E5M2"}, dtypes
+    if fast:  # FP8 data (as its bytes: no backend may widen it) and uint8 / fp32 scales travel; no
+        assert dtypes <= {"ui8", "f32"} and "ui8" in dtypes, dtypes  # high-precision gather
     else:
         assert dtypes == {"bf16"}, dtypes
 
