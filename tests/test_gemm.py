@@ -219,6 +219,21 @@ def test_gemm_fallback_warns_once_and_matches_reference():
     check_gemm(out, deq(q2), deq(q2), F32)
 
 
+def test_gemm_cuda_status_says_why():
+    """Where the cuBLASLt GEMM cannot run (no CUDA module, no cuBLASLt >= 12.9, no Hopper GPU), the
+    status is a reason in words, never an exception; on an H200 with the module it is None."""
+    from jax_fp8 import _ffi
+
+    why = _ffi.gemm_cuda_unavailable()
+    version, where = _ffi.cublaslt()
+    hopper = jax.default_backend() == "gpu" and all(
+        str(getattr(d, "compute_capability", "")).startswith("9.") for d in jax.devices())
+    if hopper and _ffi.AVAILABLE["cuda"]:
+        assert why is None and version >= _ffi.CUBLASLT_MIN_VERSION, (why, version, where)
+    else:
+        assert isinstance(why, str) and why, why
+
+
 def test_gemm_operand_orientations():
     """gemm_operand of either layout and usage: the same values as the tensor's dequantized view."""
     rng = np.random.default_rng(3)
