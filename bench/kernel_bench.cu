@@ -96,7 +96,10 @@ Launch quantize_cfg() {
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
     using C = TileCfg<Rule, TM, TK, RBK, COL, TILE>;
-    const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : RBK), c_at = compact_scale_at(sp.M, sp.K, TM, 1);
+    // (no rowwise usage: RBK 0; a 1-wide grid then, never a division by zero, which GCC turned into a
+    // trap: the "Illegal instruction" of runs 24-25)
+    const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : (RBK ? RBK : 1));
+    const ScaleAt c_at = compact_scale_at(sp.M, sp.K, TM, 1);
     if constexpr (MINB > 0) launch_tiles<LoadBF16, C, MINB>(nullptr, a, x, sp, rule, r, c, r_at, c_at);
     else launch_tiles<LoadBF16, C>(nullptr, a, x, sp, rule, r, c, r_at, c_at);
   };
