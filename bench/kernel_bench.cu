@@ -110,7 +110,31 @@ struct Case {
   bool mx;
   int row_bk, col_bm, tile;  // usages: 1 x row_bk, col_bm x 1, tile x tile (0: absent)
   Launch launch;
+  bool gemm_ready = false;   // columnwise data transposed (a tile: both orientations); Float8 scales in GEMM order
 };
+
+// GEMM-ready cases: the shipped dispatch (quantize_tiles) or, with MINB > 0, its tile configuration
+// Cfg at another register cap.
+template <class Cfg = void, int MINB = 0>
+Launch gemm_ready_cfg() {
+  return [](const QuantizeArgs& a, const void* x, const Span& sp, const OutPtrs& o) {
+    uint8_t* d[2] = {o.d0, o.d1};
+    void* s[2] = {o.s0, o.s1};
+    if constexpr (MINB == 0) {
+      quantize_tiles(nullptr, a, x, d, s);
+    } else {
+      using S = typename Cfg::S;
+      using Rule = typename Cfg::Rule;
+      Rule rule;
+      if constexpr (std::is_same_v<Rule, MxRule>) rule = MxRule{a.fp8};
+      else rule = BlockRule{a.fp8, false, 0.0f, 3.38953139e38f};
+      Outs<S> row, col;
+      ScaleAt row_at, col_at;
+      tile_outputs(a, d, s, row, col, row_at, col_at);
+      launch_tiles<LoadBF16, Cfg, MINB>(nullptr, a, x, sp, rule, row, col, row_at, col_at);
+    }
+  };
+}
 
 // Host reference of one usage: bm x bk blocks through the shared rule and the software cast.
 template <class Rule>
@@ -151,7 +175,12 @@ QuantizeArgs bf16_args(bool mx, int row_bk, int col_bm, int tile, int64_t M, int
   a.inf_value = 3.38953139e38f;
   return a;
 }
-QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) { return bf16_args(c.mx, c.row_bk, c.col_bm, c.tile, M, K); }
+QuantizeArgs args_of(const Case& c, int64_t M, int64_t K) {
+  QuantizeArgs a = bf16_args(c.mx, c.row_bk, c.col_bm, c.tile, M, K);
+  a.gemm_ready = c.gemm_ready;
+  a.tile_rows = a.tile_cols = c.gemm_ready && c.tile;  // GEMM-ready tiles: both orientations
+  return a;
+}
 
 // ---- bench-only variants of the master-weight shard launch --------------------------------------
 // The shipped launch (quantize_shards.cuh) runs fill CTAs first at min_blocks_for's register cap. These
@@ -191,7 +220,8 @@ void launch_one_shard(const QuantizeArgs& a, const ShardIO& io, Part part = Part
   if (ctas) bench_shard_kernel<MODE, B, FILL_LAST><<<ctas, kThreads>>>(grp, MxRule{a.fp8}, a.fp8);
 }
 
-// Each usage of the case against the host reference on an odd-shaped input.
+// Each output of the case against the host reference on an odd-shaped input: the data (transposed
+// for a transposed output), every block's scale where the output's layout keeps it, and the padding.
 bool check(const Case& c) {
   const int64_t M = 1000, K = 1064;
   std::vector<uint16_t> hx(M * K);
@@ -199,30 +229,44 @@ bool check(const Case& c) {
   fill_bf16<<<64, 256>>>(x.as<uint16_t>(), M * K, 7);
   CUDA_OK(cudaMemcpy(hx.data(), x.p, M * K * 2, cudaMemcpyDeviceToHost));
   const size_t item = c.mx ? 1 : 4;
-  const int b = c.mx ? 32 : 128;
-  Outputs o(M * K, M * K, M * K, item);
-  c.launch(args_of(c, M, K), x.p, dense_span(M, K), o.ptrs());
+  Outputs o(M * K, 2 * M * K, 2 * M * K, item);  // room for padded GEMM-ready grids
+  const QuantizeArgs a = args_of(c, M, K);
+  c.launch(a, x.p, dense_span(M, K), o.ptrs());
   CUDA_OK(cudaDeviceSynchronize());
+  OutLayout lay[2];
+  const int n = outputs_of(a, lay);
   bool ok = true;
-  int u = 0;
-  const auto usage = [&](int bm, int bk) {
-    const Buf& d = u == 0 ? o.d0 : o.d1;
-    const Buf& s = u == 0 ? o.s0 : o.s1;
-    ++u;
-    std::vector<uint8_t> data;
+  for (int k = 0; k < n; ++k) {
+    const OutLayout& l = lay[k];
+    const Buf& d = k == 0 ? o.d0 : o.d1;
+    const Buf& s = k == 0 ? o.s0 : o.s1;
+    std::vector<uint8_t> data, want(M * K);
+    const int64_t sm = cdiv(M, l.bm), sk = cdiv(K, l.bk);
+    std::vector<float> scale;  // the host scales as float (E8M0 bytes widened)
     if (c.mx) {
       std::vector<uint8_t> sc;
-      host_usage(hx, M, K, bm, bk, MxRule{kE4M3}, kE4M3, data, sc);
-      ok = ok && same(d, data) && same(s, sc);
+      host_usage(hx, M, K, l.bm, l.bk, MxRule{kE4M3}, kE4M3, data, sc);
+      scale.assign(sc.begin(), sc.end());
     } else {
-      std::vector<float> sc;
-      host_usage(hx, M, K, bm, bk, BlockRule{kE4M3, false, 0.0f, 3.38953139e38f}, kE4M3, data, sc);
-      ok = ok && same(d, data) && same(s, sc);
+      host_usage(hx, M, K, l.bm, l.bk, BlockRule{kE4M3, false, 0.0f, 3.38953139e38f}, kE4M3, data, scale);
     }
-  };
-  if (c.row_bk) usage(1, b);
-  if (c.col_bm) usage(b, 1);
-  if (c.tile) usage(b, b);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t q = 0; q < K; ++q) want[l.transposed ? q * M + r : r * K + q] = data[r * K + q];
+    ok = ok && same(d, want);
+    const int64_t n_stored = std::max(sm * sk, l.pad_rows * l.ld);
+    std::vector<uint8_t> raw(n_stored * item);
+    CUDA_OK(cudaMemcpy(raw.data(), s.p, raw.size(), cudaMemcpyDeviceToHost));
+    const auto at = [&](int64_t idx) {
+      if (c.mx) return float(raw[idx]);
+      float f;
+      std::memcpy(&f, &raw[idx * 4], 4);
+      return f;
+    };
+    for (int64_t i = 0; i < sm; ++i)
+      for (int64_t j = 0; j < sk; ++j) ok = ok && at(i * l.s_row + j * l.s_col) == scale[i * sk + j];
+    for (int64_t r = 0; r < l.pad_rows; ++r)
+      for (int64_t q = l.pad_from; q < l.ld; ++q) ok = ok && at(r * l.ld + q) == kGemmScalePad;
+  }
   return ok;
 }
 
@@ -251,6 +295,7 @@ int main(int argc, char** argv) {
 
 #define CFG(name, mx, rb, cb, tile, Rule, TM, TK, ...) \
   Case{name, mx, rb, cb, tile, quantize_cfg<Rule, TM, TK, rb, cb != 0, tile != 0, ##__VA_ARGS__>()}
+#define GR(name, mx, rb, cb, tile, ...) Case{name, mx, rb, cb, tile, gemm_ready_cfg<__VA_ARGS__>(), true}
   const std::vector<Case> cases = {
       CFG("mx row", true, 32, 0, 0, MxRule, 32, 256),
       CFG("mx row+col", true, 32, 32, 0, MxRule, 32, 256),
@@ -265,13 +310,21 @@ int main(int argc, char** argv) {
       CFG("f8 1x128 3 CTAs/SM", false, 128, 0, 0, BlockRule, 128, 128, 3),
       CFG("f8 1x128+128x1 3 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 3),
       CFG("f8 128x128 3 CTAs/SM", false, 0, 0, 128, BlockRule, 128, 128, 3),
+      // GEMM-ready (columnwise data transposed in the same pass): shipped, and other register caps
+      GR("f8 1x128+128x1T", false, 128, 128, 0),
+      GR("f8 128x128 both orientations", false, 0, 0, 128),
+      GR("mx row+colT", true, 32, 32, 0),
+      GR("f8 1x128+128x1T 3 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 3),
+      GR("f8 128x128 both 3 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 3),
+      GR("mx row+colT 4 CTAs/SM", true, 32, 32, 0, TileCfg<MxRule, 32, 256, 32, true, false, true>, 4),
   };
   for (const Case& c : cases) {
     const int64_t b = c.mx ? 32 : 128;
     const int64_t item = c.mx ? 1 : 4;
-    const int usages = (c.row_bk > 0) + (c.col_bm > 0) + (c.tile > 0);
+    // outputs: one per usage; GEMM-ready tiles write both orientations
+    const int usages = (c.row_bk > 0) + (c.col_bm > 0) + (c.tile > 0) * (c.gemm_ready ? 2 : 1);
     const int64_t n_scales = c.tile ? n / (b * b) : n / b;
-    Outputs o(n, n_scales, n_scales, item);
+    Outputs o(n, 2 * n_scales + 4096, 2 * n_scales + 4096, item);  // room for padded GEMM-ready grids
     const bool ok = check(c);
     const QuantizeArgs a = args_of(c, M, K);
     const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K), o.ptrs()); });

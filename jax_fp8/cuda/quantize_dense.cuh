@@ -31,22 +31,30 @@ ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* 
   return ffi::Error::Success();
 }
 
-// Quantizes the (B, M, K) tensor x; `d`/`s` hold the data and scales of each output, in the call's
-// result order (outputs_of).
-inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d,
-                                 void* const* s) {
+// The kernel's `row` and `col` outputs and their scale positions for a call's outputs: `d`/`s` hold
+// the data and scales of each output, in the call's result order (outputs_of).
+template <class S>
+void tile_outputs(const QuantizeArgs& a, uint8_t* const* d, void* const* s, Outs<S>& row, Outs<S>& col,
+                  ScaleAt& row_at, ScaleAt& col_at) {
   OutLayout o[2];
   const int n = outputs_of(a, o);
+  row = col = Outs<S>{};
+  row_at = col_at = ScaleAt{};
+  for (int k = 0; k < n; ++k) {
+    (o[k].col ? col : row) = Outs<S>{d[k], static_cast<S*>(s[k]), nullptr};
+    (o[k].col ? col_at : row_at) = scale_at(o[k]);
+  }
+}
+
+// Quantizes the (B, M, K) tensor x into the outputs `d`/`s` (as tile_outputs reads them).
+inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const void* x, uint8_t* const* d,
+                                 void* const* s) {
   return with_loader(a.in, [&](auto ld) {
     return with_cfg(a, [&](auto cfg, auto rule) {
       using C = decltype(cfg);
-      using S = typename C::S;
-      Outs<S> row{}, col{};
-      ScaleAt row_at{}, col_at{};
-      for (int k = 0; k < n; ++k) {
-        (o[k].col ? col : row) = Outs<S>{d[k], static_cast<S*>(s[k]), nullptr};
-        (o[k].col ? col_at : row_at) = scale_at(o[k]);
-      }
+      Outs<typename C::S> row, col;
+      ScaleAt row_at, col_at;
+      tile_outputs(a, d, s, row, col, row_at, col_at);
       return launch_tiles<decltype(ld), C>(st, a, x, dense_span(a.M, a.K), rule, row, col, row_at, col_at);
     });
   });
