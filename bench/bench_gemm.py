@@ -3,11 +3,11 @@
 Per shape (M, K, N), y (M, N) = x (M, K) · W:
   GEMM alone (operands already quantized; out bf16):
     bf16 ``lax.dot_general``; ours 1x128 x 128x128 and 1x128 x 1x128 (``jax_fp8.gemm.fp8_gemm``);
-    PyTorch ``F.scaled_mm`` blockwise (the same cuBLASLt kernels: the ceiling), timed with CUDA events.
+    PyTorch ``F.scaled_mm`` blockwise (the same cuBLASLt kernels: the ceiling).
   One linear layer, forward + backward (y, dx, dW from x, W, dy), all quantization included:
     bf16; ours (``fp8_dot_general``, Float8BlockScaling); flax's per-tensor FP8 (``Fp8DirectDotGeneralOp``,
     delayed scaling, what JAX users pick today).
-JAX timing: many dispatches of one jitted call over rotating input buffers, one sync, median of reps.
+Timing, JAX and PyTorch alike: many back-to-back calls over 3 rotating input sets, one sync, median of reps.
 Also: relative error against fp64 of blockwise vs per-tensor FP8 on activations with outlier channels.
 
   python bench/bench_gemm.py [--shapes 4096x4096x4096,...] [--iters 30]
@@ -47,25 +47,27 @@ def jax_time(fn, arg_sets, iters: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def torch_time(fn, iters: int, reps: int = 5) -> float:
+def torch_time(fn, arg_sets, iters: int, reps: int = 5) -> float:
+    """Seconds per call, the way ``jax_time`` measures it: `iters` back-to-back calls over rotating
+    argument sets (so L2 holds none), one synchronize, median of reps."""
     import torch
 
-    fn()
+    for a in arg_sets:
+        fn(*a)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(*arg_sets[i % len(arg_sets)])
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / iters)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
 def torch_blockwise(M: int, K: int, N: int, b_tiles: bool, iters: int):
-    """PyTorch's cuBLAS blockwise GEMM: seconds per call, or the error it raised."""
+    """PyTorch's cuBLAS blockwise GEMM (``F.scaled_mm``) on 3 operand sets: seconds per call, or the
+    error it raised."""
     try:
         import torch
         import torch.nn.functional as F
@@ -74,23 +76,26 @@ def torch_blockwise(M: int, K: int, N: int, b_tiles: bool, iters: int):
         one_128 = getattr(ST, "BlockWise1x128", None) or getattr(ST, "Blockwise_1x128")
         tile = getattr(ST, "BlockWise128x128", None) or getattr(ST, "Blockwise_128x128")
         dev = "cuda"
-        x = torch.randn(M, K, device=dev).to(torch.float8_e4m3fn)
-        w = torch.randn(N, K, device=dev).to(torch.float8_e4m3fn)
         kb = -(-K // 128)
-        sa = torch.rand(kb, M, device=dev).t()  # (M, K/128), outer-dim-major
-        if b_tiles:  # (N/128, K/128) padded to 4 along K blocks, passed transposed
-            sb = torch.rand(-(-N // 128), -(-kb // 4) * 4, device=dev).t()
-        else:
-            sb = torch.rand(kb, N, device=dev).t()
-        fn = lambda: F.scaled_mm(x, w.t(), sa, one_128, sb, tile if b_tiles else one_128,
-                                 output_dtype=torch.bfloat16)
-        return torch_time(fn, iters)
+        sets = []
+        for _ in range(3):
+            x = torch.randn(M, K, device=dev).to(torch.float8_e4m3fn)
+            w = torch.randn(N, K, device=dev).to(torch.float8_e4m3fn)
+            sa = torch.rand(kb, M, device=dev).t()  # (M, K/128), outer-dim-major
+            if b_tiles:  # (N/128, K/128), its rows padded to a multiple of 4, passed transposed
+                sb = torch.rand(-(-N // 128), -(-kb // 4) * 4, device=dev)[:, :kb].t()
+            else:
+                sb = torch.rand(kb, N, device=dev).t()
+            sets.append((x, w.t(), sa, sb))
+        recipe_b = tile if b_tiles else one_128
+        return torch_time(lambda x, w, sa, sb: F.scaled_mm(x, w, sa, one_128, sb, recipe_b,
+                                                            output_dtype=torch.bfloat16), sets, iters)
     except Exception as e:  # report, do not stop the run
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def flax_per_tensor():
-    """flax's per-tensor FP8 dot (``Fp8DirectDotGeneralOp``) as f(vars, x, w) and its initial vars."""
+    """flax's per-tensor FP8 dot module (``Fp8DirectDotGeneralOp``) and None, or None and why not."""
     try:
         from flax import linen as nn
     except ImportError as e:
@@ -177,7 +182,7 @@ def outlier_error(M=2048, K=4096, N=2048):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated MxKxN")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=30, help="calls per timed run (5 runs, median)")
     args = ap.parse_args()
     warnings.simplefilter("always", G.Fp8GemmFallbackWarning)
     from jax_fp8 import _ffi

@@ -7,7 +7,7 @@ norm clipping. Each variant starts from the same parameters and trains ``--steps
 batches (next-token prediction on a fixed random Markov chain; fresh data every step). The step is one
 jitted function: forward, backward and optimizer update, state donated.
 
-Timing: after ``--warmup`` steps (the first compiles), the remaining steps run in groups of
+Timing: after ``--untimed`` steps (the first compiles), the remaining steps run in groups of
 ``--dispatch`` back-to-back dispatches followed by one ``block_until_ready``; the step time is the median
 over groups of (group time / group size). The loss is the mean over the last ``--loss-window`` steps.
 
@@ -33,7 +33,7 @@ import _transformer as T  # noqa: E402
 import jax_fp8 as jf  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, warmup=3, dispatch=4,
+TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, untimed=3, dispatch=4,
             loss_window=4)
 
 
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=2, help="sequences per step")
     ap.add_argument("--vocab", type=int, default=1024, help="small, so that the blocks' projections dominate")
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first compiles)")
+    ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
     ap.add_argument("--dispatch", type=int, default=10, help="steps dispatched per block_until_ready")
     ap.add_argument("--loss-window", type=int, default=20, help="the final loss is the mean of this many steps")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -63,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("d_model", "ffn", "heads", "layers", "seq", "batch", "vocab", "steps", "dispatch", "loss_window"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
-    if not 1 <= args.warmup < args.steps:
-        ap.error(f"--warmup must be in [1, --steps), got {args.warmup} with --steps {args.steps}")
+    if not 1 <= args.untimed < args.steps:
+        ap.error(f"--untimed must be in [1, --steps), got {args.untimed} with --steps {args.steps}")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in args.variants:
         if v not in T.VARIANTS:
@@ -91,12 +91,12 @@ def run_variant(args, variant: str, params, batches: list) -> dict:
         jax.block_until_ready(loss)
         compile_s = time.perf_counter() - t0
     losses = [loss]
-    for i in range(1, args.warmup):
+    for i in range(1, args.untimed):
         state, loss = step(state, batches[i])
         losses.append(loss)
     jax.block_until_ready(state)
     group_s = []
-    i = args.warmup
+    i = args.untimed
     while i < args.steps:
         n = min(args.dispatch, args.steps - i)
         t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     out(f"decoder: {cfg.layers} layers, d_model {cfg.d_model}, ffn {cfg.ffn}, {cfg.heads} heads, vocab {cfg.vocab}, "
         f"{cfg.n_params() / 1e6:.1f}M params ({args.param_dtype} masters, {args.dtype} activations); batch "
         f"{args.batch} x seq {cfg.seq} = {tokens} tokens/step; projection GEMMs {proj_flops / 1e12:.2f} TFLOP/step")
-    out(f"{args.steps} steps per variant ({args.warmup} untimed, then groups of {args.dispatch} dispatches per sync, "
+    out(f"{args.steps} steps per variant ({args.untimed} untimed, then groups of {args.dispatch} dispatches per sync, "
         f"median over groups); loss = mean of the last {args.loss_window} steps")
     params = T.init_params(cfg, args.seed)
     batch_arr = T.make_batches(cfg, args.batch, args.steps, seed=args.seed)

@@ -32,6 +32,7 @@ from flax.training.train_state import TrainState
 from jax import lax
 
 import jax_fp8 as jf
+from jax_fp8.flax_utils import fp8_dot_general_for
 
 VARIANTS = ("fp8", "bf16", "flax-fp8")
 
@@ -68,8 +69,7 @@ class Config:
 def dense_options(variant: str, recipe: Optional[jf.Float8BlockScaling] = None) -> dict:
     """The ``nn.Dense`` keyword arguments of a variant (see the module docstring)."""
     if variant == "fp8":
-        dg = jf.fp8_dot_general if recipe is None else lambda *a, **k: jf.fp8_dot_general(*a, recipe=recipe, **k)
-        return {"dot_general": dg}
+        return {"dot_general": fp8_dot_general_for(recipe)}
     if variant == "bf16":
         return {}
     if variant == "flax-fp8":

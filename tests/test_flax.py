@@ -99,6 +99,8 @@ def test_preferred_element_type_and_recipe_pass_through():
     g_bound = jax.grad(lambda w: jnp.sum(dg(x, w, FPROP).astype(jnp.float32) ** 2))(w)
     g_direct = jax.grad(lambda w: jnp.sum(jf.fp8_dot_general(x, w, FPROP, recipe=e5m2).astype(jnp.float32) ** 2))(w)
     assert_bits_equal(g_bound, g_direct, "bound recipe")
+    g_default = jax.grad(lambda w: jnp.sum(jf.fp8_dot_general(x, w, FPROP).astype(jnp.float32) ** 2))(w)
+    assert not np.array_equal(np.asarray(g_bound), np.asarray(g_default)), "E5M2 gradients changed nothing"
     assert fp8_dot_general_for(None) is jf.fp8_dot_general
     with pytest.raises(TypeError, match="recipe must be a jax_fp8.Float8BlockScaling"):
         fp8_dot_general_for("e5m2")

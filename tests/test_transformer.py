@@ -69,10 +69,27 @@ def test_same_start_and_data_for_every_variant():
     assert a.shape == (3, 2, 65) and np.array_equal(a, b)
 
 
+def test_every_projection_on_the_fp8_gemm():
+    """The fp8 variant's training step runs every projection's three GEMMs (fprop, dgrad, wgrad) as
+    jf_fp8_gemm: 4 projections per layer (QKV, out, gate/up, down) and the LM head; bf16 runs none.
+    Counted in the jaxpr, so the same on every platform."""
+    import jax
+    import _transformer as T
+
+    for layers in (1, 2):
+        cfg = T.Config(vocab=128, d_model=128, ffn=256, heads=2, layers=layers, seq=64)
+        params, tokens = T.init_params(cfg), T.make_batches(cfg, 2, 1)[0]
+        for variant, want in (("fp8", 3 * (4 * layers + 1)), ("bf16", 0)):
+            state = T.init_state(cfg, variant, params, T.optimizer())
+            step = T.make_train_step(donate=False)
+            jaxpr = str(jax.make_jaxpr(step)(state, tokens))
+            assert jaxpr.count("jf_fp8_gemm") == want, (variant, layers, jaxpr.count("jf_fp8_gemm"))
+
+
 def test_bench_model_smoke(capsys):
     import bench_model
 
-    res = bench_model.main(TINY[:-4] + ["--seq", "64", "--batch", "2", "--vocab", "128", "--steps", "4", "--warmup",
+    res = bench_model.main(TINY[:-4] + ["--seq", "64", "--batch", "2", "--vocab", "128", "--steps", "4", "--untimed",
                                         "1", "--dispatch", "3", "--loss-window", "2"])
     assert set(res) == {"fp8", "bf16", "flax-fp8"}
     for v, r in res.items():

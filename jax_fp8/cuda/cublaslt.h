@@ -36,6 +36,7 @@ struct Heuristic {  // cublasLtMatmulHeuristicResult_t
 };
 
 constexpr Status kSuccess = 0;         // CUBLAS_STATUS_SUCCESS
+constexpr Status kNotSupported = 15;   // CUBLAS_STATUS_NOT_SUPPORTED (e.g. no heuristic for the problem)
 constexpr int kCompute32F = 68;        // CUBLAS_COMPUTE_32F
 constexpr int kOpN = 0, kOpT = 1;      // CUBLAS_OP_N, CUBLAS_OP_T
 constexpr int kDescTransA = 3;         // CUBLASLT_MATMUL_DESC_TRANSA (int32)
@@ -45,6 +46,7 @@ constexpr int kDescBScalePointer = 18;  // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER 
 constexpr int kDescAScaleMode = 31;    // CUBLASLT_MATMUL_DESC_A_SCALE_MODE (int32)
 constexpr int kDescBScaleMode = 32;    // CUBLASLT_MATMUL_DESC_B_SCALE_MODE (int32)
 constexpr int kPrefMaxWorkspace = 1;   // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES (uint64)
+constexpr int kPrefMinAlignA = 5;      // CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES = 5..8 (uint32)
 constexpr int kScaleVec128 = 4;        // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F: 1x128 blocks
 constexpr int kScaleBlk128x128 = 5;    // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F: 128x128 blocks
 // The first cuBLASLt with Hopper block scaling (cublasLtGetVersion: major * 10000 + minor * 100 + patch).
@@ -138,11 +140,30 @@ inline size_t load(const std::vector<std::string>& paths, std::string* message) 
   return l.ok ? l.api.version : 0;
 }
 
-// The loaded API, or nullptr (then `error()` says why).
+// The loaded API (loading the copy this process already has when nothing was loaded yet, e.g. for an
+// executable deserialized without our lowering), or nullptr (then `error()` says why).
 inline const Api* api() {
   Loaded& l = loaded();
-  std::lock_guard<std::mutex> lock(l.mu);
-  return l.ok ? &l.api : nullptr;
+  {
+    std::lock_guard<std::mutex> lock(l.mu);
+    if (l.ok) return &l.api;
+  }
+  std::string message;
+  return load({}, &message) ? &l.api : nullptr;
+}
+
+// The names of the statuses a GEMM call can meet (cublas_api.h), for error messages.
+inline std::string status_name(Status s) {
+  switch (s) {
+    case 1: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case 3: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case 7: return "CUBLAS_STATUS_INVALID_VALUE";
+    case 8: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case 13: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case 14: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case kNotSupported: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cublasStatus_t " + std::to_string(s);
+  }
 }
 inline std::string error() {
   Loaded& l = loaded();
@@ -160,6 +181,9 @@ inline std::string error() {
 #include <cublasLt.h>
 #if CUBLAS_VERSION >= 120900
 static_assert(jf::lt::kSuccess == CUBLAS_STATUS_SUCCESS);
+static_assert(jf::lt::kNotSupported == CUBLAS_STATUS_NOT_SUPPORTED);
+static_assert(jf::lt::kPrefMinAlignA == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES &&
+              jf::lt::kPrefMinAlignA + 3 == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES);
 static_assert(jf::lt::kCompute32F == CUBLAS_COMPUTE_32F);
 static_assert(jf::lt::kOpN == CUBLAS_OP_N && jf::lt::kOpT == CUBLAS_OP_T);
 static_assert(jf::lt::kDescTransA == CUBLASLT_MATMUL_DESC_TRANSA);

@@ -26,10 +26,21 @@ namespace {
 constexpr uint64_t kGemmWorkspaceBytes = 32ull << 20;
 
 inline std::string lt_failure(const char* what, lt::Status s) {
-  return std::string("jax_fp8: cuBLASLt ") + what + " failed with cublasStatus_t " + std::to_string(s);
+  return std::string("jax_fp8: cuBLASLt ") + what + " failed: " + lt::status_name(s);
 }
-#define JF_LT(call, what) \
-  if (lt::Status s_ = (call); s_ != lt::kSuccess) return ffi::Error(ffi::ErrorCode::kInternal, lt_failure(what, s_))
+#define JF_LT(call, what)                                                                                    \
+  do {                                                                                                      \
+    if (lt::Status s_ = (call); s_ != lt::kSuccess) return ffi::Error(ffi::ErrorCode::kInternal, lt_failure(what, s_)); \
+  } while (0)
+
+// The alignment cuBLASLt may assume for a buffer (its algorithms default to 256 bytes; XLA's buffers
+// are aligned less strictly in general): the largest power of two up to 256 dividing the address.
+inline uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align) align /= 2;
+  return align;
+}
 
 // One cublasLtMatmulDesc_t and its four layouts, destroyed with the call.
 struct GemmDescs {
@@ -43,8 +54,10 @@ struct GemmDescs {
   }
 };
 
-// Everything the algorithm choice depends on (the pointers do not matter to it).
-using GemmKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int, int, int, int, int, bool>;
+// Everything the algorithm choice depends on: device, M, N, K, the three types, the two scale modes,
+// accumulation, and the alignment of A, B, C, D (an algorithm chosen for aligned buffers may need it).
+using GemmKey =
+    std::tuple<int32_t, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct GemmCache {
   std::mutex mu;
@@ -74,10 +87,18 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
                        ffi::Result<ffi::AnyBuffer> out, int64_t a_rows, int64_t b_rows) {
   const lt::Api* api = lt::api();
   if (!api) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_fp8: " + lt::error());
+  if (api->version < lt::kMinVersion)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_fp8: cuBLASLt " + std::to_string(api->version) + " at " + api->path +
+                          " predates FP8 block scaling (needs >= " + std::to_string(lt::kMinVersion) + ")");
   const auto ad = a.dimensions(), bd = b.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) return bad("fp8 gemm: a (M, K) and b (N, K)");
   const int64_t M = ad[0], N = bd[0], K = ad[1];
-  if ((a_rows != 1 && a_rows != 128) || (b_rows != 1 && b_rows != 128)) return bad("fp8 gemm: blocks");
+  if ((a_rows != 1 && a_rows != 128) || (b_rows != 1 && b_rows != 128) || (a_rows == 128 && b_rows == 128))
+    return bad("fp8 gemm: a_rows, b_rows must be 1 or 128, not both 128; got " + std::to_string(a_rows) + ", " +
+               std::to_string(b_rows));
+  if (a_scale.element_type() != ffi::DataType::F32 || b_scale.element_type() != ffi::DataType::F32)
+    return bad("fp8 gemm: a_scale and b_scale must be float32");
   const void* c_ptr = nullptr;
   if (c.size() > 1) return bad("fp8 gemm: at most one accumulator");
   if (c.size() == 1) {
@@ -121,7 +142,11 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
   JF_LT(api->MatrixLayoutCreate(&g.c, tout, N, M, N), "layout C");
   JF_LT(api->MatrixLayoutCreate(&g.d, tout, N, M, N), "layout D");
 
-  const GemmKey key{device, M, N, K, int(ta), int(tb), int(tout), mode_a, mode_b, c_ptr != nullptr};
+  // cuBLAS A, B, C, D = our b, a, c (or out), out
+  const uint32_t align[4] = {alignment_of(b.untyped_data()), alignment_of(a.untyped_data()),
+                             alignment_of(c_ptr ? c_ptr : out->untyped_data()), alignment_of(out->untyped_data())};
+  const GemmKey key{device, M,     N,     K,      int(ta), int(tb), int(tout), mode_a, mode_b, c_ptr != nullptr,
+                    align[0], align[1], align[2], align[3]};
   lt::Heuristic algo;
   bool cached;
   {
@@ -136,10 +161,12 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
     int found = 0;
     lt::Status s = api->MatmulPreferenceSetAttribute(pref, lt::kPrefMaxWorkspace, &kGemmWorkspaceBytes,
                                                      sizeof(kGemmWorkspaceBytes));
+    for (int i = 0; i < 4 && s == lt::kSuccess; ++i)
+      s = api->MatmulPreferenceSetAttribute(pref, lt::kPrefMinAlignA + i, &align[i], sizeof(align[i]));
     if (s == lt::kSuccess) s = api->MatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.c, g.d, pref, 1, &algo, &found);
     api->MatmulPreferenceDestroy(pref);
-    JF_LT(s, "MatmulAlgoGetHeuristic");
-    if (found == 0 || algo.state != lt::kSuccess)
+    if (s != lt::kNotSupported) JF_LT(s, "MatmulAlgoGetHeuristic");
+    if (s == lt::kNotSupported || found == 0 || algo.state != lt::kSuccess)
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "jax_fp8: cuBLASLt has no block-scaled FP8 algorithm for " + std::to_string(M) + "x" +
                             std::to_string(N) + "x" + std::to_string(K) + " on this GPU (needs sm_90, cuBLAS >= 12.9)");
