@@ -32,7 +32,6 @@ import _transformer as T  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, untimed=3, dispatch=4,
             loss_window=4)
 
@@ -40,40 +39,20 @@ TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test (overrides the size flags)")
-    ap.add_argument("--d-model", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=2, help="sequences per step")
-    ap.add_argument("--vocab", type=int, default=1024, help="small, so that the blocks' projections dominate")
+    T.add_model_flags(ap, d_model=4096, ffn=14336, heads=32, layers=2, seq=4096, batch=2,
+                      vocab=1024, variants=",".join(T.VARIANTS))  # a small vocab: the blocks' projections dominate
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
     ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
     ap.add_argument("--dispatch", type=int, default=10, help="steps dispatched per block_until_ready")
     ap.add_argument("--loss-window", type=int, default=20, help="the final loss is the mean of this many steps")
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
-    ap.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES), help="master weight dtype")
-    ap.add_argument("--variants", default=",".join(T.VARIANTS), help=f"comma-separated, from {','.join(T.VARIANTS)}")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
-    for flag in ("d_model", "ffn", "heads", "layers", "seq", "batch", "vocab", "steps", "dispatch", "loss_window"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     if not 1 <= args.untimed < args.steps:
         ap.error(f"--untimed must be in [1, --steps), got {args.untimed} with --steps {args.steps}")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in args.variants:
-        if v not in T.VARIANTS:
-            ap.error(f"--variants: unknown variant {v!r} (choose from {', '.join(T.VARIANTS)})")
-    try:
-        args.cfg = T.Config(vocab=args.vocab, d_model=args.d_model, ffn=args.ffn, heads=args.heads, layers=args.layers,
-                            seq=args.seq, dtype=DTYPES[args.dtype], param_dtype=DTYPES[args.param_dtype])
-    except ValueError as e:
-        ap.error(str(e))
+    T.check_model_flags(ap, args, positive=("steps", "dispatch", "loss_window"))
     return args
 
 

@@ -35,6 +35,7 @@ import jax_fp8 as jf
 from jax_fp8.flax_utils import fp8_dot_general_for
 
 VARIANTS = ("fp8", "bf16", "flax-fp8")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +243,41 @@ def train(cfg: Config, variant: str, params, batches, steps: int, tx: optax.Grad
         if log is not None and log_every and (i % log_every == 0 or i == steps - 1):
             log(f"[{variant:>8}] step {i + 1:5d}/{steps}  loss {losses[-1]:.4f}  step {1e3 * times[-1]:9.2f} ms")
     return losses, times
+
+
+# ---- the command-line flags of train_transformer.py and bench/bench_model.py ----------------------
+def add_model_flags(ap, *, d_model: int, ffn: int, heads: int, layers: int, seq: int, batch: int, vocab: int,
+                    variants: str) -> None:
+    """The model, data and variant flags both scripts take (with their own defaults)."""
+    ap.add_argument("--d-model", type=int, default=d_model)
+    ap.add_argument("--ffn", type=int, default=ffn, help="SwiGLU hidden size")
+    ap.add_argument("--heads", type=int, default=heads)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--seq", type=int, default=seq, help="tokens per sequence")
+    ap.add_argument("--batch", type=int, default=batch, help="sequences per step")
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
+    ap.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES), help="master weight dtype")
+    ap.add_argument("--variants", default=variants,
+                    help=f"comma-separated, from {','.join(VARIANTS)} (flax-fp8: flax's per-tensor FP8)")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def check_model_flags(ap, args, positive: tuple = ()) -> None:
+    """Checks add_model_flags' flags (and the `positive` ones) through ``ap.error``; sets
+    ``args.variants`` to a list and ``args.cfg`` to the model's Config."""
+    for flag in ("d_model", "ffn", "heads", "layers", "seq", "batch", "vocab") + tuple(positive):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in args.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown variant {v!r} (choose from {', '.join(VARIANTS)})")
+    try:
+        args.cfg = Config(vocab=args.vocab, d_model=args.d_model, ffn=args.ffn, heads=args.heads, layers=args.layers,
+                          seq=args.seq, dtype=DTYPES[args.dtype], param_dtype=DTYPES[args.param_dtype])
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def tree_bytes(tree) -> int:

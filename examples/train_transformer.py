@@ -27,43 +27,19 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _transformer as T  # noqa: E402
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="A Llama-style decoder trained with FP8 GEMMs (jax_fp8.fp8_dot_general) "
                                  "next to the same model in bf16.")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=384, help="SwiGLU hidden size")
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=256)
+    T.add_model_flags(ap, d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=8, vocab=256, variants="fp8,bf16")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10, help="linear learning-rate warmup steps")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
-    ap.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES), help="master weight dtype")
-    ap.add_argument("--variants", default="fp8,bf16",
-                    help=f"comma-separated, from {','.join(T.VARIANTS)} (flax-fp8: flax's per-tensor FP8)")
     ap.add_argument("--log-every", type=int, default=10, help="print every N steps (and the first and last)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file (needs matplotlib)")
     args = ap.parse_args(argv)
-    for flag in ("steps", "batch", "seq", "d_model", "ffn", "heads", "layers", "vocab", "log_every"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in args.variants:
-        if v not in T.VARIANTS:
-            ap.error(f"--variants: unknown variant {v!r} (choose from {', '.join(T.VARIANTS)})")
-    try:
-        args.cfg = T.Config(vocab=args.vocab, d_model=args.d_model, ffn=args.ffn, heads=args.heads,
-                            layers=args.layers, seq=args.seq, dtype=DTYPES[args.dtype],
-                            param_dtype=DTYPES[args.param_dtype])
-    except ValueError as e:
-        ap.error(str(e))
+    T.check_model_flags(ap, args, positive=("steps", "log_every"))
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (checked before training, used after it)
