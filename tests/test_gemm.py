@@ -234,6 +234,29 @@ def test_gemm_cuda_status_says_why():
         assert isinstance(why, str) and why, why
 
 
+def test_cuda_lowering_runs_cublaslt_or_falls_back():
+    """Lowered for CUDA (jax.export, on any machine): the cuBLASLt custom call where it can run; where
+    the CUDA module is built but cannot run it (no Hopper, no cuBLASLt), the reference with one
+    Fp8GemmFallbackWarning saying why; without the CUDA module, the reference and no warning."""
+    from jax import export
+    from jax_fp8 import _ffi
+
+    rng = np.random.default_rng(4)
+    qa = jf.quantize_blockwise(data(rng, (64, 256), F32), layout="gemm_ready")
+    qb = jf.quantize_blockwise(data(rng, (32, 256), F32), block=B2, layout="gemm_ready")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = export.export(jax.jit(lambda a, b: G.fp8_gemm(a, b, F32)), platforms=["cuda"])(qa, qb).mlir_module()
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, G.Fp8GemmFallbackWarning)]
+    why = _ffi.gemm_cuda_unavailable()
+    if _ffi.AVAILABLE["cuda"] and why is None:
+        assert "jf_fp8_gemm" in text and not fallbacks, fallbacks
+    elif _ffi.AVAILABLE["cuda"]:
+        assert "jf_fp8_gemm" not in text and len(fallbacks) == 1 and why in fallbacks[0], (why, fallbacks)
+    else:
+        assert "jf_fp8_gemm" not in text and not fallbacks, fallbacks
+
+
 def test_gemm_operand_orientations():
     """gemm_operand of either layout and usage: the same values as the tensor's dequantized view."""
     rng = np.random.default_rng(3)

@@ -6,7 +6,10 @@
 // ld = N, which is our row-major (M, N). The scale pointer and mode of cuBLAS A are b's, of B a's.
 // Per call: the descriptors (host objects, microseconds), the algorithm from a cache keyed by device
 // and problem (the heuristic query is the slow part), a workspace from XLA's scratch allocator, and
-// one cublasLtMatmul on XLA's stream. No host synchronisation, no cudaMalloc.
+// one cublasLtMatmul on XLA's stream. No host synchronisation, no cudaMalloc. The handler is not
+// declared command-buffer compatible: a CUDA graph would capture the scratch workspace's address, and
+// the scratch is freed when the handler returns (TE's JAX GEMM takes its workspace as an output buffer
+// instead; the way to get there, untried).
 #pragma once
 
 #include <cuda_runtime.h>
