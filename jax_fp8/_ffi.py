@@ -104,11 +104,8 @@ def _load_cublaslt() -> tuple[int, str]:
 def gemm_cuda_unavailable() -> Optional[str]:
     """None when ``jf_fp8_gemm`` runs on cuBLASLt here (the CUDA module built, cuBLASLt >= 12.9 loaded,
     every CUDA device a Hopper, sm_90); else why not, in words. Never raises."""
-    version, message = cublaslt()
-    if not version:
-        return message
-    if version < CUBLASLT_MIN_VERSION:
-        return f"cuBLASLt {version} at {message} predates block scaling (needs >= {CUBLASLT_MIN_VERSION})"
+    if not AVAILABLE["cuda"]:
+        return cublaslt()[1]
     try:
         import jax
 
@@ -117,4 +114,9 @@ def gemm_cuda_unavailable() -> Optional[str]:
         return f"no CUDA device ({e})"
     if not caps or any(not c.startswith("9.") for c in caps):
         return f"cuBLASLt's FP8 block scaling needs Hopper (sm_90); the CUDA devices are sm {sorted(caps)}"
+    version, message = cublaslt()
+    if not version:
+        return message
+    if version < CUBLASLT_MIN_VERSION:
+        return f"cuBLASLt {version} at {message} predates block scaling (needs >= {CUBLASLT_MIN_VERSION})"
     return None

@@ -266,6 +266,7 @@ def _no_jvp(primals, tangents, **params):
 
 ad.primitive_jvps[gemm_p] = _no_jvp
 
+
 class Fp8GemmFallbackWarning(UserWarning):
     """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product as dequantize + dot
     (correct, not fast); the message says why."""
