@@ -3,7 +3,10 @@
 # bit for bit), dump the compiler's resource report and SASS facts, then time everything: through
 # JAX against the XLA-fused reference (bench_kernels.py) and per kernel with CUDA events (kernel_bench.cu).
 # Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
-# Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), KB=1 (kernel_bench), KB_PREBUILT.
+# Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
+# KB=1 (kernel_bench), KB_PREBUILT; stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs, MODEL=1 adds bench_model.py.
+# Everything at once outruns one 600 s call (build ~100 s, tests ~200 s, kernels ~70 s, kernel_bench ~60 s,
+# GEMM ~200 s, model ~150 s): split it over two calls with the stage knobs.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,10 +30,13 @@ echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|
 rm -f "$OUT/sass.txt"  # too large to bring back
 python3 -c "import jax_fp8._ffi as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.gemm_cuda_unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" | tee -a "$OUT/gpu.txt"
 # no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
-python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
+[ "${TESTS:-1}" != 0 ] && python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
 [ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$OUT/kernel_bench_build.log"; }
-python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+[ "${KERNELS:-1}" != 0 ] && python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 # kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
 [ -n "${KB:-}" ] && for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | tee "$OUT/kernel_bench.log"
 # the FP8 GEMM against bf16, flax's per-tensor FP8 and PyTorch's cuBLAS blockwise GEMM
-[ -f bench/bench_gemm.py ] && python3 bench/bench_gemm.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log"
+[ "${GEMM:-1}" != 0 ] && python3 bench/bench_gemm.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log"
+# the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8
+[ "${MODEL:-0}" != 0 ] && python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/bench_model.log"
+true
