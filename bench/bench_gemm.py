@@ -116,7 +116,7 @@ def inputs(M: int, K: int, N: int, n: int = 3):
     return xs, ws, dys
 
 
-def gemm_alone(M, K, N, xs, ws, iters):
+def gemm_alone(xs, ws, iters):
     """Seconds per GEMM: bf16, ours 1x128x128x128, ours 1x128x1x128 (operands quantized beforehand)."""
     wt = [w.T for w in ws]  # (N, K)
     t = {"bf16": jax_time(lambda x, w: lax.dot_general(x, w, NT), list(zip(xs, wt)), iters)}
@@ -128,7 +128,7 @@ def gemm_alone(M, K, N, xs, ws, iters):
     return t
 
 
-def linear_fwd_bwd(M, K, N, xs, ws, dys, iters):
+def linear_fwd_bwd(xs, ws, dys, iters):
     """Seconds per forward + backward of one linear layer (W (K, N), flax's layout)."""
     def step(dot):
         def f(x, w, dy):
@@ -194,7 +194,7 @@ def main():
         flops = 2 * M * K * N
         xs, ws, dys = inputs(M, K, N)
         print(f"\n== M={M} K={K} N={N}")
-        t = gemm_alone(M, K, N, xs, ws, args.iters)
+        t = gemm_alone(xs, ws, args.iters)
         if gpu:
             t["torch scaled_mm 1x128 x 128x128"] = torch_blockwise(M, K, N, True, args.iters)
             t["torch scaled_mm 1x128 x 1x128"] = torch_blockwise(M, K, N, False, args.iters)
@@ -208,7 +208,7 @@ def main():
                              ("ours 1x128 x 1x128", "torch scaled_mm 1x128 x 1x128")):
             if isinstance(t.get(theirs), float):
                 print(f"  GEMM   {ours} / torch: {t[ours] / t[theirs]:.3f} (time ratio)")
-        t = linear_fwd_bwd(M, K, N, xs, ws, dys, args.iters)
+        t = linear_fwd_bwd(xs, ws, dys, args.iters)
         base = t["bf16"]
         for name, s in t.items():
             if isinstance(s, str):

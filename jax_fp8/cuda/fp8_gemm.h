@@ -31,9 +31,10 @@ constexpr uint64_t kGemmWorkspaceBytes = 32ull << 20;
 inline std::string lt_failure(const char* what, lt::Status s) {
   return std::string("jax_fp8: cuBLASLt ") + what + " failed: " + lt::status_name(s);
 }
-#define JF_LT(call, what)                                                                                    \
-  do {                                                                                                      \
-    if (lt::Status s_ = (call); s_ != lt::kSuccess) return ffi::Error(ffi::ErrorCode::kInternal, lt_failure(what, s_)); \
+#define JF_LT(call, what)                                                                 \
+  do {                                                                                   \
+    if (lt::Status s_ = (call); s_ != lt::kSuccess)                                      \
+      return ffi::Error(ffi::ErrorCode::kInternal, lt_failure(what, s_));                \
   } while (0)
 
 // The alignment cuBLASLt may assume for a buffer (its algorithms default to 256 bytes; XLA's buffers
@@ -145,9 +146,10 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
   JF_LT(api->MatrixLayoutCreate(&g.c, tout, N, M, N), "layout C");
   JF_LT(api->MatrixLayoutCreate(&g.d, tout, N, M, N), "layout D");
 
-  // cuBLAS A, B, C, D = our b, a, c (or out), out
-  const uint32_t align[4] = {alignment_of(b.untyped_data()), alignment_of(a.untyped_data()),
-                             alignment_of(c_ptr ? c_ptr : out->untyped_data()), alignment_of(out->untyped_data())};
+  // cuBLAS A, B, C, D = our b, a, c (out itself when not accumulating: beta is 0 then), out
+  const void* c_buf = c_ptr ? c_ptr : out->untyped_data();
+  const uint32_t align[4] = {alignment_of(b.untyped_data()), alignment_of(a.untyped_data()), alignment_of(c_buf),
+                             alignment_of(out->untyped_data())};
   const GemmKey key{device, M,     N,     K,      int(ta), int(tb), int(tout), mode_a, mode_b, c_ptr != nullptr,
                     align[0], align[1], align[2], align[3]};
   lt::Heuristic algo;
@@ -190,9 +192,8 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
     workspace = *w;
   }
   const float alpha = 1.0f, beta = c_ptr ? 1.0f : 0.0f;
-  JF_LT(api->Matmul(handle, g.op, &alpha, b.untyped_data(), g.a, a.untyped_data(), g.b, &beta,
-                    c_ptr ? c_ptr : out->untyped_data(), g.c, out->untyped_data(), g.d, &algo.algo, workspace,
-                    algo.workspace_size, stream),
+  JF_LT(api->Matmul(handle, g.op, &alpha, b.untyped_data(), g.a, a.untyped_data(), g.b, &beta, c_buf, g.c,
+                    out->untyped_data(), g.d, &algo.algo, workspace, algo.workspace_size, stream),
         "cublasLtMatmul");
   return ffi::Error::Success();
 }
