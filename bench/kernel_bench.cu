@@ -307,16 +307,16 @@ int main(int argc, char** argv) {
       CFG("mx row 5 CTAs/SM", true, 32, 0, 0, MxRule, 32, 256, 5),
       CFG("mx row+col 4 CTAs/SM", true, 32, 32, 0, MxRule, 32, 256, 4),
       CFG("mx col 4 CTAs/SM", true, 0, 32, 0, MxRule, 32, 256, 4),
-      CFG("f8 1x128 3 CTAs/SM", false, 128, 0, 0, BlockRule, 128, 128, 3),
+      CFG("f8 1x128 2 CTAs/SM", false, 128, 0, 0, BlockRule, 128, 128, 2),
       CFG("f8 1x128+128x1 3 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 3),
-      CFG("f8 128x128 3 CTAs/SM", false, 0, 0, 128, BlockRule, 128, 128, 3),
+      CFG("f8 128x128 2 CTAs/SM", false, 0, 0, 128, BlockRule, 128, 128, 2),
       // GEMM-ready (columnwise data transposed in the same pass): shipped, and other register caps
       GR("f8 1x128+128x1T", false, 128, 128, 0),
       GR("f8 128x128 both orientations", false, 0, 0, 128),
       GR("mx row+colT", true, 32, 32, 0),
-      GR("f8 1x128+128x1T 3 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 3),
-      GR("f8 128x128 both 3 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 3),
-      GR("mx row+colT 4 CTAs/SM", true, 32, 32, 0, TileCfg<MxRule, 32, 256, 32, true, false, true>, 4),
+      GR("f8 1x128+128x1T 2 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 2),
+      GR("f8 128x128 both 2 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 2),
+      GR("mx row+colT 3 CTAs/SM", true, 32, 32, 0, TileCfg<MxRule, 32, 256, 32, true, false, true>, 3),
   };
   for (const Case& c : cases) {
     const int64_t b = c.mx ? 32 : 128;

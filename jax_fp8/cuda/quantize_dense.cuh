@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
 }
 
 // One launch over every tile of x; `row` / `col`: the rowwise (or tile) and columnwise outputs.
-template <class L, class Cfg, int MINB = min_blocks_for<L, typename Cfg::Rule, Cfg::COL || Cfg::COL_T, kQuantize>()>
+template <class L, class Cfg, int MINB = min_blocks_for<L, typename Cfg::Rule, Cfg::COL, kQuantize, true, Cfg::COL_T>()>
 ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, Span sp,
                         const typename Cfg::Rule& rule, Outs<typename Cfg::S> row, Outs<typename Cfg::S> col,
                         ScaleAt row_at, ScaleAt col_at) {

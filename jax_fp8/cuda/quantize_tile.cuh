@@ -436,15 +436,18 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   else run(std::false_type{});
 }
 
-// CTAs per SM for the register allocation (the highest that compiles without spills and measured
-// fastest, bench/kernel_bench.cu, RESULTS.md runs 12 and 19-21). fp32 tiles of 8-16 vectors per thread
-// need the registers: the compiler's allocation. ONE: a shard kernel with its one job at fixed
-// parameter offsets; a job picked at run time needs more registers (the partial amax spills above 4).
-template <class L, class Rule, bool COL, int MODE, bool ONE = true>
+// CTAs per SM for the register allocation (measured fastest, bench/kernel_bench.cu, RESULTS.md runs
+// 12, 19-22 and 28). fp32 tiles of 8-16 vectors per thread need the registers: the compiler's
+// allocation. ONE: a shard kernel with its one job at fixed parameter offsets; a job picked at run time
+// needs more registers (the partial amax spills above 4). COL_T: columnwise data transposed through
+// shared memory, where one more CTA per SM hides the staging (+6% to +7%, run 28; Float8 1x128+128x1T
+// spills 12 bytes at 3 and is still the fastest).
+template <class L, class Rule, bool COL, int MODE, bool ONE = true, bool COL_T = false>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
-  if (!std::is_same_v<Rule, MxRule>) return 2;
+  if (!std::is_same_v<Rule, MxRule>) return COL && !COL_T ? 2 : 3;
   if (MODE == kAmax) return ONE ? 6 : 4;
+  if (COL_T) return 4;
   return COL ? 3 : (MODE == kCast ? 3 : 4);
 }
 
