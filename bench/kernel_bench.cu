@@ -69,6 +69,21 @@ double time_us(const std::function<void(int)>& launch, int iters = 30, int reps 
   return t[t.size() / 2];
 }
 
+// Bandwidth ceilings for unbalanced traffic: 16 bytes read and 32 written per thread (WIDEN, as
+// dequantize to bf16 moves them), or 32 read and 16 written (as quantize from bf16), with no math.
+template <bool WIDEN>
+__global__ void traffic_kernel(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t chunks) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= chunks) return;
+  if (WIDEN) {
+    const uint4 v = __ldg(in + i);
+    out[2 * i] = v, out[2 * i + 1] = make_uint4(v.w, v.z, v.y, v.x);
+  } else {
+    const uint4 a = __ldg(in + 2 * i), b = __ldg(in + 2 * i + 1);
+    out[i] = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+  }
+}
+
 // Output pointers (data, scale) for up to two usages, and buffers that own them.
 struct OutPtrs {
   uint8_t* d0;
@@ -503,6 +518,18 @@ int main(int argc, char** argv) {
     run(U4{}, V32{}, 32);
     run(U2{}, V32{}, 16);
     if (M % 4 == 0) run(U2{}, V16{}, 32, 4);
+  }
+  // The ceilings of dequantize's and quantize's traffic shapes: n bytes in and 2n out, 2n in and n out.
+  {
+    Buf out(n * 2);
+    const int64_t chunks = n / 16;
+    const unsigned grid = unsigned(cdiv(chunks, int64_t(256)));
+    report("ceiling: read n, write 2n bytes", time_us([&](int i) {
+             traffic_kernel<true><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
+           }), 3.0 * n, "-");
+    report("ceiling: read 2n, write n bytes", time_us([&](int i) {
+             traffic_kernel<false><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
+           }), 3.0 * n, "-");
   }
   for (Buf* b : xs) delete b;
   return 0;
