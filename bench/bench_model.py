@@ -102,7 +102,8 @@ def main(argv=None) -> dict:
     out(f"jax {jax.__version__}, backend {jax.default_backend()} ({dev.device_kind}); jax_fp8 kernels "
         f"{jf.kernels_available()}")
     out(f"decoder: {cfg.layers} layers, d_model {cfg.d_model}, ffn {cfg.ffn}, {cfg.heads} heads, vocab {cfg.vocab}, "
-        f"{cfg.n_params() / 1e6:.1f}M params ({args.param_dtype} masters, {args.dtype} activations); batch "
+        f"{cfg.n_params() / 1e6:.1f}M params ({args.param_dtype} masters, {args.dtype} activations, "
+        f"{cfg.attention_impl()} attention); batch "
         f"{args.batch} x seq {cfg.seq} = {tokens} tokens/step; projection GEMMs {proj_flops / 1e12:.2f} TFLOP/step")
     out(f"{args.steps} steps per variant ({args.untimed} untimed, then groups of {args.dispatch} dispatches per sync, "
         f"median over groups); loss = mean of the last {args.loss_window} steps")

@@ -54,6 +54,22 @@ def test_train_transformer_bad_flags(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_attention_implementation():
+    """auto: cuDNN's fused attention on an NVIDIA GPU with 16-bit activations, XLA's elsewhere; a bad
+    name raises, naming the field."""
+    import jax
+    import jax.numpy as jnp
+    import _transformer as T
+
+    dev = jax.devices()[0]
+    nvidia = dev.platform == "gpu" and "NVIDIA" in dev.device_kind
+    assert T.Config().attention_impl() == ("cudnn" if nvidia else "xla")
+    assert T.Config(dtype=jnp.float32).attention_impl() == "xla"
+    assert T.Config(attention="xla").attention_impl() == "xla"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        T.Config(attention="flash")
+
+
 def test_same_start_and_data_for_every_variant():
     """The variants share the parameter tree (flax-fp8 adds only its FP8 meta collection)."""
     import jax
