@@ -440,9 +440,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
 // 12, 19-22 and 28). fp32 tiles of 8-16 vectors per thread need the registers: the compiler's
 // allocation. ONE: a shard kernel with its one job at fixed parameter offsets; a job picked at run time
 // needs more registers (the partial amax spills above 4). COL_T: columnwise data transposed through
-// shared memory, where one more CTA per SM hides the staging (+6% to +7%, run 28). Float8 at 3 spills
-// 4-24 bytes in some configurations (ptxas) and still measured fastest, except the untransposed
-// 1x128 + 128x1 (-4%).
+// shared memory, where one more CTA per SM hides the staging (+5 to +7 points of memcpy, run 28).
+// Float8 at 3 spills 4-24 bytes in some configurations (ptxas) and still measured fastest, except the
+// untransposed 1x128 + 128x1 (-4 points).
 template <class L, class Rule, bool COL, int MODE, bool ONE = true, bool COL_T = false>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
