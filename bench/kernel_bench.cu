@@ -75,7 +75,7 @@ template <bool WIDEN>
 __global__ void traffic_kernel(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t chunks) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= chunks) return;
-  if (WIDEN) {
+  if constexpr (WIDEN) {
     const uint4 v = __ldg(in + i);
     out[2 * i] = v, out[2 * i + 1] = make_uint4(v.w, v.z, v.y, v.x);
   } else {
