@@ -5,7 +5,7 @@ buffers (so L2 cannot hold the input), the device is synchronized once, and the 
 such runs is reported. GB/s counts the bytes a fused kernel must move (input read once, outputs
 written once). Also checks our output against the reference bit for bit at every size it times.
 
-  python bench/bench_kernels.py [--sizes 8192x8192,32768x16384] [--dtype bfloat16]
+  python bench/bench_kernels.py [--sizes 8192x8192,32768x16384] [--dtype bfloat16] [--per-call 3]
 """
 from __future__ import annotations
 
@@ -39,17 +39,21 @@ def device_copy(x):
     return jax.ffi.ffi_call("jf_bench_device_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
-def timeit(fn, inputs, iters: int, reps: int = 7) -> float:
-    f = jax.jit(fn)
-    jax.block_until_ready([f(x) for x in inputs])  # compile + warm up
+def timeit(fn, inputs, iters: int, reps: int = 7, per_call: int = 1) -> float:
+    """Seconds per application of fn. per_call > 1: each jitted call applies fn to that many of the
+    inputs and the time is divided by it, which takes JAX's per-call cost (dispatch, executable launch:
+    10-25 us, run 32) out of kernels that run for tens of microseconds."""
+    f = jax.jit(lambda *xs: [fn(x) for x in xs])
+    sets = [tuple(inputs[(i + j) % len(inputs)] for j in range(per_call)) for i in range(len(inputs))]
+    jax.block_until_ready([f(*s) for s in sets])  # compile + warm up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         out = None
         for i in range(iters):
-            out = f(inputs[i % len(inputs)])
+            out = f(*sets[i % len(sets)])
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
+        times.append((time.perf_counter() - t0) / (iters * per_call))
     return statistics.median(times)
 
 
@@ -93,6 +97,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="time only kernels whose name contains this")
+    ap.add_argument("--per-call", type=int, default=1,
+                    help="kernels per jitted call (each on its own input; the time divided by it)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
@@ -100,24 +106,32 @@ def main():
     have_copy = jax.default_backend() == "gpu" and register_device_copy()
     if jax.default_backend() == "gpu" and not have_copy:
         print(f"no {COPY_LIB} (bash bench/build_kernel_bench.sh builds it): the roofline is XLA's x*2")
+    if args.per_call < 1:
+        ap.error(f"--per-call must be >= 1, got {args.per_call}")
+    if args.per_call > 1:
+        print(f"{args.per_call} kernels per jitted call, each on its own input; times per kernel")
     rows = []
+
+    def t(fn, ins):
+        return timeit(fn, ins, args.iters, per_call=args.per_call)
+
     for size in args.sizes.split(","):
         M, K = map(int, size.split("x"))
         keys = jax.random.split(jax.random.key(M + K), 3)
         inputs = [(jax.random.normal(k, (M, K), jnp.float32) * 4).astype(dtype) for k in keys]
         n = M * K
         # roofline: a device-to-device cudaMemcpy where our CUDA module is loaded, else XLA's x*2
-        t_xla = timeit(lambda x: x * 2, inputs, args.iters)
+        t_xla = t(lambda x: x * 2, inputs)
         gpu = jax.default_backend() == "gpu" and have_copy
-        t_copy = timeit(device_copy, inputs, args.iters) if gpu else t_xla
+        t_copy = t(device_copy, inputs) if gpu else t_xla
         copy_gbs = 2 * n * dtype.itemsize / t_copy / 1e9
         rows.append((f"{M}x{K}", "device copy (memcpy)" if gpu else "copy = xla x*2", t_copy, copy_gbs, 100.0,
                      float("nan"), "-"))
         xla_gbs = 2 * n * dtype.itemsize / t_xla / 1e9
         rows.append((f"{M}x{K}", "xla elementwise x*2", t_xla, xla_gbs, 100 * xla_gbs / copy_gbs, float("nan"), "-"))
         for name, ours, ref, nbytes in [c for c in cases(M, K, dtype.itemsize) if args.only in c[0]]:
-            t_o = timeit(ours, inputs, args.iters)
-            t_r = timeit(ref, inputs, args.iters)
+            t_o = t(ours, inputs)
+            t_r = t(ref, inputs)
             exact = leaves_equal(jax.jit(ours)(inputs[0]), jax.jit(ref)(inputs[0]))
             gbs = nbytes / t_o / 1e9
             rows.append((f"{M}x{K}", name, t_o, gbs, 100 * gbs / copy_gbs, t_r / t_o, exact))
@@ -125,8 +139,8 @@ def main():
             continue
         q = jax.jit(lambda x: jf.quantize_mxfp8(x))(inputs[0])
         qs = [jax.jit(lambda x: jf.quantize_mxfp8(x))(x) for x in inputs]
-        t_d = timeit(lambda q: jf.dequantize(q), qs, args.iters)
-        t_dr = timeit(lambda q: R_deq(q), qs, args.iters)
+        t_d = t(lambda q: jf.dequantize(q), qs)
+        t_dr = t(lambda q: R_deq(q), qs)
         nb = n + n // 32 + n * dtype.itemsize
         exact = leaves_equal(jax.jit(jf.dequantize)(q), jax.jit(R_deq)(q))
         rows.append((f"{M}x{K}", "dequantize mxfp8", t_d, nb / t_d / 1e9, 100 * nb / t_d / 1e9 / copy_gbs, t_dr / t_d,

@@ -69,18 +69,23 @@ double time_us(const std::function<void(int)>& launch, int iters = 30, int reps 
   return t[t.size() / 2];
 }
 
-// Bandwidth ceilings for unbalanced traffic: 16 bytes read and 32 written per thread (WIDEN, as
+// Bandwidth ceilings for unbalanced traffic: 16 bytes read and 32 written per chunk (WIDEN, as
 // dequantize to bf16 moves them), or 32 read and 16 written (as quantize from bf16), with no math.
-template <bool WIDEN>
+// U chunks per thread (a CTA's U x 256 chunks contiguous); STREAM: stores that bypass L2 retention.
+template <bool WIDEN, int U = 1, bool STREAM = false>
 __global__ void traffic_kernel(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t chunks) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= chunks) return;
-  if constexpr (WIDEN) {
-    const uint4 v = __ldg(in + i);
-    out[2 * i] = v, out[2 * i + 1] = make_uint4(v.w, v.z, v.y, v.x);
-  } else {
-    const uint4 a = __ldg(in + 2 * i), b = __ldg(in + 2 * i + 1);
-    out[i] = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t i = (blockIdx.x * int64_t(U) + u) * blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    if constexpr (WIDEN) {
+      const uint4 v = __ldg(in + i), w = make_uint4(v.w, v.z, v.y, v.x);
+      if constexpr (STREAM) __stcs(out + 2 * i, v), __stcs(out + 2 * i + 1, w);
+      else out[2 * i] = v, out[2 * i + 1] = w;
+    } else {
+      const uint4 a = __ldg(in + 2 * i), b = __ldg(in + 2 * i + 1);
+      out[i] = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+    }
   }
 }
 
@@ -332,6 +337,8 @@ int main(int argc, char** argv) {
       GR("f8 1x128+128x1T 2 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 2),
       GR("f8 128x128 both 2 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 2),
       GR("mx row+colT 3 CTAs/SM", true, 32, 32, 0, TileCfg<MxRule, 32, 256, 32, true, false, true>, 3),
+      GR("f8 1x128+128x1T 4 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 4),
+      GR("f8 128x128 both 4 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 4),
   };
   for (const Case& c : cases) {
     const int64_t b = c.mx ? 32 : 128;
@@ -526,6 +533,13 @@ int main(int argc, char** argv) {
     const unsigned grid = unsigned(cdiv(chunks, int64_t(256)));
     report("ceiling: read n, write 2n bytes", time_us([&](int i) {
              traffic_kernel<true><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
+           }), 3.0 * n, "-");
+    report("ceiling: read n, write 2n, 4 per thread", time_us([&](int i) {
+             traffic_kernel<true, 4><<<unsigned(cdiv(chunks, int64_t(1024))), 256>>>(xs[i]->as<uint4>(),
+                                                                                  out.as<uint4>(), chunks);
+           }), 3.0 * n, "-");
+    report("ceiling: read n, write 2n, streaming", time_us([&](int i) {
+             traffic_kernel<true, 1, true><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
            }), 3.0 * n, "-");
     report("ceiling: read 2n, write n bytes", time_us([&](int i) {
              traffic_kernel<false><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
