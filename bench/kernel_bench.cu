@@ -525,6 +525,10 @@ int main(int argc, char** argv) {
     run(U4{}, V32{}, 32);
     run(U2{}, V32{}, 16);
     if (M % 4 == 0) run(U2{}, V16{}, 32, 4);
+    // shaped like the traffic ceiling below: one or two rows per CTA (ctas/sm so large that gy = B*M)
+    using U1 = std::integral_constant<int, 1>;
+    run(U1{}, V16{}, 1024);
+    run(U2{}, V16{}, 512);
   }
   // The ceilings of dequantize's and quantize's traffic shapes: n bytes in and 2n out, 2n in and n out.
   {
