@@ -42,7 +42,7 @@ def device_copy(x):
 def timeit(fn, inputs, iters: int, reps: int = 7, per_call: int = 1) -> float:
     """Seconds per application of fn. per_call > 1: each jitted call applies fn to that many of the
     inputs and the time is divided by it, which takes JAX's per-call cost (dispatch, executable launch:
-    10-25 us, run 32) out of kernels that run for tens of microseconds."""
+    11-26 us at 4096³, run 32) out of kernels that run for tens of microseconds."""
     f = jax.jit(lambda *xs: [fn(x) for x in xs])
     sets = [tuple(inputs[(i + j) % len(inputs)] for j in range(per_call)) for i in range(len(inputs))]
     jax.block_until_ready([f(*s) for s in sets])  # compile + warm up
@@ -100,14 +100,14 @@ def main():
     ap.add_argument("--per-call", type=int, default=1,
                     help="kernels per jitted call (each on its own input; the time divided by it)")
     args = ap.parse_args()
+    if args.per_call < 1:
+        ap.error(f"--per-call must be >= 1, got {args.per_call}")
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"kernels={jf.kernels_available()}")
     have_copy = jax.default_backend() == "gpu" and register_device_copy()
     if jax.default_backend() == "gpu" and not have_copy:
         print(f"no {COPY_LIB} (bash bench/build_kernel_bench.sh builds it): the roofline is XLA's x*2")
-    if args.per_call < 1:
-        ap.error(f"--per-call must be >= 1, got {args.per_call}")
     if args.per_call > 1:
         print(f"{args.per_call} kernels per jitted call, each on its own input; times per kernel")
     rows = []
