@@ -25,26 +25,12 @@ import numpy as np
 from jax import lax
 
 import jax_fp8 as jf
+from _timing import jax_time
 from jax_fp8 import gemm as G
 
 SHAPES = "4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096"  # MxKxN
 NT = (((1,), (1,)), ((), ()))  # x (M, K) . W (N, K): contract the last dims
 KN = (((1,), (0,)), ((), ()))  # x (M, K) . W (K, N): flax's Dense layout
-
-
-def jax_time(fn, arg_sets, iters: int, reps: int = 5) -> float:
-    """Seconds per call: `iters` back-to-back dispatches over rotating argument sets, one sync."""
-    f = jax.jit(fn)
-    jax.block_until_ready([f(*a) for a in arg_sets])  # compile + warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = f(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
 
 
 def torch_time(fn, arg_sets, iters: int, reps: int = 5) -> float:

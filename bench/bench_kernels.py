@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8 as jf
+from _timing import jax_time
 from jax_fp8 import Scheme
 
 COPY_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".bin", "libjf_device_copy.so")
@@ -43,18 +42,8 @@ def timeit(fn, inputs, iters: int, reps: int = 7, per_call: int = 1) -> float:
     """Seconds per application of fn. per_call > 1: each jitted call applies fn to that many of the
     inputs and the time is divided by it, which takes JAX's per-call cost (dispatch, executable launch:
     11-26 us at 4096³, run 32) out of kernels that run for tens of microseconds."""
-    f = jax.jit(lambda *xs: [fn(x) for x in xs])
     sets = [tuple(inputs[(i + j) % len(inputs)] for j in range(per_call)) for i in range(len(inputs))]
-    jax.block_until_ready([f(*s) for s in sets])  # compile + warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = f(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / (iters * per_call))
-    return statistics.median(times)
+    return jax_time(lambda *xs: [fn(x) for x in xs], sets, iters, reps) / per_call
 
 
 def leaves_equal(a, b) -> bool:

@@ -12,28 +12,19 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from _timing import jax_time
 from jax_fp8._compat import shard_map
 from jax_fp8.distributed import quantize_master_weights
 
 
 def timeit(f, args, iters=20, reps=5):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
+    return jax_time(f, [args], iters, reps)
 
 
 def main():

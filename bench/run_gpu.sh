@@ -5,7 +5,7 @@
 # Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
 # Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
 # KB=1 (kernel_bench), KB_PREBUILT; stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs, MODEL=1 adds bench_model.py.
-# Everything at once outruns one 600 s call (build ~100 s, tests ~200 s, kernels ~70 s, kernel_bench ~60 s,
+# Everything at once outruns one 600 s call (build ~100 s, tests ~260 s, kernels ~70 s, kernel_bench ~60 s,
 # GEMM ~200 s, model ~150 s): split it over two calls with the stage knobs.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
