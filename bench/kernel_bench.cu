@@ -89,6 +89,18 @@ __global__ void traffic_kernel(const uint4* __restrict__ in, uint4* __restrict__
   }
 }
 
+// The traffic of quantizing to two usages (1x128 + 128x1: 2n bytes read, n + n written to two
+// outputs), or a copy kernel's (TWO false: 2n read, 2n written to one output), with no math.
+template <bool TWO>
+__global__ void balanced_kernel(const uint4* __restrict__ in, uint4* __restrict__ o1, uint4* __restrict__ o2,
+                                int64_t chunks) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= chunks) return;
+  const uint4 a = __ldg(in + 2 * i), b = __ldg(in + 2 * i + 1);
+  if constexpr (TWO) o1[i] = a, o2[i] = b;
+  else o1[2 * i] = a, o1[2 * i + 1] = b;
+}
+
 // Output pointers (data, scale) for up to two usages, and buffers that own them.
 struct OutPtrs {
   uint8_t* d0;
@@ -292,6 +304,8 @@ bool check(const Case& c) {
 
 int main(int argc, char** argv) {
   const int64_t M = argc > 2 ? std::atoll(argv[1]) : 32768, K = argc > 2 ? std::atoll(argv[2]) : 16384;
+  // a third argument: run only the cases whose names contain it (for profiling one kernel)
+  const std::string only = argc > 3 ? argv[3] : "";
   const int64_t n = M * K;
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
@@ -341,6 +355,7 @@ int main(int argc, char** argv) {
       GR("f8 128x128 both 4 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 4),
   };
   for (const Case& c : cases) {
+    if (c.name.find(only) == std::string::npos) continue;
     const int64_t b = c.mx ? 32 : 128;
     const int64_t item = c.mx ? 1 : 4;
     // outputs: one per usage; GEMM-ready tiles write both orientations
@@ -357,7 +372,9 @@ int main(int argc, char** argv) {
   // Many small weights (launch overhead on the GPU side, no host dispatch): 64 launches on separate
   // 1024x1024 tensors back to back against one launch on the same bytes stacked as (64*1024) x 1024,
   // whose outputs are identical (column blocks of 32 rows never cross a 1024-row boundary).
-  if (n >= 64 * 1024 * 1024) {
+  // the rest: all of it without a filter, only dequantize and the traffic ceilings for "dequant"
+  if (!only.empty() && only != "dequant") return 0;
+  if (n >= 64 * 1024 * 1024 && only.empty()) {
     const int64_t T = 64, m = 1024, k = 1024;
     const Case& c = cases[1];  // mx row+col
     Outputs o(T * m * k, T * m * k / 32, T * m * k / 32, 1);
@@ -379,7 +396,7 @@ int main(int argc, char** argv) {
   // Partial amax / cast of a master-weight shard: half the weight, from element n/4. The amax as
   // shipped (fill and tile CTAs in one launch) against the fill and the tiles as two launches, and
   // against the previous scheme (memsets of both grids, then the tiles); the first and last must agree.
-  {
+  if (only.empty()) {
     const int64_t L = n / 2;
     Buf win(8);
     const int32_t hv[2] = {int32_t(n / 4), int32_t(L)};
@@ -444,7 +461,7 @@ int main(int argc, char** argv) {
 
   // Many small master weights: 64 weights of 1024x1024, a rank's 1/8 shard of each; one group launch
   // per 24 weights against one launch per weight (the same kernel, group of one).
-  if (n >= 64 * 1024 * 1024) {
+  if (n >= 64 * 1024 * 1024 && only.empty()) {
     const int64_t T = 64, mk = 1024 * 1024, L = mk / 8;
     Buf win(8);
     const int32_t hv[2] = {int32_t(3 * L), int32_t(L)};
@@ -548,6 +565,14 @@ int main(int argc, char** argv) {
     report("ceiling: read 2n, write n bytes", time_us([&](int i) {
              traffic_kernel<false><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
            }), 3.0 * n, "-");
+    const unsigned grid2 = unsigned(cdiv(n / 16, int64_t(256)));  // chunks of 32 bytes read
+    report("ceiling: read 2n, write n + n", time_us([&](int i) {
+             balanced_kernel<true><<<grid2, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), out.as<uint4>() + n / 16,
+                                                   n / 16);
+           }), 4.0 * n, "-");
+    report("ceiling: read 2n, write 2n (copy)", time_us([&](int i) {
+             balanced_kernel<false><<<grid2, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), nullptr, n / 16);
+           }), 4.0 * n, "-");
   }
   for (Buf* b : xs) delete b;
   return 0;
