@@ -6,7 +6,9 @@
 // Before timing, every configuration is checked bit for bit against a host loop over the shared
 // per-block math (fp8_math.h) on an odd-shaped input.
 //
-//   bash bench/build_kernel_bench.sh && bench/.bin/kernel_bench [M K]   (default 32768 16384)
+//   bash bench/build_kernel_bench.sh && bench/.bin/kernel_bench [M K [FILTER]]   (default 32768 16384)
+// FILTER runs only the quantize cases whose names contain it ("dequant": dequantize and the traffic
+// ceilings), e.g. to profile one kernel: ncu -k regex:tile_kernel --launch-skip 2 --launch-count 1 ...
 #include <cuda_runtime.h>
 
 #include <algorithm>
