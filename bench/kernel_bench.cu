@@ -106,7 +106,8 @@ __global__ void balanced_kernel(const uint4* __restrict__ in, uint4* __restrict_
 // The memory access pattern of the GEMM-ready 1x128 + 128x1T kernel with none of its math: a CTA
 // reads a 128x128 bf16 tile as that kernel does (thread (c, g): 16-byte vectors of rows 8g..8g+7),
 // writes the elements' low bytes rowwise and, transposed through shared memory, columnwise (K, M).
-// Dense, K and M multiples of 128.
+// It reproduces the kernel's global-memory accesses, not its shared-memory swizzle (a plain XOR
+// here). Dense, K and M multiples of 128.
 __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
                                                             uint8_t* __restrict__ o2, int64_t M, int64_t K) {
   __shared__ __align__(16) uint32_t st[128 * 32];  // column col's word w (rows 4w..4w+3) at col*32 + (w ^ col%32)
