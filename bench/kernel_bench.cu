@@ -107,11 +107,15 @@ __global__ void balanced_kernel(const uint4* __restrict__ in, uint4* __restrict_
 // reads a 128x128 bf16 tile as that kernel does (thread (c, g): 16-byte vectors of rows 8g..8g+7),
 // writes the elements' low bytes rowwise and, transposed through shared memory, columnwise (K, M).
 // It reproduces the kernel's global-memory accesses, not its shared-memory swizzle (a plain XOR
-// here). Dense, K and M multiples of 128.
+// here). Dense, K and M multiples of 128. Tile order: groups of G tile rows, tile rows fastest within
+// a group (G = 1: the shipped order, tile columns fastest). T false: the columnwise output stored
+// as the rowwise one is (compact 1x128 + 128x1's pattern).
+template <bool T = true>
 __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
-                                                            uint8_t* __restrict__ o2, int64_t M, int64_t K) {
+                                                            uint8_t* __restrict__ o2, int64_t M, int64_t K, int G) {
   __shared__ __align__(16) uint32_t st[128 * 32];  // column col's word w (rows 4w..4w+3) at col*32 + (w ^ col%32)
-  const int64_t nk = K / 128, tm = blockIdx.x / nk, tk = blockIdx.x % nk;
+  const int64_t nk = K / 128, nm = M / 128, grp = blockIdx.x / (G * nk), in = blockIdx.x % (G * nk);
+  const int64_t g_rows = std::min<int64_t>(G, nm - grp * G), tm = grp * G + in % g_rows, tk = in / g_rows;
   const int tid = threadIdx.x, c = tid % 16, g = tid / 16;
   uint32_t rows[8][2];
 #pragma unroll
@@ -123,6 +127,13 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     *reinterpret_cast<uint2*>(o1 + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8) = make_uint2(rows[i][0], rows[i][1]);
+  if constexpr (!T) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<uint2*>(o2 + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8) =
+          make_uint2(rows[i][1], rows[i][0]);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 8; i += 4)
 #pragma unroll
@@ -621,23 +632,31 @@ int main(int argc, char** argv) {
              balanced_kernel<false><<<grid2, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), nullptr, n / 16);
            }), 4.0 * n, "-");
     if (M % 128 == 0 && K % 128 == 0) {
-      // the same traffic in 1x128 + 128x1T's tiles and access pattern: at the occupancy its ~40
-      // registers allow, and held to 3 CTAs/SM (the shipped kernel's) by a shared-memory reservation
+      // the same traffic in 1x128 + 128x1(T)'s tiles and access pattern: at the occupancy its ~40
+      // registers allow, and held to 3 CTAs/SM (the shipped kernels') by a shared-memory reservation;
+      // in the shipped tile order and in groups of G tile rows
       const unsigned tiles = unsigned(M / 128 * (K / 128));
-      const auto tiled = [&](size_t pad) {
-        return [&, pad](int i) {
-          tiled_traffic_kernel<<<tiles, 256, pad>>>(xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n,
-                                                    M, K);
+      const size_t pad3 = 56 * 1024;
+      const auto tiled = [&](auto t, size_t pad, int G) {
+        return [&, pad, G](int i) {
+          tiled_traffic_kernel<decltype(t)::value><<<tiles, 256, pad>>>(
+              xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, M, K, G);
         };
       };
-      const size_t pad3 = 56 * 1024;
-      CUDA_OK(cudaFuncSetAttribute(tiled_traffic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad3)));
+      using Tr = std::integral_constant<bool, true>;
+      using Co = std::integral_constant<bool, false>;
+      CUDA_OK(cudaFuncSetAttribute(tiled_traffic_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad3)));
+      CUDA_OK(cudaFuncSetAttribute(tiled_traffic_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad3)));
       int per_sm = 0, per_sm3 = 0;
-      CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tiled_traffic_kernel, 256, 0));
-      CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm3, tiled_traffic_kernel, 256, pad3));
-      report("ceiling: 1x128+128x1T tiles, " + std::to_string(per_sm) + " CTAs/SM", time_us(tiled(0)), 4.0 * n, "-");
-      report("ceiling: 1x128+128x1T tiles, " + std::to_string(per_sm3) + " CTAs/SM", time_us(tiled(pad3)), 4.0 * n,
-             "-");
+      CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tiled_traffic_kernel<true>, 256, 0));
+      CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm3, tiled_traffic_kernel<true>, 256, pad3));
+      const int nm = int(M / 128);
+      for (int G : {1, 2, 4, 8, 16, nm})
+        for (const auto& [pad, occ] : {std::pair{size_t(0), per_sm}, std::pair{pad3, per_sm3}}) {
+          const std::string tail = std::to_string(occ) + " CTAs/SM, groups of " + std::to_string(G) + " tile rows";
+          report("ceiling: 1x128+128x1T tiles, " + tail, time_us(tiled(Tr{}, pad, G)), 4.0 * n, "-");
+          report("ceiling: 1x128+128x1 tiles, " + tail, time_us(tiled(Co{}, pad, G)), 4.0 * n, "-");
+        }
     }
   }
   for (Buf* b : xs) delete b;
