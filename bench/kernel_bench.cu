@@ -199,6 +199,7 @@ struct Case {
   int row_bk, col_bm, tile;  // usages: 1 x row_bk, col_bm x 1, tile x tile (0: absent)
   Launch launch;
   bool gemm_ready = false;   // columnwise data transposed (a tile: both orientations); Float8 scales in GEMM order
+  int group = 1;             // tile order: groups of this many tile rows (Span::group)
 };
 
 // GEMM-ready cases: the shipped dispatch (quantize_tiles) or, with MINB > 0, its tile configuration
@@ -319,7 +320,9 @@ bool check(const Case& c) {
   const size_t item = c.mx ? 1 : 4;
   Outputs o(M * K, 2 * M * K, 2 * M * K, item);  // room for padded GEMM-ready grids
   const QuantizeArgs a = args_of(c, M, K);
-  c.launch(a, x.p, dense_span(M, K), o.ptrs());
+  Span sp = dense_span(M, K);
+  sp.group = c.group;
+  c.launch(a, x.p, sp, o.ptrs());
   CUDA_OK(cudaDeviceSynchronize());
   OutLayout lay[2];
   const int n = outputs_of(a, lay);
@@ -386,7 +389,7 @@ int main(int argc, char** argv) {
 #define CFG(name, mx, rb, cb, tile, Rule, TM, TK, ...) \
   Case{name, mx, rb, cb, tile, quantize_cfg<Rule, TM, TK, rb, cb != 0, tile != 0, ##__VA_ARGS__>()}
 #define GR(name, mx, rb, cb, tile, ...) Case{name, mx, rb, cb, tile, gemm_ready_cfg<__VA_ARGS__>(), true}
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       CFG("mx row", true, 32, 0, 0, MxRule, 32, 256),
       CFG("mx row+col", true, 32, 32, 0, MxRule, 32, 256),
       CFG("mx col", true, 0, 32, 0, MxRule, 32, 256),
@@ -410,6 +413,14 @@ int main(int argc, char** argv) {
       GR("f8 1x128+128x1T 4 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 4),
       GR("f8 128x128 both 4 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 4),
   };
+  // the two-usage Float8 kernels (shipped caps) in other tile orders: groups of G tile rows
+  for (const int G : {2, 4, 8, 16, 32, int(cdiv(M, 128))}) {
+    const std::string tail = " order G" + std::to_string(G);
+    cases.push_back(CFG("f8 1x128+128x1" + tail, false, 128, 128, 0, BlockRule, 128, 128));
+    cases.push_back(GR("f8 1x128+128x1T" + tail, false, 128, 128, 0,
+                       TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 3));
+    cases.end()[-1].group = cases.end()[-2].group = G;
+  }
   for (const Case& c : cases) {
     if (c.name.find(only) == std::string::npos) continue;
     const int64_t b = c.mx ? 32 : 128;
@@ -420,7 +431,9 @@ int main(int argc, char** argv) {
     Outputs o(n, 2 * n_scales + 4096, 2 * n_scales + 4096, item);  // room for padded GEMM-ready grids
     const bool ok = check(c);
     const QuantizeArgs a = args_of(c, M, K);
-    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K), o.ptrs()); });
+    Span sp = dense_span(M, K);
+    sp.group = c.group;
+    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, sp, o.ptrs()); });
     report(c.name, us,
            double(n) * 2 + usages * double(n + n_scales * item), ok ? "exact" : "MISMATCH");
   }

@@ -32,6 +32,7 @@ struct Span {
   const int32_t* dev_offset;     // null for dense
   const int32_t* dev_length;
   bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
+  int64_t group = 1;             // the walk's tile order: groups of `group` tile rows, rows fastest inside
 };
 inline Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false}; }
 inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, const void* dev_length) {
@@ -138,14 +139,15 @@ __device__ __forceinline__ bool tile_interior(int64_t tm, int64_t tk, const Span
 }
 
 // Tile t: batch b, tile row tm (a shard's walk starts at the tile row of its first element), tile
-// column tk. 32-bit division: the launch checks the tile count.
+// column tk. The tiles of a matrix are walked in groups of sp.group tile rows, tile rows fastest inside
+// a group (group 1: tile columns fastest). 32-bit division: the launch checks the tile count.
 struct TilePos {
   int64_t b, tm, tk;
 };
 __device__ __forceinline__ TilePos tile_pos(int64_t t, const Span& sp, const Window& w) {
-  const uint32_t u = uint32_t(t), nk = uint32_t(sp.nTK), nm = uint32_t(sp.nTM_launch);
-  const uint32_t q = u / nk;
-  return {int64_t(q / nm), w.first_tm + int64_t(q % nm), int64_t(u % nk)};
+  const uint32_t u = uint32_t(t), nk = uint32_t(sp.nTK), nm = uint32_t(sp.nTM_launch), G = uint32_t(sp.group);
+  const uint32_t r = u % (nk * nm), first = r / (G * nk) * G, rows = min(G, nm - first), in = r - first * nk;
+  return {int64_t(u / (nk * nm)), w.first_tm + int64_t(first + in % rows), int64_t(in / rows)};
 }
 
 // One 16-byte vector of row r from column col0; vectors cut by the matrix edge or the shard window
