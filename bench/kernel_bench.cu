@@ -107,23 +107,18 @@ __global__ void balanced_kernel(const uint4* __restrict__ in, uint4* __restrict_
 // reads a 128x128 bf16 tile as that kernel does (thread (c, g): 16-byte vectors of rows 8g..8g+7),
 // writes the elements' low bytes rowwise and, transposed through shared memory, columnwise (K, M).
 // It reproduces the kernel's global-memory accesses, not its shared-memory swizzle (a plain XOR
-// here). Dense, K and M multiples of 128. Tile order: groups of G tile rows, tile rows fastest within
-// a group (G = 1: the shipped order, tile columns fastest). T false: the columnwise output stored
-// as the rowwise one is (compact 1x128 + 128x1's pattern).
-template <bool T = true>
-__global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
-                                                            uint8_t* __restrict__ o2, int64_t M, int64_t K, int G) {
-  __shared__ __align__(16) uint32_t st[128 * 32];  // column col's word w (rows 4w..4w+3) at col*32 + (w ^ col%32)
-  const int64_t nk = K / 128, nm = M / 128, grp = blockIdx.x / (G * nk), in = blockIdx.x % (G * nk);
-  const int64_t g_rows = std::min<int64_t>(G, nm - grp * G), tm = grp * G + in % g_rows, tk = in / g_rows;
+// here). Dense, K and M multiples of 128. T false: the columnwise output stored as the rowwise one
+// is (compact 1x128 + 128x1's pattern).
+// The writes of tile (tm, tk) from thread (c, g)'s vectors v; st: the CTA's 16 KB transpose stage.
+template <bool T>
+__device__ __forceinline__ void tile_traffic_writes(const uint4 (&v)[8], uint8_t* __restrict__ o1,
+                                                    uint8_t* __restrict__ o2, uint32_t* st, int64_t M, int64_t K,
+                                                    int64_t tm, int64_t tk) {
   const int tid = threadIdx.x, c = tid % 16, g = tid / 16;
   uint32_t rows[8][2];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t r = tm * 128 + g * 8 + i;
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + r * K + tk * 128 + c * 8));
-    rows[i][0] = __byte_perm(v.x, v.y, 0x6420), rows[i][1] = __byte_perm(v.z, v.w, 0x6420);
-  }
+  for (int i = 0; i < 8; ++i)
+    rows[i][0] = __byte_perm(v[i].x, v[i].y, 0x6420), rows[i][1] = __byte_perm(v[i].z, v[i].w, 0x6420);
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     *reinterpret_cast<uint2*>(o1 + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8) = make_uint2(rows[i][0], rows[i][1]);
@@ -134,6 +129,7 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
           make_uint2(rows[i][1], rows[i][0]);
     return;
   }
+  // column col's word w (rows 4w..4w+3) at st[col*32 + (w ^ col%32)]
 #pragma unroll
   for (int i = 0; i < 8; i += 4)
 #pragma unroll
@@ -154,6 +150,81 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
 #pragma unroll
     for (int j = 0; j < 4; ++j) w[j] = st[col * 32 + ((piece * 4 + j) ^ (col & 31))];
     *reinterpret_cast<uint4*>(o2 + (tk * 128 + col) * M + tm * 128 + piece * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Tile order: groups of G tile rows, tile rows fastest within a group (G = 1: the shipped order,
+// tile columns fastest).
+template <bool T = true>
+__global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
+                                                            uint8_t* __restrict__ o2, int64_t M, int64_t K, int G) {
+  __shared__ __align__(16) uint32_t st[128 * 32];
+  const int64_t nk = K / 128, nm = M / 128, grp = blockIdx.x / (G * nk), in = blockIdx.x % (G * nk);
+  const int64_t g_rows = std::min<int64_t>(G, nm - grp * G), tm = grp * G + in % g_rows, tk = in / g_rows;
+  const int tid = threadIdx.x, c = tid % 16, g = tid / 16;
+  uint4 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8));
+  tile_traffic_writes<T>(v, o1, o2, st, M, K, tm, tk);
+}
+
+// The same writes, the tiles read by the copy engine instead: persistent CTAs, each fetching its
+// tiles' 128 rows of 256 bytes with bulk asynchronous copies (cp.async.bulk, completing on an
+// mbarrier) into S shared-memory stages, S - 1 tiles ahead of the one it writes, so the loads stay
+// in flight without registers. Dynamic shared memory: S x 32 KB of stages, then the transpose stage.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+template <int S>
+__global__ void __launch_bounds__(256) bulk_tiled_traffic_kernel(const uint16_t* __restrict__ x,
+                                                                 uint8_t* __restrict__ o1, uint8_t* __restrict__ o2,
+                                                                 int64_t M, int64_t K) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t full[S];
+  uint32_t* st = reinterpret_cast<uint32_t*>(smem + S * 32768);
+  const int64_t nk = K / 128, tiles = M / 128 * nk;
+  const int tid = threadIdx.x, c = tid % 16, g = tid / 16;
+  if (tid < S) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[tid])));
+  if (tid == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  // warp 0 fetches tile t into stage s: lane 0 sets the byte count, each lane copies 4 rows
+  const auto fetch = [&](int64_t t, int s) {
+    if (tid >= 32 || t >= tiles) return;
+    const int64_t tm = t / nk, tk = t % nk;
+    const uint32_t bar = smem_addr(&full[s]);
+    if (tid == 0)
+      asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], 32768; }" ::"r"(bar)
+                   : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = tid + 32 * j;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];" ::"r"(
+              smem_addr(smem + s * 32768 + r * 256)),
+          "l"(x + (tm * 128 + r) * K + tk * 128), "r"(bar)
+          : "memory");
+    }
+  };
+  const int64_t step = gridDim.x;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) fetch(blockIdx.x + s * step, s);
+  int i = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += step, ++i) {
+    const int s = i % S;
+    fetch(t + (S - 1) * step, (i + S - 1) % S);
+    const uint32_t bar = smem_addr(&full[s]), parity = (i / S) & 1;
+    uint32_t done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done)
+                   : "r"(bar), "r"(parity)
+                   : "memory");
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = *reinterpret_cast<const uint4*>(smem + s * 32768 + (g * 8 + k) * 256 + c * 16);
+    tile_traffic_writes<true>(v, o1, o2, st, M, K, t / nk, t % nk);
+    __syncthreads();  // the stage and the transpose stage are free again
   }
 }
 
@@ -670,6 +741,33 @@ int main(int argc, char** argv) {
           report("ceiling: 1x128+128x1T tiles, " + tail, time_us(tiled(Tr{}, pad, G)), 4.0 * n, "-");
           report("ceiling: 1x128+128x1 tiles, " + tail, time_us(tiled(Co{}, pad, G)), 4.0 * n, "-");
         }
+      // the tiles fetched by bulk asynchronous copies, 1-3 tiles ahead
+      const auto bulk = [&](auto stages) {
+        constexpr int S = decltype(stages)::value;
+        const int bytes = S * 32768 + 16384;  // S stages of 32 KB and the transpose stage
+        const auto kern = bulk_tiled_traffic_kernel<S>;
+        CUDA_OK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        int occ = 0, sms = 0;
+        CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, bytes));
+        CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        const unsigned grid = unsigned(std::min<int64_t>(tiles, int64_t(occ) * sms));
+        const auto go = [&](int i) {
+          kern<<<grid, 256, bytes>>>(xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, M, K);
+        };
+        // the same bytes as the register-loading ceiling writes
+        std::vector<uint8_t> want(2 * n), got(2 * n);
+        tiled(Tr{}, 0, 1)(0);
+        CUDA_OK(cudaMemcpy(want.data(), out.p, 2 * n, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemset(out.p, 0, 2 * n));
+        go(0);
+        CUDA_OK(cudaMemcpy(got.data(), out.p, 2 * n, cudaMemcpyDeviceToHost));
+        report("ceiling: 1x128+128x1T tiles, bulk copies, " + std::to_string(S) + " stages, " + std::to_string(occ) +
+                   " CTAs/SM",
+               time_us(go), 4.0 * n, want == got ? "same" : "DIFFERENT");
+      };
+      bulk(std::integral_constant<int, 2>{});
+      bulk(std::integral_constant<int, 3>{});
+      bulk(std::integral_constant<int, 4>{});
     }
   }
   for (Buf* b : xs) delete b;
