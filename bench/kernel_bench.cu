@@ -244,7 +244,8 @@ struct Outputs {
 using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, const OutPtrs&)>;
 
 // MINB: a register cap (CTAs per SM) other than the shipped one (0: min_blocks_for's).
-template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB = 0>
+// RUNS: each thread's rows consecutive (TileCfg::RUNS).
+template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB = 0, bool RUNS = false>
 Launch quantize_cfg() {
   return [](const QuantizeArgs& a, const void* x, const Span& sp, const OutPtrs& o) {
     using S = typename Rule::ScaleT;
@@ -254,7 +255,7 @@ Launch quantize_cfg() {
     Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
-    using C = TileCfg<Rule, TM, TK, RBK, COL, TILE>;
+    using C = TileCfg<Rule, TM, TK, RBK, COL, TILE, false, false, RUNS>;
     // (no rowwise usage: RBK 0; a 1-wide grid then, never a division by zero, which GCC turned into a
     // trap: the "Illegal instruction" of runs 24-25)
     const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : (RBK ? RBK : 1));
@@ -484,13 +485,19 @@ int main(int argc, char** argv) {
       GR("f8 1x128+128x1T 4 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 4),
       GR("f8 128x128 both 4 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 4),
   };
-  // the two-usage Float8 kernels (shipped caps) in other tile orders: groups of G tile rows
-  for (const int G : {2, 4, 8, 16, 32, int(cdiv(M, 128))}) {
+  // compact 1x128 + 128x1 with each thread's rows consecutive (as the transposing kernels hold them)
+  cases.push_back(CFG("f8 1x128+128x1 consecutive rows", false, 128, 128, 0, BlockRule, 128, 128, 2, true));
+  cases.push_back(CFG("f8 1x128+128x1 consecutive rows 3 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 3, true));
+  // two-usage kernels (shipped register caps) in tile orders of groups of G tile rows
+  for (const int G : {1, 2, 4, 8}) {
     const std::string tail = " order G" + std::to_string(G);
     cases.push_back(CFG("f8 1x128+128x1" + tail, false, 128, 128, 0, BlockRule, 128, 128));
     cases.push_back(GR("f8 1x128+128x1T" + tail, false, 128, 128, 0,
                        TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 3));
-    cases.end()[-1].group = cases.end()[-2].group = G;
+    cases.push_back(GR("f8 128x128 both" + tail, false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>,
+                       3));
+    cases.push_back(GR("mx row+colT" + tail, true, 32, 32, 0, TileCfg<MxRule, 32, 256, 32, true, false, true>, 4));
+    for (int k = 1; k <= 4; ++k) cases.end()[-k].group = G;
   }
   for (const Case& c : cases) {
     if (c.name.find(only) == std::string::npos) continue;
