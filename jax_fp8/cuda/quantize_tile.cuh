@@ -261,16 +261,19 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       if constexpr (COL)
         if (tid < TK && p.tk * TK + tid < sp.K) g_col = col.global[col_gi];
     }
-    // Casts every vector i, times the multipliers mult_of(i, mult) fills in, into `out` (each vector's
-    // mask and position recomputed here rather than kept live across the reductions).
+    // Casts every vector i, times the multipliers mult_of(i, mult) fills in, into `out`. Each vector's
+    // mask and position are recomputed here from a row stride the compiler cannot see through, rather
+    // than kept live from the loads across the reductions (which spilled at 3 CTAs/SM).
     const auto cast_store = [&](uint8_t* out, auto&& mult_of) {
+      Span at = sp;
+      asm("" : "+l"(at.K));
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         float v[VEC], mult[VEC];
         L::unpack(raw[i], v);
         mult_of(i, mult);
         int64_t idx;
-        const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row_of(i), col0, sp, w, idx);
+        const uint32_t mask = vec_mask<VEC, SHARD, INTERIOR>(row_of(i), col0, at, w, idx);
         if (mask) store_fp8<VEC>(out + base, idx, mask, aligned, v, mult, fp8);
       }
     };
@@ -448,7 +451,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
 template <class L, class Rule, bool COL, int MODE, bool ONE = true, bool COL_T = false>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
-  if (!std::is_same_v<Rule, MxRule>) return COL && !COL_T ? 2 : 3;
+  if (!std::is_same_v<Rule, MxRule>) return COL && MODE != kQuantize ? 2 : 3;
   if (MODE == kAmax) return ONE ? 6 : 4;
   if (COL_T) return 4;
   return COL ? 3 : (MODE == kCast ? 3 : 4);
