@@ -244,8 +244,7 @@ struct Outputs {
 using Launch = std::function<void(const QuantizeArgs&, const void*, const Span&, const OutPtrs&)>;
 
 // MINB: a register cap (CTAs per SM) other than the shipped one (0: min_blocks_for's).
-// RUNS: each thread's rows consecutive (TileCfg::RUNS).
-template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB = 0, bool RUNS = false>
+template <class Rule, int TM, int TK, int RBK, bool COL, bool TILE, int MINB = 0>
 Launch quantize_cfg() {
   return [](const QuantizeArgs& a, const void* x, const Span& sp, const OutPtrs& o) {
     using S = typename Rule::ScaleT;
@@ -255,7 +254,7 @@ Launch quantize_cfg() {
     Outs<S> r{o.d0, static_cast<S*>(o.s0), nullptr};
     Outs<S> c{o.d1, static_cast<S*>(o.s1), nullptr};
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
-    using C = TileCfg<Rule, TM, TK, RBK, COL, TILE, false, false, RUNS>;
+    using C = TileCfg<Rule, TM, TK, RBK, COL, TILE>;
     // (no rowwise usage: RBK 0; a 1-wide grid then, never a division by zero, which GCC turned into a
     // trap: the "Illegal instruction" of runs 24-25)
     const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : (RBK ? RBK : 1));
@@ -487,8 +486,6 @@ int main(int argc, char** argv) {
       GR("f8 1x128+128x1T 4 CTAs/SM", false, 128, 128, 0, TileCfg<BlockRule, 128, 128, 128, true, false, true, true>, 4),
       GR("f8 128x128 both 4 CTAs/SM", false, 0, 0, 128, TileCfg<BlockRule, 128, 128, 0, false, true, true, true>, 4),
   };
-  // compact 1x128 + 128x1 with each thread's rows consecutive (as the transposing kernels hold them)
-  cases.push_back(CFG("f8 1x128+128x1 consecutive rows", false, 128, 128, 0, BlockRule, 128, 128, 3, true));
   // two-usage kernels (shipped register caps) in tile orders of groups of G tile rows
   for (const int G : {1, 2, 4, 8}) {
     const std::string tail = " order G" + std::to_string(G);

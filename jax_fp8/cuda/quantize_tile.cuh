@@ -184,9 +184,9 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   return mult;
 }
 
-// The TM x TK tile geometry: thread tid holds VEC-element chunk c of NV rows: g, g+G, ..., or (RUNS,
-// always when columnwise data is stored transposed) the NV consecutive rows g*NV ... g*NV + NV-1, so
-// that each group of 4 rows transposes in registers into whole words of its columns.
+// The TM x TK tile geometry: thread tid holds VEC-element chunk c of NV rows: g, g+G, ..., or, when
+// columnwise data is stored transposed (COL_T), the NV consecutive rows g*NV ... g*NV + NV-1, so that
+// each group of 4 rows transposes in registers into whole words of its columns.
 template <class L, int TM, int TK>
 struct Geom {
   static constexpr int VEC = L::VEC;
@@ -222,7 +222,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   const int tid = threadIdx.x;
   const int c = tid % CHUNKS, g = tid / CHUNKS;
   const int64_t col0 = p.tk * TK + int64_t(c) * VEC;
-  const auto row_of = [&](int i) -> int64_t { return p.tm * TM + (Cfg::RUNS ? g * NV + i : g + i * G); };
+  const auto row_of = [&](int i) -> int64_t { return p.tm * TM + (COL_T ? g * NV + i : g + i * G); };
   const int64_t base = p.b * sp.M * sp.K;  // dense batches; shards have b == 0
   // The transposed tile of COL_T (cast_store_T), declared here once for both paths of `run` below.
   __shared__ __align__(16) uint32_t stage[COL_T ? TK * TM / 4 : 1];
@@ -446,8 +446,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
 // allocation. ONE: a shard kernel with its one job at fixed parameter offsets; a job picked at run time
 // needs more registers (the partial amax spills above 4). COL_T: columnwise data transposed through
 // shared memory, where one more CTA per SM hides the staging (+5 to +7 points of memcpy, run 28).
-// Float8 at 3 spills 4-24 bytes in some configurations (ptxas) and still measured fastest, except the
-// untransposed 1x128 + 128x1 (-4 points).
+// Dense Float8 at 3: no spills there since cast_store recomputes its positions, and faster than 2
+// (run 49 at 8192^2: 1x128 + 128x1 89.3 against 87.1%, 128x1 98.4 against 92.2%); Float8 shard
+// kernels with a columnwise usage stay at 2.
 template <class L, class Rule, bool COL, int MODE, bool ONE = true, bool COL_T = false>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
@@ -460,18 +461,17 @@ constexpr int min_blocks_for() {
 // The tile geometry and usages of one call: Rule, TM x TK tiles, rowwise 1 x RBK blocks (RBK > 0),
 // TM x 1 columnwise blocks (COL), or one block per tile (TILE); COL_T: the columnwise data (of COL or
 // of GEMM-ready tiles) stored transposed; GEMM_SCALES: Float8 scales in GEMM-ready order.
-// RUNS: each thread holds NV consecutive rows (Geom), as COL_T needs.
-template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_, bool COL_T_ = false, bool GEMM_SCALES_ = false,
-          bool RUNS_ = COL_T_>
+template <class Rule_, int TM_, int TK_, int RBK_, bool COL_, bool TILE_, bool COL_T_ = false, bool GEMM_SCALES_ = false>
 struct TileCfg {
   using Rule = Rule_;
   using S = typename Rule::ScaleT;
   static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
-  static constexpr bool COL = COL_, TILE = TILE_, COL_T = COL_T_, RUNS = RUNS_;
+  static constexpr bool COL = COL_, TILE = TILE_, COL_T = COL_T_;
   static constexpr bool GEMM_SCALES = GEMM_SCALES_;  // scales in GEMM-ready order (the call's ScaleAt)
-  // Dense walks in groups of GROUP tile rows (Span::group): for transposed columnwise data, 2 rather
-  // than 1 puts 0.3-0.6 points of memcpy on the Float8 1x128 + 128x1T kernel (bench/RESULTS.md run 47).
-  static constexpr int GROUP = COL_T ? 2 : 1;
+  // Dense walks in groups of GROUP tile rows (Span::group). Float8 with transposed columnwise data:
+  // 2 rather than 1 gains 0.6-0.8 points of memcpy at 32768x16384 and 0-0.8 at 8192^2 (RESULTS.md
+  // runs 47-48); compact kernels and MXFP8 lose with larger groups.
+  static constexpr int GROUP = COL_T && TM == 128 ? 2 : 1;
   // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
   static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
   // The row slot's blocks: 1 x RBK, or TM x TK for 2-D tiles.
