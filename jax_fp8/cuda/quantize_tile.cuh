@@ -470,7 +470,7 @@ struct TileCfg {
   static constexpr bool GEMM_SCALES = GEMM_SCALES_;  // scales in GEMM-ready order (the call's ScaleAt)
   // Dense walks in groups of GROUP tile rows (Span::group). Float8 with transposed columnwise data:
   // 2 rather than 1 gains 0.6-0.8 points of memcpy at 32768x16384 and 0-0.8 at 8192^2 (RESULTS.md
-  // runs 47-48); compact kernels and MXFP8 lose with larger groups.
+  // runs 47-48); compact kernels lose with larger groups, MXFP8 gains nothing.
   static constexpr int GROUP = COL_T && TM == 128 ? 2 : 1;
   // Which of the usage-ordered outputs (row, col, tile) goes to the kernel's `row` and `col` slots.
   static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;
