@@ -473,6 +473,7 @@ int main(int argc, char** argv) {
       CFG("mx col 4 CTAs/SM", true, 0, 32, 0, MxRule, 32, 256, 4),
       CFG("f8 1x128 2 CTAs/SM", false, 128, 0, 0, BlockRule, 128, 128, 2),
       CFG("f8 1x128+128x1 2 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 2),
+      CFG("f8 1x128+128x1 4 CTAs/SM", false, 128, 128, 0, BlockRule, 128, 128, 4),
       CFG("f8 128x1", false, 0, 128, 0, BlockRule, 128, 128),
       CFG("f8 128x1 2 CTAs/SM", false, 0, 128, 0, BlockRule, 128, 128, 2),
       CFG("f8 128x128 2 CTAs/SM", false, 0, 0, 128, BlockRule, 128, 128, 2),
