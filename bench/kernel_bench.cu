@@ -391,9 +391,7 @@ bool check(const Case& c) {
   const size_t item = c.mx ? 1 : 4;
   Outputs o(M * K, 2 * M * K, 2 * M * K, item);  // room for padded GEMM-ready grids
   const QuantizeArgs a = args_of(c, M, K);
-  Span sp = dense_span(M, K);
-  sp.group = c.group;
-  c.launch(a, x.p, sp, o.ptrs());
+  c.launch(a, x.p, dense_span(M, K, c.group), o.ptrs());
   CUDA_OK(cudaDeviceSynchronize());
   OutLayout lay[2];
   const int n = outputs_of(a, lay);
@@ -508,9 +506,7 @@ int main(int argc, char** argv) {
     Outputs o(n, 2 * n_scales + 4096, 2 * n_scales + 4096, item);  // room for padded GEMM-ready grids
     const bool ok = check(c);
     const QuantizeArgs a = args_of(c, M, K);
-    Span sp = dense_span(M, K);
-    sp.group = c.group;
-    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, sp, o.ptrs()); });
+    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K, c.group), o.ptrs()); });
     report(c.name, us,
            double(n) * 2 + usages * double(n + n_scales * item), ok ? "exact" : "MISMATCH");
   }

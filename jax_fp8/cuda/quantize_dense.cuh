@@ -55,9 +55,7 @@ inline ffi::Error quantize_tiles(cudaStream_t st, const QuantizeArgs& a, const v
       Outs<typename C::S> row, col;
       ScaleAt row_at, col_at;
       tile_outputs(a, d, s, row, col, row_at, col_at);
-      Span sp = dense_span(a.M, a.K);
-      sp.group = C::GROUP;
-      return launch_tiles<decltype(ld), C>(st, a, x, sp, rule, row, col, row_at, col_at);
+      return launch_tiles<decltype(ld), C>(st, a, x, dense_span(a.M, a.K, C::GROUP), rule, row, col, row_at, col_at);
     });
   });
 }

@@ -34,7 +34,9 @@ struct Span {
   bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
   int64_t group = 1;             // the walk's tile order: groups of `group` tile rows, rows fastest inside
 };
-inline Span dense_span(int64_t M, int64_t K) { return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false}; }
+inline Span dense_span(int64_t M, int64_t K, int64_t group = 1) {
+  return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false, group};
+}
 inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, const void* dev_length) {
   return Span{M, K, 0, 0, 0, L, static_cast<const int32_t*>(dev_offset), static_cast<const int32_t*>(dev_length),
               false};
