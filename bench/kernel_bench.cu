@@ -153,14 +153,15 @@ __device__ __forceinline__ void tile_traffic_writes(const uint4 (&v)[8], uint8_t
   }
 }
 
-// Tile order: groups of G tile rows, tile rows fastest within a group (G = 1: the shipped order,
-// tile columns fastest).
+// Tile order: the shipped kernels' tile_pos, in groups of sp.group tile rows (a dense span planned by
+// plan_tiles).
 template <bool T = true>
 __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
-                                                            uint8_t* __restrict__ o2, int64_t M, int64_t K, int G) {
+                                                            uint8_t* __restrict__ o2, Span sp) {
   __shared__ __align__(16) uint32_t st[128 * 32];
-  const int64_t nk = K / 128, nm = M / 128, grp = blockIdx.x / (G * nk), in = blockIdx.x % (G * nk);
-  const int64_t g_rows = std::min<int64_t>(G, nm - grp * G), tm = grp * G + in % g_rows, tk = in / g_rows;
+  const int64_t M = sp.M, K = sp.K;
+  const TilePos p = tile_pos(blockIdx.x, sp, Window{});
+  const int64_t tm = p.tm, tk = p.tk;
   const int tid = threadIdx.x, c = tid % 16, g = tid / 16;
   uint4 v[8];
 #pragma unroll
@@ -724,9 +725,11 @@ int main(int argc, char** argv) {
       const unsigned tiles = unsigned(M / 128 * (K / 128));
       const size_t pad3 = 56 * 1024;
       const auto tiled = [&](auto t, size_t pad, int G) {
-        return [&, pad, G](int i) {
+        Span sp = dense_span(M, K, G);
+        plan_tiles<LoadBF16, 128, 128>(sp, 1, xs[0]->p);
+        return [&, pad, sp](int i) {
           tiled_traffic_kernel<decltype(t)::value><<<tiles, 256, pad>>>(
-              xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, M, K, G);
+              xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, sp);
         };
       };
       using Tr = std::integral_constant<bool, true>;
