@@ -91,6 +91,16 @@ __global__ void traffic_kernel(const uint4* __restrict__ in, uint4* __restrict__
   }
 }
 
+// Dequantize's traffic with every store instruction writing 512 contiguous bytes: a thread reads 8
+// bytes and writes them widened to 16 at the same index (traffic_kernel<true>'s two 16-byte stores a
+// thread half-fill each instruction's sectors).
+__global__ void widen_coalesced_kernel(const uint2* __restrict__ in, uint4* __restrict__ out, int64_t chunks) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= chunks) return;
+  const uint2 v = __ldg(in + i);
+  out[i] = make_uint4(v.x, v.y, v.y, v.x);
+}
+
 // The traffic of quantizing to two usages (1x128 + 128x1: 2n bytes read, n + n written to two
 // outputs), or a copy kernel's (TWO false: 2n read, 2n written to one output), with no math.
 template <bool TWO>
@@ -675,22 +685,27 @@ int main(int argc, char** argv) {
                  std::to_string(per_sm) + (B > 1 ? " B=" + std::to_string(B) : ""),
              time_us(go), bytes, ok ? "exact" : "MISMATCH");
     };
+    using U1 = std::integral_constant<int, 1>;
     using U2 = std::integral_constant<int, 2>;
     using U4 = std::integral_constant<int, 4>;
+    using U6 = std::integral_constant<int, 6>;
+    using U8 = std::integral_constant<int, 8>;
+    using V8 = std::integral_constant<int, 8>;
     using V16 = std::integral_constant<int, 16>;
     using V32 = std::integral_constant<int, 32>;
-    run(U2{}, V16{}, 32);  // shipped
-    run(U2{}, V16{}, 16);
+    run(U4{}, V8{}, 64);  // shipped
+    run(U4{}, V8{}, 32);
+    run(U8{}, V8{}, 32);
+    run(U8{}, V8{}, 16);
+    run(U8{}, V8{}, 64);
+    run(U6{}, V8{}, 32);
+    run(U2{}, V8{}, 32);
+    run(U2{}, V16{}, 32);
     run(U4{}, V16{}, 32);
-    run(U4{}, V16{}, 64);
     run(U2{}, V32{}, 32);
-    run(U4{}, V32{}, 32);
-    run(U2{}, V32{}, 16);
-    if (M % 4 == 0) run(U2{}, V16{}, 32, 4);
-    // shaped like the traffic ceiling below: one or two rows per CTA (ctas/sm so large that gy = B*M)
-    using U1 = std::integral_constant<int, 1>;
-    run(U1{}, V16{}, 1024);
-    run(U2{}, V16{}, 512);
+    if (M % 4 == 0) run(U4{}, V8{}, 64, 4);
+    // shaped like the traffic ceiling below: one row per CTA (ctas/sm so large that gy = B*M)
+    run(U1{}, V8{}, 1024);
   }
   // The ceilings of dequantize's and quantize's traffic shapes: n bytes in and 2n out, 2n in and n out.
   {
@@ -699,6 +714,10 @@ int main(int argc, char** argv) {
     const unsigned grid = unsigned(cdiv(chunks, int64_t(256)));
     report("ceiling: read n, write 2n bytes", time_us([&](int i) {
              traffic_kernel<true><<<grid, 256>>>(xs[i]->as<uint4>(), out.as<uint4>(), chunks);
+           }), 3.0 * n, "-");
+    report("ceiling: read n, write 2n, coalesced", time_us([&](int i) {
+             widen_coalesced_kernel<<<unsigned(cdiv(n / 8, int64_t(256))), 256>>>(xs[i]->as<uint2>(), out.as<uint4>(),
+                                                                                n / 8);
            }), 3.0 * n, "-");
     report("ceiling: read n, write 2n, 4 per thread", time_us([&](int i) {
              traffic_kernel<true, 4><<<unsigned(cdiv(chunks, int64_t(1024))), 256>>>(xs[i]->as<uint4>(),

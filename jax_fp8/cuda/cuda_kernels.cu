@@ -108,6 +108,7 @@ ffi::Error DequantizeCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   Usage u;
   if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   if (B * M * K == 0) return ffi::Error::Success();
+  if (!dequantize_fits(B, M, K)) return bad("dequantize: 2**30 or more rows or columns");
   if (scheme.e8m0)
     return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm, u.bk,
                                    scheme.fp8);

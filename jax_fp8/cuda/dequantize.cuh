@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "ffi_common.h"
 #include "fp8_math.h"
@@ -13,28 +14,36 @@ namespace {
 
 constexpr int kDeqThreads = 256;
 
-// Stores of 8 outputs (one 16-byte store for 16-bit dtypes, two for fp32) with canonical NaNs.
+// One 16-byte store (a weak st.global.v4, which a plain uint4 assignment did not always compile to).
+__device__ __forceinline__ void store16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// N outputs in one 16-byte store (8 for 16-bit dtypes, 4 for fp32), NaNs canonical.
 struct StoreF32 {
   using T = float;
-  __device__ static void store8(T* out, int64_t i, const float* y) {
-    uint32_t w[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = __float_as_uint(canonical_f32(y[k]));
-    *reinterpret_cast<uint4*>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
-    *reinterpret_cast<uint4*>(out + i + 4) = make_uint4(w[4], w[5], w[6], w[7]);
+  static constexpr int N = 4;
+  __device__ static void store(T* out, const float* y) {
+    store16(out, __float_as_uint(canonical_f32(y[0])), __float_as_uint(canonical_f32(y[1])),
+            __float_as_uint(canonical_f32(y[2])), __float_as_uint(canonical_f32(y[3])));
   }
-  __device__ static void store1(T* out, int64_t i, float y) { out[i] = canonical_f32(y); }
+  __device__ static void store1(T* out, float y) { *out = canonical_f32(y); }
 };
 template <bool kHalf>
 struct Store16 {
   using T = uint16_t;
-  __device__ static void store8(T* out, int64_t i, const float* y) {
-    uint32_t w[4];
+  static constexpr int N = 8;
+  __device__ static void store(T* out, const float* y) {
+    uint32_t w[4], nans = 0;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) w[p] = pack2_from_floats<kHalf>(y[2 * p], y[2 * p + 1]);
-    *reinterpret_cast<uint4*>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int p = 0; p < 4; ++p) w[p] = cvt_pack2<kHalf>(y[2 * p], y[2 * p + 1]), nans |= nan_halves<kHalf>(w[p]);
+    if (nans) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) w[p] = with_canonical_nans<kHalf>(w[p]);
+    }
+    store16(out, w[0], w[1], w[2], w[3]);
   }
-  __device__ static void store1(T* out, int64_t i, float y) { out[i] = kHalf ? f16_from_float(y) : bf16_from_float(y); }
+  __device__ static void store1(T* out, float y) { *out = kHalf ? f16_from_float(y) : bf16_from_float(y); }
 };
 
 // Exact FP8 decode of two bytes through the hardware's fp8x2 -> half2 conversion.
@@ -44,82 +53,118 @@ __device__ __forceinline__ float2 fp8x2_to_float2(uint32_t two, int fp8) {
   return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
-template <int VEC>
-struct Fp8Vec;  // VEC FP8 bytes as one 8- or 16-byte load
-template <>
-struct Fp8Vec<8> {
-  uint2 v;
-  __device__ void load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint2*>(p)); }
-  __device__ uint32_t word(int i) const { return i == 0 ? v.x : v.y; }
-};
-template <>
-struct Fp8Vec<16> {
-  uint4 v;
-  __device__ void load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
-  __device__ uint32_t word(int i) const { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-};
-template <>
-struct Fp8Vec<32> {
-  Fp8Vec<16> a, b;
-  __device__ void load(const uint8_t* p) { a.load(p), b.load(p + 16); }
-  __device__ uint32_t word(int i) const { return i < 4 ? a.word(i) : b.word(i - 4); }
-};
+// N FP8 bytes (one store's worth) as one 4- or 8-byte load.
+template <int N>
+__device__ __forceinline__ uint2 load_fp8(const uint8_t* p) {
+  if constexpr (N == 8) return __ldg(reinterpret_cast<const uint2*>(p));
+  else return make_uint2(__ldg(reinterpret_cast<const uint32_t*>(p)), 0u);
+}
 
-// grid.x walks VEC-element column vectors, grid.y (strided) the B*M rows; block sizes are powers of
-// two, so block indices are shifts (no 64-bit division per element). A vector shares one scale unless
-// blocks are narrower than it (columnwise scales: one per column). Rows whose vectors are not 16-byte
-// aligned (K not a multiple of 16) go element by element.
+// grid.x walks the columns, VEC per thread, grid.y (strided) the B*M rows. A thread's VEC columns are
+// P = VEC / N pieces of N (one 16-byte store each), interleaved across its warp (piece q of lane l at
+// column q * 32N + lN), so that every store instruction writes 512 contiguous bytes: a thread's VEC
+// contiguous columns half-fill each store instruction's sectors, which cost about 10% of memcpy
+// bandwidth (bench/RESULTS.md, run 50). Rows and columns are 32-bit (dequantize_fits), so that a
+// row's addresses are one wide multiply each. Block sizes are powers of two, so block indices are
+// shifts. A piece shares one scale unless blocks are narrower than it (PER_ELEM: columnwise scales, one
+// per column). Pieces that are not aligned (K not a multiple of N) or cross the row's end go element
+// by element.
 template <class Rule, class St, int VEC, int UNROLL>
 __global__ void __launch_bounds__(kDeqThreads)
-    dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int64_t B, int64_t M,
-                      int64_t K, int bm_log2, int bk_log2, int fp8, bool aligned, typename St::T* __restrict__ out) {
-  const int64_t col0 = (blockIdx.x * int64_t(kDeqThreads) + threadIdx.x) * VEC;
-  if (col0 >= K) return;
-  const int64_t sm = cdiv(M, int64_t(1) << bm_log2), sk = cdiv(K, int64_t(1) << bk_log2);
-  const bool full = aligned && col0 + VEC <= K;
-  const bool per_elem = (1 << bk_log2) < VEC;
-#pragma unroll UNROLL
-  for (int64_t rr = blockIdx.y; rr < B * M; rr += gridDim.y) {
-    const int64_t b = B == 1 ? 0 : rr / M, r = rr - b * M;
-    const typename Rule::ScaleT* srow = s + (b * sm + (r >> bm_log2)) * sk;
-    const int64_t base = rr * K;
-    if (full) {
-      Fp8Vec<VEC> raw;
-      raw.load(d + base + col0);
-      const float one = Rule::dequant_scale(srow[col0 >> bk_log2]);
-      float y[VEC];
+    dequantize_kernel(const uint8_t* __restrict__ d, const typename Rule::ScaleT* __restrict__ s, int B, int M, int K,
+                      int bm_log2, int bk_log2, int fp8, bool aligned, typename St::T* __restrict__ out) {
+  using ScaleT = typename Rule::ScaleT;
+  constexpr int N = St::N, P = VEC / N;
+  const int lane = threadIdx.x % 32;
+  const int warp_col = (blockIdx.x * kDeqThreads + threadIdx.x - lane) * VEC;
+  if (warp_col >= K) return;
+  const int rows = B * M, sm = (M + (1 << bm_log2) - 1) >> bm_log2, sk = (K + (1 << bk_log2) - 1) >> bk_log2;
+  // a row's scale row: rr >> bm_log2 unless batches end inside a block (then per batch)
+  const bool flat = B == 1 || (M & ((1 << bm_log2) - 1)) == 0;
+  const auto scale_row = [&](int rr) { return flat ? rr >> bm_log2 : rr / M * sm + ((rr % M) >> bm_log2); };
+  // the same columns in every row: piece q's first column, whether it is one vector, its scale's index
+  int col[P], scol[P];
+  bool vec[P];
 #pragma unroll
-      for (int p = 0; p < VEC / 2; ++p) {
-        const float2 f = fp8x2_to_float2(raw.word(p / 2) >> (16 * (p % 2)), fp8);
-        const int64_t c = col0 + 2 * p;
-        y[2 * p] = f.x * (per_elem ? Rule::dequant_scale(srow[c >> bk_log2]) : one);
-        y[2 * p + 1] = f.y * (per_elem ? Rule::dequant_scale(srow[(c + 1) >> bk_log2]) : one);
+  for (int q = 0; q < P; ++q) {
+    col[q] = warp_col + (q * 32 + lane) * N;
+    scol[q] = col[q] >> bk_log2;
+    vec[q] = aligned && col[q] + N <= K;
+  }
+  // The row walk, compiled once per FP8 format and scale width, so the common case has no
+  // per-element branches.
+  const auto walk = [&](auto per_elem, auto format) {
+    constexpr bool PER_ELEM = decltype(per_elem)::value;
+    constexpr int FP8 = decltype(format)::value;
+    // UNROLL rows at a time (gridDim.y apart): every row's data and scale loads issued before any is used
+    for (int r0 = blockIdx.y; r0 < rows; r0 += gridDim.y * UNROLL) {
+      uint2 raw[UNROLL][P];
+      ScaleT sc[UNROLL][P];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int rr = r0 + u * gridDim.y;
+        if (rr >= rows) break;
+        const uint8_t* drow = d + int64_t(rr) * K;
+        const ScaleT* srow = s + int64_t(scale_row(rr)) * sk;
+#pragma unroll
+        for (int q = 0; q < P; ++q)
+          if (vec[q]) raw[u][q] = load_fp8<N>(drow + col[q]), sc[u][q] = srow[scol[q]];
       }
 #pragma unroll
-      for (int q = 0; q < VEC / 8; ++q) St::store8(out, base + col0 + 8 * q, y + 8 * q);
-    } else {
-      for (int e = 0; e < VEC && col0 + e < K; ++e)
-        St::store1(out, base + col0 + e,
-                   fp8_to_float(d[base + col0 + e], fp8) * Rule::dequant_scale(srow[(col0 + e) >> bk_log2]));
+      for (int u = 0; u < UNROLL; ++u) {
+        const int rr = r0 + u * gridDim.y;
+        if (rr >= rows) break;
+        typename St::T* orow = out + int64_t(rr) * K;
+        const ScaleT* srow = s + int64_t(scale_row(rr)) * sk;
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+          if (vec[q]) {
+            const float one = Rule::dequant_scale(sc[u][q]);
+            float y[N];
+#pragma unroll
+            for (int p = 0; p < N / 2; ++p) {
+              const float2 f = fp8x2_to_float2((p < 2 ? raw[u][q].x : raw[u][q].y) >> (16 * (p % 2)), FP8);
+              const int c = col[q] + 2 * p;
+              y[2 * p] = f.x * (PER_ELEM ? Rule::dequant_scale(srow[c >> bk_log2]) : one);
+              y[2 * p + 1] = f.y * (PER_ELEM ? Rule::dequant_scale(srow[(c + 1) >> bk_log2]) : one);
+            }
+            St::store(orow + col[q], y);
+          } else {
+            for (int c = col[q]; c < col[q] + N && c < K; ++c)
+              St::store1(orow + c,
+                         fp8_to_float(d[int64_t(rr) * K + c], FP8) * Rule::dequant_scale(srow[c >> bk_log2]));
+          }
+        }
+      }
     }
-  }
+  };
+  using E4M3 = std::integral_constant<int, kE4M3>;
+  using E5M2 = std::integral_constant<int, kE5M2>;
+  if ((1 << bk_log2) < N) fp8 == kE4M3 ? walk(std::true_type{}, E4M3{}) : walk(std::true_type{}, E5M2{});
+  else fp8 == kE4M3 ? walk(std::false_type{}, E4M3{}) : walk(std::false_type{}, E5M2{});
+}
+
+// Whether launch_dequantize takes these sizes: rows and columns as 32-bit indices, with room for a
+// thread's last row step and column piece past the end.
+inline bool dequantize_fits(int64_t B, int64_t M, int64_t K) {
+  return B * M < (int64_t(1) << 30) && K < (int64_t(1) << 30);
 }
 
 // Enough CTAs to fill the chip several times over; each thread then walks many rows, UNROLL rows' loads
-// in flight at once. Defaults measured fastest (bench/kernel_bench.cu, bench/RESULTS.md): 16-byte
-// loads, 2 rows in flight, 32 CTAs' worth of rows per SM.
-template <class Rule, class St, int VEC = 16, int UNROLL = 2>
+// in flight at once. Defaults measured fastest (bench/kernel_bench.cu, bench/RESULTS.md, run 57): 8
+// columns per thread (one piece), 4 rows in flight, 64 CTAs' worth of rows per SM.
+template <class Rule, class St, int VEC = 8, int UNROLL = 4>
 void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
-                       int bm, int bk, int fp8, int ctas_per_sm = 32) {
+                       int bm, int bk, int fp8, int ctas_per_sm = 64) {
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t gx = cdiv(cdiv(K, VEC), kDeqThreads);
   const int64_t gy = std::min<int64_t>(B * M, std::max<int64_t>(1, int64_t(sms) * ctas_per_sm / gx));
-  const bool aligned = K % VEC == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
+  const bool aligned = K % St::N == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
   dequantize_kernel<Rule, St, VEC, UNROLL><<<dim3(unsigned(gx), unsigned(gy)), kDeqThreads, 0, st>>>(
-      static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), B, M, K, __builtin_ctz(bm),
-      __builtin_ctz(bk), fp8, aligned, static_cast<typename St::T*>(out));
+      static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), int(B), int(M), int(K),
+      __builtin_ctz(bm), __builtin_ctz(bk), fp8, aligned, static_cast<typename St::T*>(out));
 }
 
 }  // namespace

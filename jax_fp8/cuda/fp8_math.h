@@ -8,7 +8,7 @@
 //
 // GPU fast paths that compute the same bits with other instructions:
 // - here, under __CUDA_ARCH__: the hardware satfinite casts (fp8_from_float, fp8x2_from_float), the
-//   paired bf16/fp16 rounding (pack2_from_floats: cvt.rn.{bf16x2,f16x2}.f32) and f16_from_float's
+//   paired bf16/fp16 rounding (cvt_pack2: cvt.rn.{bf16x2,f16x2}.f32) and f16_from_float's
 //   __float2half_rn;
 // - outside this file: the packed amax of bf16/fp16 pairs (cuda_common.cuh, Load16::max_abs2:
 //   max.xorsign.abs.{bf16x2,f16x2}) and the paired FP8 decode (dequantize.cuh, fp8x2_to_float2).
@@ -227,22 +227,28 @@ JF_HD uint16_t f16_from_float(float v) {
 }
 JF_HD float canonical_f32(float v) { return is_nan(v) ? u2f(0x7FC00000u) : v; }
 
-// Two values rounded as above and packed, a in the low half. On the GPU one cvt.rn.{bf16x2,f16x2}.f32
-// rounds both (the same RNE, subnormals kept, overflow to inf); only its NaN differs from ours.
+// Two values rounded as above and packed, a in the low half, on the GPU: one cvt.rn.{bf16x2,f16x2}.f32
+// rounds both (the same RNE, subnormals kept, overflow to inf); only its NaN differs from ours, so
+// callers pass the word through with_canonical_nans (or test nan_halves first: NaNs are rare).
+#if defined(__CUDACC__)
 template <bool kHalf>
-JF_HD uint32_t pack2_from_floats(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t nan = kHalf ? 0x7E00u : 0x7FC0u;
+__device__ __forceinline__ uint32_t cvt_pack2(float a, float b) {
   uint32_t w;
   if constexpr (kHalf) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));  // first source: high half
   else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
-  if (is_nan(a)) w = (w & 0xFFFF0000u) | nan;
-  if (is_nan(b)) w = (w & 0x0000FFFFu) | (nan << 16);
   return w;
-#else
-  return kHalf ? f16_from_float(a) | uint32_t(f16_from_float(b)) << 16
-               : bf16_from_float(a) | uint32_t(bf16_from_float(b)) << 16;
+}
 #endif
+// Bit 15 of each half of a packed bf16x2 / f16x2 word set where that half is a NaN: a NaN's magnitude
+// exceeds inf's (0x7F80 / 0x7C00), so adding 0x7FFF - inf carries into bit 15 for NaNs only.
+template <bool kHalf>
+JF_HD uint32_t nan_halves(uint32_t w) {
+  return ((w & 0x7FFF7FFFu) + (kHalf ? 0x03FF03FFu : 0x007F007Fu)) & 0x80008000u;
+}
+template <bool kHalf>
+JF_HD uint32_t with_canonical_nans(uint32_t w) {
+  const uint32_t m = (nan_halves<kHalf>(w) >> 15) * 0xFFFFu;
+  return (w & ~m) | ((kHalf ? 0x7E007E00u : 0x7FC07FC0u) & m);
 }
 
 }  // namespace jf
