@@ -164,10 +164,12 @@ __device__ __forceinline__ void tile_traffic_writes(const uint4 (&v)[8], uint8_t
 }
 
 // Tile order: the shipped kernels' tile_pos, in groups of sp.group tile rows (a dense span planned by
-// plan_tiles).
-template <bool T = true>
+// plan_tiles). SCALES: also the tile's 128 + 128 fp32 scales where the shipped kernels store them
+// (into sc): the 1x128 scales at a stride of K/128 words in the compact grid (M, K/128), contiguous in
+// the GEMM-ready (K/128, M); the 128x1 scales contiguous in both.
+template <bool T = true, bool SCALES = false>
 __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
-                                                            uint8_t* __restrict__ o2, Span sp) {
+                                                            uint8_t* __restrict__ o2, Span sp, float* sc = nullptr) {
   __shared__ __align__(16) uint32_t st[128 * 32];
   const int64_t M = sp.M, K = sp.K;
   const TilePos p = tile_pos(blockIdx.x, sp, Window{});
@@ -178,6 +180,11 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
   for (int i = 0; i < 8; ++i)
     v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8));
   tile_traffic_writes<T>(v, o1, o2, st, M, K, tm, tk);
+  if constexpr (SCALES) {
+    const float one = __uint_as_float(v[0].x & 0x3F800000u);  // some value the compiler cannot drop
+    if (tid < 128) sc[T ? tk * M + tm * 128 + tid : (tm * 128 + tid) * (K / 128) + tk] = one;
+    else sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;
+  }
 }
 
 // The same writes, the tiles read by the copy engine instead: persistent CTAs, each fetching its
@@ -743,12 +750,14 @@ int main(int argc, char** argv) {
       // in the shipped tile order and in groups of G tile rows
       const unsigned tiles = unsigned(M / 128 * (K / 128));
       const size_t pad3 = 56 * 1024;
-      const auto tiled = [&](auto t, size_t pad, int G) {
+      Buf sc(4 * (n / 128 + n / 128));  // the scales of the SCALES variant
+      const auto tiled = [&](auto t, size_t pad, int G, auto scales) {
         Span sp = dense_span(M, K, G);
         plan_tiles<LoadBF16, 128, 128>(sp, 1, xs[0]->p);
-        return [&, pad, sp](int i) {
-          tiled_traffic_kernel<decltype(t)::value><<<tiles, 256, pad>>>(
-              xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, sp);
+        constexpr auto kern = tiled_traffic_kernel<decltype(t)::value, decltype(scales)::value>;
+        CUDA_OK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad3)));
+        return [&, pad, sp, kern](int i) {
+          kern<<<tiles, 256, pad>>>(xs[i]->as<uint16_t>(), out.as<uint8_t>(), out.as<uint8_t>() + n, sp, sc.as<float>());
         };
       };
       using Tr = std::integral_constant<bool, true>;
@@ -762,8 +771,8 @@ int main(int argc, char** argv) {
       for (int G : {1, 2, 4, 8, 16, nm})
         for (const auto& [pad, occ] : {std::pair{size_t(0), per_sm}, std::pair{pad3, per_sm3}}) {
           const std::string tail = std::to_string(occ) + " CTAs/SM, groups of " + std::to_string(G) + " tile rows";
-          report("ceiling: 1x128+128x1T tiles, " + tail, time_us(tiled(Tr{}, pad, G)), 4.0 * n, "-");
-          report("ceiling: 1x128+128x1 tiles, " + tail, time_us(tiled(Co{}, pad, G)), 4.0 * n, "-");
+          report("ceiling: 1x128+128x1T tiles, " + tail, time_us(tiled(Tr{}, pad, G, std::false_type{})), 4.0 * n, "-");
+          report("ceiling: 1x128+128x1 tiles, " + tail, time_us(tiled(Co{}, pad, G, std::false_type{})), 4.0 * n, "-");
         }
       // the tiles fetched by bulk asynchronous copies, 1-3 tiles ahead
       const auto bulk = [&](auto stages) {
@@ -780,7 +789,7 @@ int main(int argc, char** argv) {
         };
         // the same bytes as the register-loading ceiling writes
         std::vector<uint8_t> want(2 * n), got(2 * n);
-        tiled(Tr{}, 0, 1)(0);
+        tiled(Tr{}, 0, 1, std::false_type{})(0);
         CUDA_OK(cudaMemcpy(want.data(), out.p, 2 * n, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemset(out.p, 0, 2 * n));
         go(0);
@@ -789,6 +798,12 @@ int main(int argc, char** argv) {
                    " CTAs/SM",
                time_us(go), 4.0 * n, want == got ? "same" : "DIFFERENT");
       };
+      // with the scale stores, at the shipped kernels' 3 CTAs/SM
+      const std::string with = std::to_string(per_sm3) + " CTAs/SM, with scales";
+      report("ceiling: 1x128+128x1T tiles, " + with, time_us(tiled(Tr{}, pad3, 1, std::true_type{})), 4.0 * n + n / 16,
+             "-");
+      report("ceiling: 1x128+128x1 tiles, " + with, time_us(tiled(Co{}, pad3, 1, std::true_type{})), 4.0 * n + n / 16,
+             "-");
       bulk(std::integral_constant<int, 2>{});
       bulk(std::integral_constant<int, 3>{});
       bulk(std::integral_constant<int, 4>{});
