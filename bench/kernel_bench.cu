@@ -166,8 +166,9 @@ __device__ __forceinline__ void tile_traffic_writes(const uint4 (&v)[8], uint8_t
 // Tile order: the shipped kernels' tile_pos, in groups of sp.group tile rows (a dense span planned by
 // plan_tiles). SCALES: also the tile's 128 + 128 fp32 scales where the shipped kernels store them
 // (into sc): the 1x128 scales at a stride of K/128 words in the compact grid (M, K/128), contiguous in
-// the GEMM-ready (K/128, M); the 128x1 scales contiguous in both.
-template <bool T = true, bool SCALES = false>
+// the GEMM-ready (K/128, M); the 128x1 scales contiguous in both. SCALES 0: none; 1: as shipped, with
+// plain stores (no L2 policy); 2, 4, 8: see below.
+template <bool T = true, int SCALES = 0>
 __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ o1,
                                                             uint8_t* __restrict__ o2, Span sp, float* sc = nullptr) {
   __shared__ __align__(16) uint32_t st[128 * 32];
@@ -180,10 +181,23 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
   for (int i = 0; i < 8; ++i)
     v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8));
   tile_traffic_writes<T>(v, o1, o2, st, M, K, tm, tk);
-  if constexpr (SCALES) {
+  if constexpr (SCALES == 1) {
     const float one = __uint_as_float(v[0].x & 0x3F800000u);  // some value the compiler cannot drop
     if (tid < 128) sc[T ? tk * M + tm * 128 + tid : (tm * 128 + tid) * (K / 128) + tk] = one;
     else sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;
+  } else if constexpr (SCALES > 1) {  // compact 1x128 scales as if gathered: every SCALES-th tile writes
+                                      // SCALES words a row (run 62: fewer, wider stores still cost)
+    const float one = __uint_as_float(v[0].x & 0x3F800000u);
+    if (tid < 128) {
+      if (tk % SCALES == 0) {
+        float* d = sc + (tm * 128 + tid) * (K / 128) + tk;
+        if constexpr (SCALES == 2) *reinterpret_cast<float2*>(d) = make_float2(one, one);
+        else {
+#pragma unroll
+          for (int q = 0; q < SCALES; q += 4) reinterpret_cast<float4*>(d)[q / 4] = make_float4(one, one, one, one);
+        }
+      }
+    } else sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;
   }
 }
 
@@ -804,6 +818,15 @@ int main(int argc, char** argv) {
              "-");
       report("ceiling: 1x128+128x1 tiles, " + with, time_us(tiled(Co{}, pad3, 1, std::true_type{})), 4.0 * n + n / 16,
              "-");
+      // compact, the row scales of none, or of 2, 4 or 8 tiles a store (the bytes counted as with scales)
+      const auto rows_by = [&](const char* name, auto sc) {
+        report(std::string("ceiling: 1x128+128x1 tiles, row scales ") + name, time_us(tiled(Co{}, pad3, 1, sc)),
+               4.0 * n + n / 16, "-");
+      };
+      rows_by("none", std::integral_constant<int, 0>{});
+      rows_by("x2", std::integral_constant<int, 2>{});
+      rows_by("x4", std::integral_constant<int, 4>{});
+      rows_by("x8", std::integral_constant<int, 8>{});
       bulk(std::integral_constant<int, 2>{});
       bulk(std::integral_constant<int, 3>{});
       bulk(std::integral_constant<int, 4>{});

@@ -25,6 +25,22 @@ inline ffi::Error check_launch() {
   return ffi::Error::Success();
 }
 
+// A block's scale. fp32 scales go with the L2 policy evict_last: a tile writes 4 bytes of each
+// scale-grid row it touches (a compact 1x128 grid: at a stride of a grid row), and lines evicted before
+// the neighbouring tiles fill them reach HBM as partial writes. Kept in L2, they leave whole: compact
+// Float8 1x128 + 128x1 at 8192^2 went from 88.5 to 95.6% of memcpy (bench/RESULTS.md, run 64). E8M0
+// scales (MXFP8, whose kernels were already at 90-102%) keep a plain store: the policy's 64-bit register
+// made the 4-CTA/SM GEMM-ready MXFP8 kernel spill.
+template <class S>
+__device__ __forceinline__ void store_scale(S* p, S v) {
+  if constexpr (std::is_same_v<S, float>) {
+    uint64_t keep;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+    asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(p), "r"(__float_as_uint(v)), "l"(keep) : "memory");
+  } else {
+    *p = v;
+  }
+}
 
 // Word i of a 16-byte vector by name (an indexed pointer into a register vector can go to local memory).
 __device__ __forceinline__ uint32_t& word(uint4& r, int i) { return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w; }

@@ -182,7 +182,7 @@ __device__ __forceinline__ float block_multiplier(const Rule& rule, float amax, 
   } else {
     rule.from_global(g, s, mult);
   }
-  if (write && (MODE != kCast || o.scale)) o.scale[gi] = s;
+  if (write && (MODE != kCast || o.scale)) store_scale(o.scale + gi, s);
   return mult;
 }
 
