@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -535,10 +536,13 @@ int main(int argc, char** argv) {
     // outputs: one per usage; GEMM-ready tiles write both orientations
     const int usages = (c.row_bk > 0) + (c.col_bm > 0) + (c.tile > 0) * (c.gemm_ready ? 2 : 1);
     const int64_t n_scales = c.tile ? n / (b * b) : n / b;
-    Outputs o(n, 2 * n_scales + 4096, 2 * n_scales + 4096, item);  // room for padded GEMM-ready grids
+    // one set of outputs per input buffer, so that no launch finds the previous one's outputs (its
+    // scales above all, stored with an L2 policy that keeps them) still in L2
+    std::unique_ptr<Outputs> o[3];
+    for (auto& oi : o) oi = std::make_unique<Outputs>(n, 2 * n_scales + 4096, 2 * n_scales + 4096, item);  // room for padded GEMM-ready grids
     const bool ok = check(c);
     const QuantizeArgs a = args_of(c, M, K);
-    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K, c.group), o.ptrs()); });
+    const double us = time_us([&](int i) { c.launch(a, xs[i]->p, dense_span(M, K, c.group), o[i]->ptrs()); });
     report(c.name, us,
            double(n) * 2 + usages * double(n + n_scales * item), ok ? "exact" : "MISMATCH");
   }
