@@ -29,8 +29,8 @@ inline ffi::Error check_launch() {
 // scale-grid row it touches (a compact 1x128 grid: at a stride of a grid row), and, as we read runs
 // 60-64 of bench/RESULTS.md, lines evicted before the neighbouring tiles fill them reach HBM as partial
 // writes. Kept in L2, compact Float8 1x128 + 128x1 at 8192^2 went from 88.5 to 95.6% of memcpy. E8M0
-// scales (MXFP8, whose kernels were already at 90-102%) keep a plain store: the policy's 64-bit register
-// made the 4-CTA/SM GEMM-ready MXFP8 kernel spill.
+// scales (MXFP8) keep a plain store: the policy's 64-bit register made the 4-CTA/SM GEMM-ready MXFP8
+// kernel spill, and MXFP8 has not been timed with it.
 template <class S>
 __device__ __forceinline__ void store_scale(S* p, S v) {
   if constexpr (std::is_same_v<S, float>) {
