@@ -182,23 +182,22 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
   for (int i = 0; i < 8; ++i)
     v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tm * 128 + g * 8 + i) * K + tk * 128 + c * 8));
   tile_traffic_writes<T>(v, o1, o2, st, M, K, tm, tk);
-  if constexpr (SCALES == 1) {
+  if constexpr (SCALES > 0) {
     const float one = __uint_as_float(v[0].x & 0x3F800000u);  // some value the compiler cannot drop
-    if (tid < 128) sc[T ? tk * M + tm * 128 + tid : (tm * 128 + tid) * (K / 128) + tk] = one;
-    else sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;
-  } else if constexpr (SCALES > 1) {  // compact 1x128 scales as if gathered: every SCALES-th tile writes
-                                      // SCALES words a row (run 62: fewer, wider stores still cost)
-    const float one = __uint_as_float(v[0].x & 0x3F800000u);
-    if (tid < 128) {
-      if (tk % SCALES == 0) {
-        float* d = sc + (tm * 128 + tid) * (K / 128) + tk;
-        if constexpr (SCALES == 2) *reinterpret_cast<float2*>(d) = make_float2(one, one);
-        else {
+    if (tid >= 128) {
+      sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;  // 128x1: contiguous in both layouts
+    } else if constexpr (SCALES == 1) {
+      sc[T ? tk * M + tm * 128 + tid : (tm * 128 + tid) * (K / 128) + tk] = one;
+    } else if (tk % SCALES == 0) {  // compact 1x128 scales as if gathered: every SCALES-th tile writes
+                                    // SCALES words a row (run 62: fewer, wider stores still cost)
+      float* d = sc + (tm * 128 + tid) * (K / 128) + tk;
+      if constexpr (SCALES == 2) {
+        *reinterpret_cast<float2*>(d) = make_float2(one, one);
+      } else {
 #pragma unroll
-          for (int q = 0; q < SCALES; q += 4) reinterpret_cast<float4*>(d)[q / 4] = make_float4(one, one, one, one);
-        }
+        for (int q = 0; q < SCALES; q += 4) reinterpret_cast<float4*>(d)[q / 4] = make_float4(one, one, one, one);
       }
-    } else sc[M * (K / 128) + tm * K + tk * 128 + tid - 128] = one;
+    }
   }
 }
 
