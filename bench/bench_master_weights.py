@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from _timing import jax_time
-from jax_fp8._compat import shard_map
+from jax import shard_map
 from jax_fp8.distributed import quantize_master_weights
 
 

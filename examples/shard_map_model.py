@@ -40,7 +40,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
-from jax_fp8._compat import shard_map  # noqa: E402
+from jax import shard_map  # noqa: E402
 from jax_fp8.distributed import all_gather_first_dim, gather_master_weights, quantize_master_weights  # noqa: E402
 from jax_fp8.gemm import fp8_gemm, gemm_operand  # noqa: E402
 
@@ -179,7 +179,9 @@ def main(argv=None):
         s, b = x.shape[:2]
         # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
         xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", X_SCHEME)
-        sinks = [jnp.zeros(shape, jnp.float32) for shape in shapes]  # their gradients: the masters' (ST)
+        # their gradients: the masters' (straight-through), this rank's share (typed per device, so
+        # that JAX leaves the sum to the psum below); a replicated bias's gradient comes summed by JAX
+        sinks = [lax.pcast(jnp.zeros(shape, jnp.float32), ("data", "seq"), to="varying") for shape in shapes]
 
         def loss_fn(sinks, biases):
             out = mlp_fp8(xs, ws, sinks, biases)  # the full sequence on every seq rank
@@ -189,7 +191,6 @@ def main(argv=None):
         loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, biases)
         loss = lax.psum(loss, ("data", "seq"))
         gw = [lax.psum(g, ("data", "seq")) for g in gw]
-        gb = [lax.psum(g, ("data", "seq")) for g in gb]
         # ZeRO: each data rank keeps the gradient slice of its own master shard
         r = lax.axis_index("data")
         gs = [lax.dynamic_slice_in_dim(jnp.pad(g.reshape(-1), (0, nd * m.size - g.size)), r * m.size, m.size)

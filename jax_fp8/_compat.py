@@ -1,12 +1,7 @@
-"""Imports that moved between jax releases (0.5 through 0.11+)."""
+"""Imports that moved between jax releases (0.10 through 0.12+)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-
-try:  # jax >= 0.6
-    from jax import shard_map as _shard_map
-except ImportError:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
 
 try:
     from jax.extend.core import Primitive
@@ -32,14 +27,4 @@ except ImportError:  # pragma: no cover
 E8M0_DTYPE = getattr(jnp, "float8_e8m0fnu", None)
 
 
-def shard_map(f, *, mesh, in_specs, out_specs, check=False):
-    """``shard_map`` with replication checking named the same on every jax line."""
-    import inspect
-
-    params = inspect.signature(_shard_map).parameters
-    kw = {"check_vma": check} if "check_vma" in params else {"check_rep": check}
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
-
-
-__all__ = ["Primitive", "ShapedArray", "ad", "apply_primitive", "batching", "ffi", "mlir", "shard_map",
-           "E8M0_DTYPE"]
+__all__ = ["Primitive", "ShapedArray", "ad", "apply_primitive", "batching", "ffi", "mlir", "E8M0_DTYPE"]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import vma
 from .api import dequantize, to_layout
 from .arrays import bitcast, view_2d
 from .layout import scales_to_layout
@@ -32,14 +33,29 @@ def _gather(a, axis_name, axis: int = 0):
     return lax.all_gather(a, axis_name, axis=axis, tiled=True)
 
 
+def _varying(x, axis_name):
+    """``x`` typed as varying over ``axis_name``, as ``lax.all_gather`` casts its operand: for a
+    replicated ``x`` the cast's transpose sums the reduce-scattered gradient over the ranks."""
+    return vma.vary(x, axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+
+def _scatter_grad(axis_name, *static_and_g):
+    """The VJP of a gather along the first dim: reduce-scatter the gradient (the last argument)."""
+    return (lax.psum_scatter(static_and_g[-1], axis_name, scatter_dimension=0, tiled=True),)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_high(x, axis_name):
-    """All-gather along the first dim; its VJP reduce-scatters the gradient (psum_scatter)."""
+def _gather_high(x, axis_name):
     return _gather(x, axis_name)
 
 
-gather_high.defvjp(lambda x, axis_name: (_gather(x, axis_name), None),
-                   lambda axis_name, _, g: (lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True),))
+_gather_high.defvjp(lambda x, axis_name: (_gather(x, axis_name), None), _scatter_grad)
+
+
+def gather_high(x, axis_name):
+    """All-gather along the first dim (``lax.all_gather(x, axis_name, tiled=True)``, 8-bit floats as
+    bytes); its VJP reduce-scatters the gradient (psum_scatter)."""
+    return _gather_high(_varying(x, axis_name), axis_name)
 
 
 def _gather_quantized(q, axis_name, ranks: int):
@@ -124,20 +140,26 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str):
+    return dequantize(all_gather_first_dim(x, axis_name, quantizer), x.dtype, usage)
+
+
+_all_gather_dequantized.defvjp(
+    lambda x, axis_name, quantizer, usage: (_all_gather_dequantized(x, axis_name, quantizer, usage), None),
+    _scatter_grad)
+
+
 def all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str = "rowwise"):
     """``dequantize(all_gather_first_dim(x, axis_name, quantizer), usage=usage)`` in ``x.dtype`` with a
     straight-through backward: the gradient is reduce-scattered as for a plain all-gather.
 
-    ``x`` is a high-precision array; ``quantizer`` (required) says what the forward quantizes to."""
+    ``x`` is a high-precision array; ``quantizer`` (required) says what the forward quantizes to. The
+    result is typed as ``lax.all_gather``'s (varying over ``axis_name`` inside ``shard_map``), and so
+    is the gradient: a replicated ``x`` gets the sum over the ranks, as with ``lax.all_gather``."""
     if not isinstance(quantizer, Quantizer):
         raise TypeError("all_gather_dequantized: quantizer must be a jax_fp8.distributed.Quantizer (the format "
                         f"of the forward), got {quantizer!r}; for an unquantized gather use all_gather_first_dim")
     if usage not in ("rowwise", "colwise") or not getattr(quantizer, usage):
         raise ValueError(f"all_gather_dequantized: usage must be a usage the quantizer produces "
                          f"({[u for u in ('rowwise', 'colwise') if getattr(quantizer, u)]}), got {usage!r}")
-    return dequantize(all_gather_first_dim(x, axis_name, quantizer), x.dtype, usage)
-
-
-all_gather_dequantized.defvjp(
-    lambda x, axis_name, quantizer, usage: (all_gather_dequantized(x, axis_name, quantizer, usage), None),
-    lambda axis_name, quantizer, usage, _, g: (lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True),))
+    return _all_gather_dequantized(_varying(x, axis_name), axis_name, quantizer, usage)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import vma
 from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
@@ -378,7 +379,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
                 _warn("fp8_dot_general: computing by dequantize + fp32 dot (same quantized operands) instead of "
                       "the FP8 GEMM: " + "; ".join(reasons))
             x = lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(M, K)
-            return _linear(x, rhs, cfg).reshape(*lshape[:-1], N)
+            # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
+            # replicated operand transposes to the psum its gradient needs under shard_map
+            x, w = vma.match(x, rhs)
+            return _linear(x, w, cfg).reshape(*lshape[:-1], N)
     if reason is not None:
         _warn(f"fp8_dot_general: computing dot_general of quantize-dequantized operands instead of the FP8 "
               f"GEMM: {reason}")

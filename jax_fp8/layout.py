@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 import jax.numpy as jnp
 
+from . import vma
 from .arrays import bitcast, cdiv, view_2d, xp_of
 from .formats import check_input, high_dtype
 from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
@@ -53,6 +54,7 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
         xp = xp_of(x)
         pad = GEMM_SCALE_PAD if not scheme.e8m0 else 0
         pairs = [(xp.zeros(d, scheme.dtype), xp.full(sc, pad, scheme.scale_dtype)) for d, sc in shapes]
+        pairs = vma.vary(pairs, vma.axes_of(x))  # per-device wherever x is, as the kernels' outputs
     else:
         outs = kernels.quantize(x.reshape(1, M, K), scheme=scheme)
         pairs = [(bitcast(outs[2 * i].reshape(d), scheme.dtype), outs[2 * i + 1][0]) for i, (d, _) in enumerate(shapes)]
@@ -71,7 +73,7 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
         q = to_layout(q, "compact")  # checks every field against the GEMM-ready layout
     data, scale = q.usage_fields(usage, "dequantize")
     if data.size == 0:
-        return xp_of(data).zeros(q.shape, out_dtype)
+        return vma.vary(xp_of(data).zeros(q.shape, out_dtype), vma.axes_of(data) | vma.axes_of(scale))
     M, K = view_2d(q.shape)
     y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(1, M, K), scale[None], scheme=q.scheme.only(usage),
                            out_dtype=np.dtype(out_dtype))

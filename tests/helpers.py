@@ -107,3 +107,25 @@ def assert_dequantize_within_half_step(x: np.ndarray, q, fp8, scale_value) -> No
         s = np.repeat(np.repeat(scale_value(np.asarray(getattr(q, f"{usage}_scale_inv"))), bm, 0)[:M], bk, 1)[:, :K]
         bound = np.abs(x) * 2.0 ** -(mant + 1) + s * 2.0 ** (-bias - mant)
         assert (np.abs(y - x) <= bound).all(), usage
+
+
+def replicated(fn, mesh, in_specs, axis):
+    """``jax.jit(jax.shard_map(fn, ...))`` with its default checks, for an ``fn`` whose result is the
+    same on every rank of ``axis`` but typed as varying over it, as ``lax.all_gather``'s is (so
+    ``out_specs=P()`` rejects it): every rank returns its own copy. Returns ``(call, f)``: ``call(*args)``
+    asserts that the copies of all ranks agree bit for bit and returns one; ``f`` is the jitted
+    function (to lower)."""
+    from jax.sharding import PartitionSpec as P
+
+    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*a)), mesh=mesh, in_specs=in_specs,
+                              out_specs=P(axis)))
+
+    def call(*args):
+        # on the host: jax 0.10's indexing of a sharded FP8 array turns -0 into +0 (seen on CPU)
+        out = jax.tree.map(np.asarray, f(*args))
+        for leaf in jax.tree.leaves(out):
+            for r in range(1, leaf.shape[0]):
+                assert_bits_equal(leaf[r], leaf[0], f"rank {r} vs rank 0")
+        return jax.tree.map(lambda v: v[0], out)
+
+    return call, f

@@ -12,10 +12,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8 import Scheme
-from jax_fp8._compat import shard_map
+from jax import shard_map
 from jax_fp8.distributed import (gather_master_weights, local_shards, quantize_master_weights, shard_windows,
                                  split_masters)
-from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input
+from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input, replicated
 
 SHAPES = [(64, 96), (33, 70), (1, 31), (129, 257), (5, 3), (40, 128)]
 
@@ -53,8 +53,8 @@ def _run(masters, n, even, seed, **kw):
                                      lengths=[l[0] for l in lens], **kw)
         return gather_master_weights(qs, "data")
 
-    f = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=(P("data"), P("data"), P("data")), out_specs=P()))
-    return f(bufs, offs, lens), f, (bufs, offs, lens)
+    call, f = replicated(step, _mesh(n), (P("data"), P("data"), P("data")), "data")
+    return call(bufs, offs, lens), f, (bufs, offs, lens)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -303,8 +303,8 @@ def test_subnormal_amax_issue_repro():
                                      colwise=False)
         return gather_master_weights(qs, "data")
 
-    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=(P("data"),) * 3, out_specs=P()))
-    q = f(bufs, np.array([0, 5], np.int32), np.array([5, 0], np.int32))[0]
+    call, _ = replicated(step, _mesh(2), (P("data"),) * 3, "data")
+    q = call(bufs, np.array([0, 5], np.int32), np.array([5, 0], np.int32))[0]
     assert np.asarray(q.rowwise_scale_inv).view(np.uint32).tolist() == [[0x00400000]]  # 2^-127
     assert np.asarray(q.rowwise_data).view(np.uint8).tolist() == [[0, 0, 0x20, 0, 0]]
 
@@ -344,7 +344,7 @@ def test_layout_helpers_round_trip(layout, n, fmt):
         qs = quantize_master_weights(shards, LAYOUT_SHAPES, "data", offsets=offsets, lengths=lengths, check=True, **kw)
         return gather_master_weights(qs, "data")
 
-    got = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P()))(bufs)
+    got = replicated(step, _mesh(n), P("data"), "data")[0](bufs)
     for w, q in zip(masters, got):
         wb = w.astype(jnp.bfloat16)
         want = (jf.quantize_blockwise(wb, block=(128, 128), colwise=True) if fmt == "blockwise"
@@ -358,8 +358,8 @@ def _quantize_windows(bufs, shapes, offs, lens, check=True):
         qs = quantize_master_weights([b[0]], shapes, "data", offsets=[o[0]], lengths=[l[0]], check=check)
         return gather_master_weights(qs, "data")
 
-    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=(P("data"),) * 3, out_specs=P()))
-    return jax.block_until_ready(f(bufs, np.array(offs, np.int32), np.array(lens, np.int32)))
+    call, _ = replicated(step, _mesh(2), (P("data"),) * 3, "data")
+    return call(bufs, np.array(offs, np.int32), np.array(lens, np.int32))
 
 
 @pytest.mark.parametrize("case,offs,lens,msg", [
@@ -428,7 +428,7 @@ def test_gather_master_weights_gemm_ready(n):
                                      block=(128, 128))
         return gather_master_weights(qs, "data", layout="gemm_ready")
 
-    got = jax.jit(shard_map(step, mesh=_mesh(n), in_specs=P("data"), out_specs=P()))(bufs)
+    got = replicated(step, _mesh(n), P("data"), "data")[0](bufs)
     for w, q in zip(masters, got):
         assert q.layout == "gemm_ready"
         assert_tensors_equal(q, jf.quantize_blockwise(w.astype(jnp.bfloat16), block=(128, 128), colwise=True,
@@ -447,8 +447,8 @@ def test_gather_master_weights_sends_shared_tiles_once():
         qs = quantize_master_weights([local[0][0]], shapes, "data", fmt="blockwise", block=(128, 128))
         return gather_master_weights(qs, "data")
 
-    f = jax.jit(shard_map(step, mesh=_mesh(2), in_specs=P("data"), out_specs=P()))
-    got = f(bufs)[0]
+    call, f = replicated(step, _mesh(2), P("data"), "data")
+    got = call(bufs)[0]
     assert got.colwise_data is not None
     assert_tensors_equal(got, jf.quantize_blockwise(np.ones(shapes[0], jnp.bfloat16), block=(128, 128), colwise=True))
     assert len(re.findall(r'"stablehlo.all_gather"', f.lower(bufs).as_text())) == 3  # offset, length, data

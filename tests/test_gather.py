@@ -11,9 +11,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8._compat import shard_map
+from jax import shard_map
 from jax_fp8.distributed import Quantizer, all_gather_dequantized, all_gather_first_dim
-from helpers import assert_tensors_equal, random_input
+from helpers import assert_tensors_equal, random_input, replicated
 
 QUANTIZERS = {
     "mx-row": Quantizer("mxfp8"),
@@ -29,10 +29,10 @@ def _mesh(n):
 
 
 def _gathered(fn, x, n):
-    f = jax.jit(shard_map(fn, mesh=_mesh(n), in_specs=P("sp"), out_specs=P()))
+    call, f = replicated(fn, _mesh(n), P("sp"), "sp")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = f(x)
+        out = call(x)
     return out, f, [str(m.message) for m in w]
 
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8 import gemm as G
-from jax_fp8._compat import shard_map
+from jax import shard_map
 from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_supported
 from helpers import assert_bits_equal, on_cpu, stable_seed
 
@@ -482,15 +482,15 @@ def test_vmap_over_leading_dims(strict):
 
 
 def test_shard_map_equals_per_shard(strict):
-    """Inside shard_map (rows of x on 4 devices, W replicated): y and dx are each shard's own FP8 linear
-    layer, dW the psum of the shards' wgrads."""
+    """Inside jax.shard_map with its default checks (rows of x on 4 devices, W replicated): y and dx
+    are each shard's own FP8 linear layer; dW, the cotangent of a replicated W, is replicated and is
+    the sum of the shards' wgrads (JAX inserts that psum, as for lax.dot_general)."""
     n, (x, w, g, f, *_) = 4, _vjp_setup((64, 256), 136, False, BF16, E4M3, 8)
     mesh = Mesh(np.array(jax.devices("cpu")[:n]), ("data",))
 
     def step(x, w, g):
         y, vjp = jax.vjp(f, x, w)
-        dx, dw = vjp(g)
-        return y, dx, lax.psum(dw, "data")
+        return y, *vjp(g)
 
     y, dx, dw = jax.jit(shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data")),
                                   out_specs=(P("data"), P("data"), P())))(x, w, g)

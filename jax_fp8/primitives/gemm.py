@@ -42,11 +42,12 @@ import numpy as np
 from jax import lax
 
 from .. import _ffi, reference
-from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, ffi, mlir
+from .._compat import Primitive, ad, apply_primitive, batching, ffi, mlir
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..layout import scales_to_layout
 from ..scheme import Scheme
+from ..vma import out_aval
 
 BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
@@ -194,7 +195,7 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
         raise ValueError(f"{where}: accumulate={accumulate} but {len(c)} accumulator operand(s)")
     if c and (c[0].shape != (M, N) or np.dtype(c[0].dtype) != out_dtype):
         raise ValueError(f"{where}: c must be {out_dtype}{(M, N)}, got {c[0].dtype}{c[0].shape}")
-    return ShapedArray((M, N), out_dtype)
+    return out_aval((M, N), out_dtype, a, a_scale, b, b_scale, *c)
 
 
 gemm_p.def_abstract_eval(_gemm_abstract)

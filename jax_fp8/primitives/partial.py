@@ -16,6 +16,7 @@ import numpy as np
 from .. import _ffi, reference
 from .._compat import Primitive, ShapedArray, apply_primitive, ffi, mlir
 from ..scheme import packed_size
+from ..vma import out_aval
 
 partial_amax_p = Primitive("jf_partial_amax")
 partial_amax_p.multiple_results = True
@@ -25,10 +26,11 @@ partial_cast_p.multiple_results = True
 partial_cast_p.def_impl(partial(apply_primitive, partial_cast_p))
 
 
-def _packed(shapes, scheme, dtype=None):
-    """The packed buffer of every weight's grids: partial values (E8M0 bytes or fp32 amaxes) or scale_inv."""
+def _packed(shapes, scheme, *inputs, dtype=None):
+    """The packed buffer of every weight's grids: partial values (E8M0 bytes or fp32 amaxes) or scale_inv,
+    varying over the axes of ``inputs`` (what it is computed from)."""
     n = packed_size(scheme.packed_grids(shapes))
-    return ShapedArray((n,), dtype or (scheme.scale_dtype if scheme.e8m0 else np.float32))
+    return out_aval((n,), dtype or (scheme.scale_dtype if scheme.e8m0 else np.float32), *inputs)
 
 
 def _check_group(windows, shards, shapes):
@@ -45,7 +47,7 @@ def _check_group(windows, shards, shapes):
 
 def _amax_abstract(windows, *shards, shapes, scheme):
     _check_group(windows, shards, shapes)
-    return [_packed(shapes, scheme)]
+    return [_packed(shapes, scheme, windows, *shards)]
 
 
 def _cast_abstract(windows, glob, *shards, shapes, scheme):
@@ -54,8 +56,9 @@ def _cast_abstract(windows, glob, *shards, shapes, scheme):
     if (glob.shape, glob.dtype) != (want.shape, want.dtype):
         raise ValueError(f"partial cast: global scales {glob.dtype}{glob.shape} do not match the weights "
                          f"({want.dtype}{want.shape})")
-    datas = [ShapedArray(s.shape, np.uint8) for s in shards for _ in scheme.kernel_blocks]
-    return datas + ([] if scheme.e8m0 else [_packed(shapes, scheme, np.float32)])
+    datas = [out_aval(s.shape, np.uint8, windows, glob, *shards) for s in shards for _ in scheme.kernel_blocks]
+    # the fp32 scale_inv depends on the global scales alone: replicated wherever they are
+    return datas + ([] if scheme.e8m0 else [_packed(shapes, scheme, glob, dtype=np.float32)])
 
 
 partial_amax_p.def_abstract_eval(_amax_abstract)

@@ -15,6 +15,7 @@ from .. import _ffi, reference
 from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, ffi, mlir
 from ..arrays import cdiv
 from ..layout import Kernels
+from ..vma import out_aval
 
 # ---- quantize ----------------------------------------------------------------------------------
 quantize_p = Primitive("jf_quantize")
@@ -30,7 +31,7 @@ def _quantize_abstract(x, *, scheme):
     B, M, K = x.shape
     outs = []
     for data, scale in scheme.kernel_outputs((M, K)):
-        outs += [ShapedArray((B, *data), np.uint8), ShapedArray((B, *scale), scheme.scale_dtype)]
+        outs += [out_aval((B, *data), np.uint8, x), out_aval((B, *scale), scheme.scale_dtype, x)]
     return outs
 
 
@@ -67,7 +68,7 @@ def _dequantize_abstract(data, scale, *, scheme, out_dtype):
     if scale.shape != (B, cdiv(M, bm), cdiv(K, bk)) or scale.dtype != scheme.scale_dtype:
         raise ValueError(f"jf_dequantize: scales {scale.dtype}{scale.shape} do not match data {data.shape} with "
                          f"{bm}x{bk} blocks of {scheme.scale_dtype}")
-    return ShapedArray(data.shape, out_dtype)
+    return out_aval(data.shape, out_dtype, data, scale)
 
 
 dequantize_p.def_abstract_eval(_dequantize_abstract)
