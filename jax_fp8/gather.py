@@ -9,7 +9,6 @@ precision, quantize the gathered tensor. Either way the result equals quantizing
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from functools import partial
 from typing import Optional
 
@@ -23,6 +22,7 @@ from .arrays import bitcast, view_2d
 from .layout import scales_to_layout
 from .scheme import Quantizer
 from .tensors import BlockwiseTensor, MXFP8Tensor
+from .warn import warn
 
 
 def _gather(a, axis_name, axis: int = 0):
@@ -123,8 +123,8 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
         x = to_layout(x, quantizer.layout)  # the same bits, rearranged if the layouts differ: exact
     convert = quantized and not quantizer.satisfied_by(x)
     if convert:
-        warnings.warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "
-                      "requantizing its dequantized values (a second rounding)", stacklevel=2)
+        warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "
+             "requantizing its dequantized values (a second rounding)")
     rows = view_2d(shape)[0]
     if rows % quantizer.block_rows == 0:
         if quantized and not convert:
@@ -132,9 +132,9 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
         else:
             q = quantizer.quantize(dequantize(x) if quantized else x)
         return _gather_quantized(q, axis_name, ranks)
-    warnings.warn(f"all_gather_first_dim: local shape {tuple(shape)} has {rows} rows, not a multiple of the "
-                  f"{quantizer.block_rows}-row blocks of {quantizer.fmt}; gathering in high precision and "
-                  "quantizing after the gather", stacklevel=2)
+    warn(f"all_gather_first_dim: local shape {tuple(shape)} has {rows} rows, not a multiple of the "
+         f"{quantizer.block_rows}-row blocks of {quantizer.fmt}; gathering in high precision and "
+         "quantizing after the gather")
     hp = dequantize(x) if quantized else x
     return quantizer.quantize(_gather(hp, axis_name))
 

@@ -16,8 +16,8 @@ operands the backward needs; dy is quantized once (rowwise and columnwise in one
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import warnings
 from functools import partial
 from typing import Any, Optional, Union
 
@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import vma
+from .warn import warn
 from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
@@ -179,7 +180,7 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
 
 
 def _warn(msg: str) -> None:
-    warnings.warn(msg, Fp8GemmFallbackWarning, stacklevel=3)
+    warn(msg, Fp8GemmFallbackWarning)
 
 
 # ---- the linear layer with its VJP ----------------------------------------------------------------
@@ -204,25 +205,53 @@ def _quantized(x, scheme: Scheme):
     return x if isinstance(x, BlockwiseTensor) else quantize(x, scheme)
 
 
+def _nonfinite(a, axis: int):
+    """The sum of ``a``'s non-finite entries along ``axis`` (0 where all are finite, else an infinity or
+    NaN); None for a pre-quantized operand (FP8 holds no infinity, and a NaN travels as a NaN)."""
+    if isinstance(a, BlockwiseTensor):
+        return None
+    return jnp.sum(jnp.where(jnp.isfinite(a), 0, a).astype(jnp.float32), axis=axis)
+
+
+def _propagate(y, rows, cols):
+    """``y`` (R, C) with every output that a non-finite input reaches (``rows`` (R,) / ``cols`` (C,)
+    from :func:`_nonfinite`) set non-finite, as ``lax.dot_general``'s are: quantization saturates an
+    infinity (TransformerEngine's rule), so the FP8 GEMM alone would return a finite number there."""
+    poison = [v for v in (None if rows is None else rows[:, None], None if cols is None else cols[None, :])
+              if v is not None]
+    if not poison:
+        return y
+    p = sum(poison[1:], poison[0])
+    return jnp.where(p == 0, y, p.astype(y.dtype))
+
+
+def _fprop(x, w, cfg: _Linear, xq, wq):
+    """y = x · W on the quantized operands, non-finite wherever x's row or W's column is."""
+    y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
+    return _propagate(y, _nonfinite(x, 1), _nonfinite(w, 0 if cfg.rhs_kn else 1))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear(x, w, cfg: _Linear):
     """y (M, N) = x · W on the FP8 GEMM. x: (M, K) array or BlockwiseTensor; w: (N, K) / (K, N)."""
     r = cfg.recipe
     xq = _quantized(x, r.scheme("lhs", colwise=False))
     wq = _quantized(w, r.scheme("rhs", rowwise=not cfg.rhs_kn, colwise=cfg.rhs_kn))
-    return _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
+    return _fprop(x, w, cfg, xq, wq)
 
 
 def _linear_fwd(x, w, cfg: _Linear):
     """Forward: quantize x (1x128, both usages) and W (128x128, both orientations) once; the residuals
-    are the backward's operands: xᵀ (K, M) for wgrad, W's dgrad orientation (K, N), and the dtypes.
+    are the backward's operands: xᵀ (K, M) for wgrad, W's dgrad orientation (K, N), the dtypes, and
+    where x's and W's K columns hold non-finite values (the backward's outputs must show them).
     An operand the backward needs but a pre-quantized tensor lacks is saved as fp32 values instead."""
     r = cfg.recipe
     xq, wq = _quantized(x, r.scheme("lhs")), _quantized(w, r.scheme("rhs"))
-    y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
+    y = _fprop(x, w, cfg, xq, wq)
     x_t = None if isinstance(w, BlockwiseTensor) else _operand_or_values(xq, "first")  # wgrad: xᵀ (K, M)
     w_d = None if isinstance(x, BlockwiseTensor) else _operand_or_values(wq, cfg.w_dgrad)  # dgrad: (K, N)
-    return y, (x_t, w_d, _dtype_of(x), _dtype_of(w))
+    nonfinite_k = (_nonfinite(x, 0), _nonfinite(w, 1 if cfg.rhs_kn else 0))
+    return y, (x_t, w_d, _dtype_of(x), _dtype_of(w), nonfinite_k)
 
 
 def _operand_or_values(q: BlockwiseTensor, contract: str):
@@ -241,15 +270,33 @@ def _dtype_of(v):
 
 
 def _linear_bwd(cfg: _Linear, res, dy):
-    x_t, w_d, x_dtype, w_dtype = res
-    dyq = quantize(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
+    x_t, w_d, x_dtype, w_dtype, (x_k, w_k) = res
+    with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
+        dyq = quantize(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
     dx = dw = None
     if x_dtype is not None:  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ
-        dx = _gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype)
+        dx = _propagate(_gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype), _nonfinite(dy, 1), w_k)
     if w_dtype is not None:  # dW = dyᵀ · x: (N, K) = dyᵀ (N, M) · [xᵀ (K, M)]ᵀ, or its transpose for (K, N)
-        dy_t = gemm_operand(dyq, "first")
-        dw = _gemm(x_t, dy_t, w_dtype.dtype) if cfg.rhs_kn else _gemm(dy_t, x_t, w_dtype.dtype)
+        dy_t, dy_n = gemm_operand(dyq, "first"), _nonfinite(dy, 0)
+        dw = (_propagate(_gemm(x_t, dy_t, w_dtype.dtype), x_k, dy_n) if cfg.rhs_kn else
+              _propagate(_gemm(dy_t, x_t, w_dtype.dtype), dy_n, x_k))
     return dx, dw
+
+
+@contextlib.contextmanager
+def _reverse_mode_only():
+    """Turn jax's forward-mode error inside fp8_dot_general's GEMM path into one that names it."""
+    try:
+        yield
+    except TypeError as e:
+        if "forward-mode" in str(e) or "is not differentiable" in str(e):
+            raise TypeError(
+                "fp8_dot_general: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not "
+                "supported on the FP8 GEMM path: its derivative is a custom VJP whose backward "
+                "GEMMs run in FP8 on the operands quantized in the forward, a rule for reverse mode only. Use "
+                "reverse mode (jax.grad, jax.vjp, jax.jacrev), or lax.dot_general where forward mode is needed."
+            ) from e
+        raise
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -292,16 +339,16 @@ def _fallback_reasons(M: int, N: int, K: int, x, w, cfg: _Linear) -> list[str]:
 def _recipe_shape(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> Union[bool, str]:
     """``rhs_kn`` (rhs is (K, N)) when the recipe's GEMM takes these dimension numbers, else why not."""
     (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc = tuple(int(d) for d in lc), tuple(int(d) for d in rc)
-    if tuple(lb) or tuple(rb):
+    lc, rc, lb, rb = (tuple(int(d) for d in np.atleast_1d(v)) for v in (lc, rc, lb, rb))  # ints or sequences
+    if lb or rb:
         return "batch dimensions in dimension_numbers"
     if rhs_ndim != 2:
         return f"an rhs of rank {rhs_ndim} (the GEMM takes a 2-D weight)"
     if len(lc) != 1 or len(rc) != 1:
         return f"a contraction over {len(lc)} dimensions (the GEMM contracts one)"
-    if lhs_ndim == 0 or lc[0] % lhs_ndim != lhs_ndim - 1:
+    if lc[0] != lhs_ndim - 1:
         return "a contraction over an lhs dimension other than the last"
-    return rc[0] % 2 == 0
+    return rc[0] == 0
 
 
 def _fake_quant(x, block, recipe: Float8BlockScaling):
@@ -310,8 +357,18 @@ def _fake_quant(x, block, recipe: Float8BlockScaling):
         return dequantize(x)
     if x.ndim == 0 or x.size == 0 or jnp.dtype(x.dtype) not in HIGH_DTYPES:
         return x
-    return quantize_dequantize(x, "blockwise", usage="rowwise", block=block, dtype=jnp.float8_e4m3fn,
-                               pow2_scales=bool(recipe.pow2_scales), amax_epsilon=recipe.amax_epsilon)
+    qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=block, dtype=jnp.float8_e4m3fn,
+                              pow2_scales=bool(recipe.pow2_scales), amax_epsilon=recipe.amax_epsilon)
+    return jnp.where(jnp.isfinite(x), qdq, x)  # infinities reach the dot, as in lax.dot_general
+
+
+def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type) -> None:
+    """Raise what ``lax.dot_general`` raises for these arguments (dimension numbers out of range or
+    malformed, mismatched shapes, a bad precision or dtype): evaluate it abstractly on the operands'
+    shapes and (high-precision) dtypes."""
+    spec = [jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in (lhs, rhs)]
+    jax.eval_shape(partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type), *spec)
 
 
 def _as_operand(x):
@@ -346,12 +403,25 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     (dgrad and wgrad included, decided from the shapes at the call).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
-    ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback.
+    ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. Arguments that
+    ``lax.dot_general`` rejects (dimension numbers out of range, negative or malformed, mismatched
+    contracted dims, an unknown ``precision``) raise what it raises.
+
+    Non-finite values propagate as in ``lax.dot_general``: an infinity or NaN in an operand (or in the
+    output gradient) makes every output (gradient) it reaches non-finite, so NaN checks and loss
+    scalers see an overflow. (Quantization saturates infinities, TransformerEngine's rule, so on the
+    GEMM path those outputs are set from the operands: an infinity or NaN, the sign of an infinity
+    taken from the operand, not from the product.)
+
+    Reverse mode only on the GEMM path (``jax.grad``, ``jax.vjp``, ``jax.jacrev``): forward mode
+    (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) raises a ``TypeError`` that says why; the fallback
+    (``lax.dot_general`` of straight-through quantize-dequantized operands) supports both.
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, Float8BlockScaling):
         raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling, got {recipe!r}")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
+    _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.result_type(lhs.dtype, rhs.dtype))
@@ -366,9 +436,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         reason = "out_sharding (not supported by the FP8 GEMM)"
     if reason is None:
         K = lshape[-1]
-        if rshape[0 if rhs_kn else 1] != K:
-            raise ValueError(f"fp8_dot_general: lhs {lshape} and rhs {rshape} do not share the contracted dim "
-                             f"of {dimension_numbers}")
         M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
         cfg = _Linear(recipe, rhs_kn, out_dtype)
         if not (_usable(lhs, "last") and _usable(rhs, cfg.w_fprop)):
@@ -382,7 +449,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
             # replicated operand transposes to the psum its gradient needs under shard_map
             x, w = vma.match(x, rhs)
-            return _linear(x, w, cfg).reshape(*lshape[:-1], N)
+            with _reverse_mode_only():
+                return _linear(x, w, cfg).reshape(*lshape[:-1], N)
     if reason is not None:
         _warn(f"fp8_dot_general: computing dot_general of quantize-dequantized operands instead of the FP8 "
               f"GEMM: {reason}")

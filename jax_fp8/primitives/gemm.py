@@ -33,7 +33,6 @@ cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from functools import partial
 from typing import Optional
 
@@ -48,6 +47,7 @@ from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..layout import scales_to_layout
 from ..scheme import Scheme
 from ..vma import out_aval
+from ..warn import warn
 
 BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
@@ -281,8 +281,7 @@ mlir.register_lowering(gemm_p, _reference_rule)
 def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
     why = _ffi.gemm_cuda_unavailable()
     if why is not None:  # an old cuBLASLt, or not a Hopper: the same numbers, from the reference
-        warnings.warn(f"jax_fp8: jf_fp8_gemm runs as dequantize + dot on this GPU: {why}", Fp8GemmFallbackWarning,
-                      stacklevel=2)
+        warn(f"jax_fp8: jf_fp8_gemm runs as dequantize + dot on this GPU: {why}", Fp8GemmFallbackWarning)
         return _reference_rule(ctx, a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block,
                                out_dtype=out_dtype, accumulate=accumulate)
     return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c, a_rows=np.int64(a_block[0]),

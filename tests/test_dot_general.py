@@ -1,0 +1,180 @@
+"""``fp8_dot_general`` as a drop-in for ``lax.dot_general``: the same errors for bad arguments, warnings
+that point at the caller's line, non-finite values that propagate like lax's, and forward-mode
+autodiff that fails with a message naming it (the GEMM path has a reverse-mode rule only)."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_fp8 as jf
+from helpers import stable_seed
+
+KN, NK = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))
+
+
+def _raised(f):
+    """(exception type, first line of its message) of ``f()``, or None when it returns."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f()
+    except Exception as e:  # noqa: BLE001 - compared with what lax raises
+        return type(e), str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("dn", [
+    (((3,), (0,)), ((), ())),       # lhs dim out of range (once contracted dim 1, silently)
+    (((-1,), (0,)), ((), ())),      # negative dims: lax rejects them
+    (((1,), (-2,)), ((), ())),
+    (((1,), (0, 1)), ((), ())),     # malformed: two rhs dims for one lhs dim
+    (((1,), (1,)), ((), ())),       # mismatched contracted sizes (128 vs 256)
+    (((0,), (0,)), ((0,), (1,))),   # a dim both batch and contracting
+    (((1,), (0,)),),                # not (contracting, batch)
+])
+def test_bad_dimension_numbers_raise_what_lax_raises(dn):
+    x, w = jnp.ones((16, 128)), jnp.ones((128, 256))
+    want = _raised(lambda: lax.dot_general(x, w, dn))
+    assert want is not None
+    assert _raised(lambda: jf.fp8_dot_general(x, w, dn)) == want
+    assert _raised(lambda: jax.jit(lambda a, b: jf.fp8_dot_general(a, b, dn))(x, w)) == want
+
+
+@pytest.mark.parametrize("kw", [dict(precision="bogus"), dict(precision=("highest", 3)),
+                                dict(preferred_element_type="bogus")], ids=str)
+def test_bad_precision_and_dtype_raise_what_lax_raises(kw):
+    x, w = jnp.ones((16, 128)), jnp.ones((128, 256))
+    want = _raised(lambda: lax.dot_general(x, w, KN, **kw))
+    assert want is not None
+    assert _raised(lambda: jf.fp8_dot_general(x, w, KN, **kw)) == want
+
+
+def test_valid_forms_that_lax_accepts_are_accepted():
+    """Integer dims instead of tuples, and a precision string: lax takes them, so do we (on the GEMM)."""
+    rng = np.random.default_rng(stable_seed("valid-forms"))
+    x, w = rng.standard_normal((16, 128), np.float32), rng.standard_normal((128, 256), np.float32)
+    want = jf.fp8_dot_general(x, w, KN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the GEMM path: no fallback warning
+        got = jf.fp8_dot_general(x, w, ((1, 0), ((), ())), precision="highest")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _line_of(marker: str) -> int:
+    """The line number (1-based) in this file of the line that carries ``marker`` as a comment."""
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if line.rstrip().endswith("# " + marker))
+
+
+def test_fallback_warning_points_at_the_callers_line():
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 2))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        jnp.einsum("ij,jk->ik", a, b, _dot_general=jf.fp8_dot_general)  # CALL-EINSUM
+        jax.jit(lambda u, v: jf.fp8_dot_general(u, v, KN))(a[:, :2], b[:2])  # CALL-JIT
+    got = [(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)]
+    assert got == [(__file__, _line_of("CALL-EINSUM")), (__file__, _line_of("CALL-JIT"))], got
+
+
+def test_fallback_warning_through_flax_points_at_the_callers_line():
+    nn = pytest.importorskip("flax.linen")
+    layer = nn.Dense(3, dot_general=jf.fp8_dot_general)
+    x = jnp.ones((2, 5))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        params = layer.init(jax.random.key(0), x)  # CALL-FLAX
+    got = {(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)}
+    assert got == {(__file__, _line_of("CALL-FLAX"))}, got
+    assert params["params"]["kernel"].shape == (5, 3)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_names_fp8_dot_general(transform):
+    rng = np.random.default_rng(stable_seed("forward-mode", transform))
+    x, w = rng.standard_normal((8, 128), np.float32), rng.standard_normal((128, 128), np.float32)
+    f = lambda v: jf.fp8_dot_general(v, w, KN).sum()  # noqa: E731 - the GEMM path (no fallback warning)
+    run = {"jvp": lambda: jax.jvp(f, (x,), (x,)), "jacfwd": lambda: jax.jacfwd(f)(x),
+           "hessian": lambda: jax.hessian(f)(x[:, :128])}[transform]
+    with pytest.raises(TypeError, match=r"fp8_dot_general: forward-mode differentiation .* reverse mode"):
+        run()
+    g = jax.jacrev(f)(x)  # reverse mode works
+    assert g.shape == x.shape and np.isfinite(np.asarray(g)).all()
+
+
+BATCHED = (((2,), (1,)), ((0,), (0,)))  # batch dims: the GEMM does not take them (the lax fallback)
+
+
+def test_forward_mode_on_the_fallback_works():
+    """The fallback is lax.dot_general of straight-through quantize-dequantized operands: jvp works and
+    its tangent is lax.dot_general of the tangent with the other (quantize-dequantized) operand."""
+    rng = np.random.default_rng(stable_seed("forward-mode-fallback"))
+    x, w, t = (rng.standard_normal(s, np.float32) for s in [(2, 3, 4), (2, 4, 5), (2, 3, 4)])
+    wq = jf.quantize_dequantize(jnp.asarray(w), "blockwise", block=(128, 128))  # the recipe's rhs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y, ty = jax.jvp(lambda v: jf.fp8_dot_general(v, w, BATCHED), (x,), (t,))
+    np.testing.assert_array_equal(np.asarray(ty), np.asarray(lax.dot_general(t, wq, BATCHED)))
+    assert y.shape == (2, 3, 5)
+
+
+# ---- non-finite values ---------------------------------------------------------------------------
+def _masks(f, x, w, dy):
+    """Which entries of y, dx, dW are finite, for a dot_general-like ``f``."""
+    y, vjp = jax.vjp(f, x, w)
+    return [np.isfinite(np.asarray(v, np.float32)) for v in (y, *vjp(dy))]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dn", [KN, NK], ids=["KN", "NK"])
+@pytest.mark.parametrize("where", ["x-inf", "x-nan", "w-neg-inf", "dy-inf", "dy-nan", "x-inf-and-dy-nan"])
+@pytest.mark.parametrize("shape", [(256, 384, 256), (3, 5, 2)], ids=["gemm", "reference-math"])
+def test_non_finite_values_propagate_like_lax(dtype, dn, where, shape):
+    M, K, N = shape
+    rng = np.random.default_rng(stable_seed("non-finite", dtype, dn, where, shape))
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N) if dn == KN else (N, K)).astype(np.float32)
+    dy = rng.standard_normal((M, N)).astype(np.float32)
+    i, k, n = rng.integers(M), rng.integers(K), rng.integers(N)
+    if "x-inf" in where:
+        x[i, k] = np.inf
+    if where == "x-nan":
+        x[i, k] = np.nan
+    if where == "w-neg-inf":
+        w[(k, n) if dn == KN else (n, k)] = -np.inf
+    if "dy-inf" in where:
+        dy[i, n] = np.inf
+    if "dy-nan" in where:
+        dy[(i + 1) % M, n] = np.nan
+    x, w, dy = (jnp.asarray(v, dtype) for v in (x, w, dy))
+    want = _masks(lambda a, b: lax.dot_general(a, b, dn), x, w, dy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small shape is computed by the reference math (a warning)
+        got = _masks(jax.jit(lambda a, b: jf.fp8_dot_general(a, b, dn)), x, w, dy)
+    assert any((~m).any() for m in want)  # the case has non-finite outputs to propagate
+    for name, g, r in zip(("y", "dx", "dW"), got, want):
+        np.testing.assert_array_equal(g, r, err_msg=f"{name}: finite entries differ from lax.dot_general's")
+
+
+def test_inf_input_issue_repro():
+    """The reported case: an inf in x gave 449.29 where lax.dot_general gives inf."""
+    x = np.ones((128, 128), np.float32)
+    x[0, 0] = np.inf
+    y = np.asarray(jf.fp8_dot_general(x, np.ones((128, 128), np.float32), KN))
+    assert np.isposinf(y[0]).all() and np.isfinite(y[1:]).all()
+
+
+@pytest.mark.parametrize("where", ["x-inf", "w-nan", "dy-inf"])
+def test_non_finite_values_propagate_like_lax_on_the_lax_fallback(where):
+    rng = np.random.default_rng(stable_seed("non-finite-fallback", where))
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 4), (2, 4, 5), (2, 3, 5)])
+    {"x-inf": x, "w-nan": w, "dy-inf": dy}[where][1, 2, 3] = np.nan if where == "w-nan" else np.inf
+    want = _masks(lambda a, b: lax.dot_general(a, b, BATCHED), x, w, dy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _masks(lambda a, b: jf.fp8_dot_general(a, b, BATCHED), x, w, dy)
+    assert any((~m).any() for m in want)
+    for name, g, r in zip(("y", "dx", "dW"), got, want):
+        np.testing.assert_array_equal(g, r, err_msg=f"{name}: finite entries differ from lax.dot_general's")
