@@ -21,6 +21,7 @@ from jax_fp8.distributed import (Quantizer, all_gather_dequantized, all_gather_f
 from helpers import assert_bits_equal, stable_seed
 
 N = 8
+_CPU = jax.devices("cpu")[0]  # the meshes are CPU devices: single-device references run there too
 KN = (((1,), (0,)), ((), ()))
 
 
@@ -59,9 +60,10 @@ def test_data_parallel_weight_gradient(fmt):
         grads[name] = jax.jit(g)(x, w)
     _close(grads["ours"][0], grads["lax"][0], "dx")
     _close(grads["ours"][1], grads["lax"][1], "dW")
-    # the reported bug: dW was exactly 8x rank 0's share; the true one is the sum over ranks
-    full = jax.grad(lambda w: jnp.sum((jf.quantize_dequantize(jnp.asarray(x), fmt) @ w) ** 2))(w)
-    np.testing.assert_allclose(np.asarray(grads["ours"][1]), np.asarray(full), rtol=1e-4, atol=1e-2)
+    # the reported bug: dW was exactly 8x rank 0's share; the true one is over all rows (fp64 here)
+    xq = np.asarray(jf.quantize_dequantize(jax.device_put(x, _CPU), fmt), np.float64)
+    full = 2 * xq.T @ (xq @ w.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(grads["ours"][1]), full, rtol=1e-4, atol=1e-2)
 
 
 # ---- sequence parallel: the gathers' gradients are reduce-scattered, as lax.all_gather's -----------
@@ -117,8 +119,9 @@ def test_gather_of_a_replicated_input_sums_its_gradient_as_lax():
 def _per_rank_vjp(x, w, dy, n):
     """Ground truth without shard_map: each rank's FP8 linear layer by itself; dW summed over ranks."""
     rows = x.shape[0] // n
-    parts = [jax.vjp(lambda a, b: jf.fp8_dot_general(a, b, KN), x[r * rows:(r + 1) * rows], w)[1](
-        dy[r * rows:(r + 1) * rows]) for r in range(n)]
+    vjp = jax.jit(lambda a, b, g: jax.vjp(lambda a, b: jf.fp8_dot_general(a, b, KN), a, b)[1](g))
+    parts = [vjp(*jax.device_put((x[r * rows:(r + 1) * rows], w, dy[r * rows:(r + 1) * rows]), _CPU))
+             for r in range(n)]
     return np.concatenate([np.asarray(p[0]) for p in parts]), sum(np.asarray(p[1], np.float64) for p in parts)
 
 
@@ -224,4 +227,4 @@ def test_out_specs_checks_behave_as_for_jnp(name):
     with pytest.raises(ValueError, match="out_specs"):  # a per-device result returned as replicated
         jax.shard_map(op, mesh=_mesh(), in_specs=P("data"), out_specs=P())(x)
     got = jax.jit(jax.shard_map(op, mesh=_mesh(), in_specs=P(), out_specs=P()))(x[:128])  # replicated input
-    assert_bits_equal(got, jax.jit(op)(x[:128]), name)
+    assert_bits_equal(got, jax.jit(op)(jax.device_put(x[:128], _CPU)), name)

@@ -1,0 +1,64 @@
+"""What carrying non-finite values through ``fp8_dot_general`` costs: one linear layer's forward +
+backward (jitted, bf16 activations) as the library runs it, next to the same layer with the
+propagation switched off (the GEMM path before issue 28: quantization saturates an inf and nothing
+puts it back), and bf16 ``lax.dot_general``, side by side in one run.
+
+  python bench/bench_nonfinite.py [--shapes 8192x4096x4096,8192x4096x14336,8192x14336x4096] [--iters 50]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jax_fp8 as jf
+from jax_fp8 import gemm as G
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import jax_time  # noqa: E402
+
+KN = (((1,), (0,)), ((), ()))
+
+
+def layer(dot):
+    def f(x, w, dy):
+        y, vjp = jax.vjp(lambda a, b: dot(a, b, KN, preferred_element_type=jnp.bfloat16), x, w)
+        return (y, *vjp(dy))
+    return jax.jit(f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8192x4096x4096,8192x4096x14336,8192x14336x4096", help="MxKxN,...")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args(argv)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; kernels {jf.kernels_available()}")
+    saturating = G._nonfinite
+    for shape in args.shapes.split(","):
+        M, K, N = (int(v) for v in shape.split("x"))
+        sets = []
+        for seed in range(2):  # two argument sets: L2 holds neither
+            kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+            sets.append((jax.random.normal(kx, (M, K), jnp.bfloat16),
+                         (jax.random.normal(kw, (K, N), jnp.float32) / K ** 0.5).astype(jnp.bfloat16),
+                         jax.random.normal(kd, (M, N), jnp.bfloat16)))
+        times = {}
+        times["fp8 (propagates non-finite)"] = jax_time(layer(jf.fp8_dot_general), sets, args.iters)
+        G._nonfinite = lambda a, axis: None  # noqa: E731 - the layer without the propagation, for this timing
+        try:
+            times["fp8 (saturating, no propagation)"] = jax_time(layer(jf.fp8_dot_general), sets, args.iters)
+        finally:
+            G._nonfinite = saturating
+        times["bf16 lax.dot_general"] = jax_time(layer(lax.dot_general), sets, args.iters)
+        base = times["fp8 (saturating, no propagation)"]
+        print(f"{M}x{K}x{N} (M x K x N), forward + backward:")
+        for name, t in times.items():
+            print(f"  {name:34s} {1e3 * t:8.3f} ms   {t / base:5.3f}x of the saturating layer")
+
+
+if __name__ == "__main__":
+    main()
