@@ -46,7 +46,11 @@ __all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "gemm_supported", "Gem
 class Float8BlockScaling:
     """The Float8 blockwise recipe (TE's ``Float8BlockScaling``, DeepSeek-V3): lhs and gradients in 1x128
     blocks, rhs (weights) in 128x128 tiles, E4M3; ``grad_dtype`` E4M3 (default) or E5M2 for the output
-    gradient; ``pow2_scales`` and ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`. Hashable."""
+    gradient; ``pow2_scales`` and ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`. Hashable.
+
+    Its schemes have ``saturate_inf=False``: a block holding an infinity gets an infinite scale_inv, so
+    the GEMMs return non-finite values wherever an infinity of an operand reaches, as lax.dot_general
+    does (TE's rule, saturation, would return finite numbers there)."""
 
     grad_dtype: Any = jnp.float8_e4m3fn
     pow2_scales: bool = True
@@ -63,7 +67,8 @@ class Float8BlockScaling:
         block = BLOCK_2D if role == "rhs" else BLOCK_1D
         dtype = self.grad_dtype if role == "grad" else jnp.float8_e4m3fn
         return Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
-                      pow2_scales=bool(self.pow2_scales), amax_epsilon=self.amax_epsilon, layout="gemm_ready")
+                      pow2_scales=bool(self.pow2_scales), amax_epsilon=self.amax_epsilon, layout="gemm_ready",
+                      saturate_inf=False)
 
 
 # ---- operands -----------------------------------------------------------------------------------
@@ -205,53 +210,25 @@ def _quantized(x, scheme: Scheme):
     return x if isinstance(x, BlockwiseTensor) else quantize(x, scheme)
 
 
-def _nonfinite(a, axis: int):
-    """The sum of ``a``'s non-finite entries along ``axis`` (0 where all are finite, else an infinity or
-    NaN); None for a pre-quantized operand (FP8 holds no infinity, and a NaN travels as a NaN)."""
-    if isinstance(a, BlockwiseTensor):
-        return None
-    return jnp.sum(jnp.where(jnp.isfinite(a), 0, a).astype(jnp.float32), axis=axis)
-
-
-def _propagate(y, rows, cols):
-    """``y`` (R, C) with every output that a non-finite input reaches (``rows`` (R,) / ``cols`` (C,)
-    from :func:`_nonfinite`) set non-finite, as ``lax.dot_general``'s are: quantization saturates an
-    infinity (TransformerEngine's rule), so the FP8 GEMM alone would return a finite number there."""
-    poison = [v for v in (None if rows is None else rows[:, None], None if cols is None else cols[None, :])
-              if v is not None]
-    if not poison:
-        return y
-    p = sum(poison[1:], poison[0])
-    return jnp.where(p == 0, y, p.astype(y.dtype))
-
-
-def _fprop(x, w, cfg: _Linear, xq, wq):
-    """y = x · W on the quantized operands, non-finite wherever x's row or W's column is."""
-    y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
-    return _propagate(y, _nonfinite(x, 1), _nonfinite(w, 0 if cfg.rhs_kn else 1))
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear(x, w, cfg: _Linear):
     """y (M, N) = x · W on the FP8 GEMM. x: (M, K) array or BlockwiseTensor; w: (N, K) / (K, N)."""
     r = cfg.recipe
     xq = _quantized(x, r.scheme("lhs", colwise=False))
     wq = _quantized(w, r.scheme("rhs", rowwise=not cfg.rhs_kn, colwise=cfg.rhs_kn))
-    return _fprop(x, w, cfg, xq, wq)
+    return _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
 
 
 def _linear_fwd(x, w, cfg: _Linear):
     """Forward: quantize x (1x128, both usages) and W (128x128, both orientations) once; the residuals
-    are the backward's operands: xᵀ (K, M) for wgrad, W's dgrad orientation (K, N), the dtypes, and
-    where x's and W's K columns hold non-finite values (the backward's outputs must show them).
+    are the backward's operands: xᵀ (K, M) for wgrad, W's dgrad orientation (K, N), and the dtypes.
     An operand the backward needs but a pre-quantized tensor lacks is saved as fp32 values instead."""
     r = cfg.recipe
     xq, wq = _quantized(x, r.scheme("lhs")), _quantized(w, r.scheme("rhs"))
-    y = _fprop(x, w, cfg, xq, wq)
+    y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
     x_t = None if isinstance(w, BlockwiseTensor) else _operand_or_values(xq, "first")  # wgrad: xᵀ (K, M)
     w_d = None if isinstance(x, BlockwiseTensor) else _operand_or_values(wq, cfg.w_dgrad)  # dgrad: (K, N)
-    nonfinite_k = (_nonfinite(x, 0), _nonfinite(w, 1 if cfg.rhs_kn else 0))
-    return y, (x_t, w_d, _dtype_of(x), _dtype_of(w), nonfinite_k)
+    return y, (x_t, w_d, _dtype_of(x), _dtype_of(w))
 
 
 def _operand_or_values(q: BlockwiseTensor, contract: str):
@@ -270,16 +247,15 @@ def _dtype_of(v):
 
 
 def _linear_bwd(cfg: _Linear, res, dy):
-    x_t, w_d, x_dtype, w_dtype, (x_k, w_k) = res
+    x_t, w_d, x_dtype, w_dtype = res
     with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
         dyq = quantize(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
     dx = dw = None
     if x_dtype is not None:  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ
-        dx = _propagate(_gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype), _nonfinite(dy, 1), w_k)
+        dx = _gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype)
     if w_dtype is not None:  # dW = dyᵀ · x: (N, K) = dyᵀ (N, M) · [xᵀ (K, M)]ᵀ, or its transpose for (K, N)
-        dy_t, dy_n = gemm_operand(dyq, "first"), _nonfinite(dy, 0)
-        dw = (_propagate(_gemm(x_t, dy_t, w_dtype.dtype), x_k, dy_n) if cfg.rhs_kn else
-              _propagate(_gemm(dy_t, x_t, w_dtype.dtype), dy_n, x_k))
+        dy_t = gemm_operand(dyq, "first")
+        dw = _gemm(x_t, dy_t, w_dtype.dtype) if cfg.rhs_kn else _gemm(dy_t, x_t, w_dtype.dtype)
     return dx, dw
 
 
@@ -409,9 +385,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
 
     Non-finite values propagate as in ``lax.dot_general``: an infinity or NaN in an operand (or in the
     output gradient) makes every output (gradient) it reaches non-finite, so NaN checks and loss
-    scalers see an overflow. (Quantization saturates infinities, TransformerEngine's rule, so on the
-    GEMM path those outputs are set from the operands: an infinity or NaN, the sign of an infinity
-    taken from the operand, not from the product.)
+    scalers see an overflow. On the GEMM path a NaN stays NaN in FP8, and a block holding an infinity
+    gets an infinite scale (the recipe's ``saturate_inf=False``), so its outputs are inf or NaN; an
+    infinity in a weight's 128x128 tile reaches all 128 output columns of that tile.
 
     Reverse mode only on the GEMM path (``jax.grad``, ``jax.vjp``, ``jax.jacrev``): forward mode
     (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) raises a ``TypeError`` that says why; the fallback

@@ -42,7 +42,7 @@ def assemble(scheme: Scheme, pairs, shape, dtype):
     if scheme.e8m0:
         return MXFP8Tensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.layout)
     return BlockwiseTensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.block,
-                           scheme.pow2_scales, scheme.amax_epsilon, scheme.layout)
+                           scheme.pow2_scales, scheme.amax_epsilon, scheme.layout, scheme.saturate_inf)
 
 
 def quantize(x, scheme: Scheme, kernels: Kernels):

@@ -124,7 +124,10 @@ def _scale_rule(scheme: Scheme, in_dtype):
         def rule(amax):
             mult = block_scale_from_amax(amax, scheme.dtype, scheme.pow2_scales, scheme.amax_epsilon,
                                          max_finite(in_dtype))
-            return np.float32(1.0) / mult, mult
+            stored = np.float32(1.0) / mult
+            if not scheme.saturate_inf:  # a block that holds an infinity dequantizes to non-finite values
+                stored = xp_of(amax).where(xp_of(amax).isinf(amax), np.float32(np.inf), stored)
+            return stored, mult
     return rule
 
 

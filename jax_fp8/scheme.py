@@ -50,8 +50,15 @@ class Scheme:
     blocks along the last dim; ``colwise``: blocks along the first dim of the 2-D view), and for
     'blockwise' the ``block`` ((1, 128) or (128, 128)), ``pow2_scales`` and ``amax_epsilon``.
 
+    ``saturate_inf`` (blockwise): True is TransformerEngine's rule (a block whose amax is infinite
+    gets scale 1, and its infinity saturates to the FP8 maximum); False gives such a block an infinite
+    ``scale_inv`` (its data is cast as with True), so it dequantizes, and multiplies in a GEMM, to
+    non-finite values: what :class:`jax_fp8.Float8BlockScaling` uses, so that an overflow reaches the
+    GEMM's outputs as it reaches ``lax.dot_general``'s.
+
     MXFP8 has 1x32 / 32x1 blocks with E8M0 scales (powers of two by nature: ``pow2_scales`` must stay
-    True and ``amax_epsilon`` 0). Hashable and immutable: a valid static argument for jit.
+    True and ``amax_epsilon`` 0; an infinity already makes its block NaN, so ``saturate_inf`` stays
+    True). Hashable and immutable: a valid static argument for jit.
 
     ``layout``: ``"compact"`` (data of the input's shape, scale grids ``grid(M, K, usage)``) or
     ``"gemm_ready"``, the operand layout of Hopper's FP8 GEMMs, which take both operands K-major ("TN"):
@@ -69,13 +76,14 @@ class Scheme:
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
     layout: str = "compact"
+    saturate_inf: bool = True
 
     def __post_init__(self):
         where = type(self).__name__
         if self.fmt not in FORMATS:
             raise ValueError(f"{where}: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen dataclass)
-        for name in ("rowwise", "colwise", "pow2_scales"):
+        for name in ("rowwise", "colwise", "pow2_scales", "saturate_inf"):
             set_(name, _check_bool(getattr(self, name), name, where))
         if not (self.rowwise or self.colwise):
             raise ValueError(f"{where}: at least one of rowwise, colwise must be True")
@@ -89,9 +97,9 @@ class Scheme:
         if self.block is not None and tuple(self.block) != (1, MX_BLOCK):
             raise ValueError(f"{where}: MXFP8 blocks are 1x32 / 32x1; block applies to fmt='blockwise', got "
                              f"{self.block!r}")
-        if not self.pow2_scales or self.amax_epsilon != 0.0:
-            raise ValueError(f"{where}: pow2_scales and amax_epsilon apply to fmt='blockwise' (MXFP8 scales are "
-                             "E8M0 powers of two)")
+        if not self.pow2_scales or self.amax_epsilon != 0.0 or not self.saturate_inf:
+            raise ValueError(f"{where}: pow2_scales, amax_epsilon and saturate_inf apply to fmt='blockwise' (MXFP8 "
+                             "scales are E8M0 powers of two, and an infinity makes its block NaN)")
         set_("block", (1, MX_BLOCK))
 
     def __str__(self) -> str:
@@ -100,8 +108,9 @@ class Scheme:
         if self.fmt == "mxfp8":
             return f"mxfp8 {self.dtype.name} {usages}{layout}"
         bm, bk = self.block
+        inf = "" if self.saturate_inf else ", saturate_inf=False"
         return (f"blockwise {bm}x{bk} {self.dtype.name} {usages}{layout} (pow2_scales={self.pow2_scales}, "
-                f"amax_epsilon={self.amax_epsilon})")
+                f"amax_epsilon={self.amax_epsilon}{inf})")
 
     # ---- what the scheme implies ------------------------------------------------------------------
     @property
@@ -203,7 +212,8 @@ class Scheme:
         return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0), row_block=np.int32(row),
                     col_block=np.int32(col), tile_block=np.int32(tile), pow2=np.bool_(self.pow2_scales),
                     eps=np.float32(self.amax_epsilon), gemm_ready=np.bool_(self.gemm_ready),
-                    tile_rows=np.bool_(self.tiles and self.rowwise), tile_cols=np.bool_(self.tiles and self.colwise))
+                    tile_rows=np.bool_(self.tiles and self.rowwise), tile_cols=np.bool_(self.tiles and self.colwise),
+                    saturate_inf=np.bool_(self.saturate_inf))
 
     def packed_grids(self, shapes) -> list[list[tuple[int, tuple[int, int]]]]:
         """Where each weight's scale grids lie in one packed buffer (the master-weight kernels' layout):

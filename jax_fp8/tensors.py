@@ -148,6 +148,7 @@ class BlockwiseTensor(_QuantizedBase):
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
     layout: str = "compact"
+    saturate_inf: bool = True  # False: blocks that held an infinity have scale_inv inf (Scheme)
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -160,7 +161,7 @@ class BlockwiseTensor(_QuantizedBase):
         """The scheme that produced this tensor."""
         return Scheme("blockwise", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise,
                       block=tuple(self.block), pow2_scales=self.pow2_scales, amax_epsilon=self.amax_epsilon,
-                      layout=self.layout)
+                      layout=self.layout, saturate_inf=self.saturate_inf)
 
     @property
     def row_block(self) -> tuple:

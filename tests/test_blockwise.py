@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from helpers import (FP8_DTYPES, IN_DTYPES, assert_dequantize_within_half_step, assert_tensors_equal,
-                     check_against_reference, on_cpu, random_input, stable_seed)
+from helpers import (FP8_DTYPES, IN_DTYPES, assert_bits_equal, assert_dequantize_within_half_step,
+                     assert_tensors_equal, check_against_reference, on_cpu, random_input, stable_seed)
 from jax_fp8.reference import block_scale_from_amax
 
 SHAPES = [(1, 1), (1, 129), (5, 128), (127, 100), (128, 128), (129, 257), (200, 384), (3, 50, 130), (300,)]
@@ -124,3 +124,31 @@ def test_bad_arguments():
         jf.quantize_blockwise(jnp.float32(2))
     with pytest.raises(ValueError, match="fmt"):
         jf.quantize_dequantize(x, "nvfp4")
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=str)
+@pytest.mark.parametrize("layout", ["compact", "gemm_ready"])
+@pytest.mark.parametrize("in_dtype", IN_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_saturate_inf_false_gives_infinite_scales(block, layout, in_dtype):
+    """saturate_inf=False (the GEMM recipe's): kernels equal the reference bit for bit; a block whose
+    amax is inf stores scale_inv inf and every other scale, and all the data, is TE's (saturate_inf=True)."""
+    rng = np.random.default_rng(stable_seed("saturate_inf", block, layout, in_dtype))
+    x = random_input(rng, (260, 390), in_dtype).copy()  # specials: inf, nan, subnormals, huge
+    x[3, 7], x[200, 300] = np.inf, -np.inf  # at least two infinite blocks, whatever the draw
+    s = jf.Scheme("blockwise", block=block, rowwise=True, colwise=True, layout=layout, saturate_inf=False)
+    q = check_against_reference(jf.quantize, jf.reference.quantize, x, scheme=s)
+    te = jf.quantize(x, jf.Scheme("blockwise", block=block, rowwise=True, colwise=True, layout=layout))
+    assert q.saturate_inf is False and q.scheme == s
+    amax_inf = {}
+    for usage, (bm, bk) in q.usage_blocks().items():
+        assert_bits_equal(getattr(q, f"{usage}_data"), getattr(te, f"{usage}_data"), usage)
+        cq, ct = (jf.to_layout(t, "compact") for t in (q, te))
+        got, want = (np.asarray(getattr(t, f"{usage}_scale_inv")) for t in (cq, ct))
+        xb = np.abs(np.pad(x.astype(np.float32), ((0, -260 % bm), (0, -390 % bk))))
+        amax_inf[usage] = np.isinf(xb.reshape(xb.shape[0] // bm, bm, -1, bk)).any(axis=(1, 3))
+        assert amax_inf[usage].sum() >= 2
+        np.testing.assert_array_equal(np.isposinf(got), amax_inf[usage])
+        np.testing.assert_array_equal(got[~amax_inf[usage]], want[~amax_inf[usage]])
+        y = np.asarray(jf.dequantize(q, jnp.float32, usage))
+        rows, cols = np.nonzero(amax_inf[usage])
+        assert not np.isfinite(y[rows[0] * bm:(rows[0] + 1) * bm, cols[0] * bk:(cols[0] + 1) * bk]).any()

@@ -121,6 +121,17 @@ def test_forward_mode_on_the_fallback_works():
 
 
 # ---- non-finite values ---------------------------------------------------------------------------
+def _inf_tiles(w):
+    """The weight as the recipe's GEMM sees an infinity: its 128x128 tile gets an infinite scale, so
+    every value of the tile is non-finite (a NaN stays one element)."""
+    w = np.array(w, np.float32)
+    for i in range(0, w.shape[0], 128):
+        for j in range(0, w.shape[1], 128):
+            if np.isinf(w[i:i + 128, j:j + 128]).any():
+                w[i:i + 128, j:j + 128] = np.inf
+    return w
+
+
 def _masks(f, x, w, dy):
     """Which entries of y, dx, dW are finite, for a dot_general-like ``f``."""
     y, vjp = jax.vjp(f, x, w)
@@ -149,7 +160,8 @@ def test_non_finite_values_propagate_like_lax(dtype, dn, where, shape):
     if "dy-nan" in where:
         dy[(i + 1) % M, n] = np.nan
     x, w, dy = (jnp.asarray(v, dtype) for v in (x, w, dy))
-    want = _masks(lambda a, b: lax.dot_general(a, b, dn), x, w, dy)
+    # lax's finite entries, where an inf of the weight reaches the outputs of its whole 128x128 tile
+    want = _masks(lambda a, b: lax.dot_general(a, b, dn), x, jnp.asarray(_inf_tiles(w), dtype), dy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the small shape is computed by the reference math (a warning)
         got = _masks(jax.jit(lambda a, b: jf.fp8_dot_general(a, b, dn)), x, w, dy)

@@ -27,6 +27,7 @@ struct Scheme {
   bool gemm_ready;     // columnwise data transposed; blockwise scales in GEMM order (OutLayout)
   bool tile_rows;      // tiles: the rowwise usage asked for (a GEMM-ready output of its own)
   bool tile_cols;      // tiles: the columnwise usage asked for (likewise)
+  bool saturate_inf = true;  // blockwise: TE's rule; false: an infinite amax stores scale_inv inf
 };
 
 // A quantize-style call: its scheme and an input of shape (B, M, K) and type `in`.
@@ -94,7 +95,7 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const Scheme& s, Q
 template <class F>
 auto with_rule(const QuantizeArgs& a, F&& f) {
   if (a.e8m0) return f(MxRule{a.fp8});
-  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
+  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value, a.saturate_inf});
 }
 
 // The usages of a call, each as (bm, bk) blocks, in the kernels' output order: row, col, tile.
@@ -268,4 +269,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jf::Scheme, ::xla::ffi::StructMember<int32
                                       ::xla::ffi::StructMember<bool>("pow2"), ::xla::ffi::StructMember<float>("eps"),
                                       ::xla::ffi::StructMember<bool>("gemm_ready"),
                                       ::xla::ffi::StructMember<bool>("tile_rows"),
-                                      ::xla::ffi::StructMember<bool>("tile_cols"));
+                                      ::xla::ffi::StructMember<bool>("tile_cols"),
+                                      ::xla::ffi::StructMember<bool>("saturate_inf"));

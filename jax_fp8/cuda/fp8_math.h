@@ -189,9 +189,10 @@ struct BlockRule {
   bool pow2;
   float eps;
   float inf_value;
+  bool saturate_inf = true;  // false: a block whose amax is inf stores scale_inv inf (scheme.py's Scheme)
   JF_HD void operator()(float amax, ScaleT& stored, float& mult) const {
     mult = block_scale_from_amax(amax, kind, pow2, eps, inf_value);
-    stored = 1.0f / mult;  // scale_inv, round to nearest
+    stored = (!saturate_inf && is_inf(amax)) ? u2f(0x7F800000u) : 1.0f / mult;  // scale_inv, round to nearest
   }
   JF_HD static float dequant_scale(ScaleT s) { return s; }
   // fp32 scales are not monotonic bytes: ranks all-reduce the amax itself.
