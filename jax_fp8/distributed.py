@@ -14,6 +14,7 @@ ZeRO layouts. Gathering the FP8 shards
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional, Sequence
 
 import jax
@@ -93,9 +94,13 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
       dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, default (1, 128),
         ``pow2_scales``, ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
       rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
-      check: also verify, at run time, that the windows of all ranks tile every weight exactly once
-        (no element held by no rank or by two); raises an error naming the weight otherwise. It costs
-        one small int32 all-gather. Offsets are traced, so this cannot be checked while tracing.
+      check: also verify that the windows of all ranks tile every weight exactly once (no element held
+        by no rank or by two); otherwise a ValueError names the weight and what is wrong. When every
+        window is known while tracing (each offset and length None or a Python/NumPy int, not traced),
+        it is raised at the call and costs nothing at run time. Traced windows (from ``local_shards``,
+        or derived from ``axis_index``) are checked at run time after one small int32 all-gather: every
+        rank stops, the error reaches the caller once, inside jax's runtime error, and rank 0 of the
+        axis alone logs it.
 
     The windows are the caller's contract: every element of every weight held by exactly one rank.
     :func:`jax_fp8.distributed.local_shards` computes shards and windows for the standard ZeRO layouts
@@ -121,7 +126,10 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
 
     rank = lax.axis_index(axis_name)
-    xs, wins, held = [], [], []
+    ranks = int(lax.psum(1, axis_name))
+    # the windows of every rank are known while tracing unless an offset or length is traced
+    concrete = not any(isinstance(v, jax.core.Tracer) for v in (offsets or []) + (lengths or []))
+    xs, wins, held, table = [], [], [], []
     for i, s in enumerate(shards):
         s = jnp.asarray(s)
         if s.ndim != 1:
@@ -132,10 +140,18 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         n = _as_i32(lengths[i], "lengths", i) if lengths is not None else jnp.int32(s.shape[0])
         wins.append(_valid_window(off, n))
         held.append(s.shape[0])
+        if check and concrete:  # every rank's window of this weight, as the line above computes it on rank r
+            r_off = np.arange(ranks) * s.shape[0] if offsets is None else np.full(ranks, np.asarray(offsets[i]))
+            r_len = np.full(ranks, s.shape[0] if lengths is None else np.asarray(lengths[i]))
+            table.append(_valid_window(r_off.astype(np.int32), r_len.astype(np.int32), np))
     if not xs:
         return []
-    if check:
-        _check_tiling(jnp.stack(wins), held, shapes, axis_name)
+    if check and concrete:
+        errors = tiling_errors(np.stack(table, axis=1), held, shapes)
+        if errors:
+            raise ValueError(_tiling_message(errors))
+    elif check:
+        _check_tiling(jnp.stack(wins), rank, held, shapes, axis_name)
     shapes2d = [view_2d(shp) for shp in shapes]
     # one partial-amax call (one launch per 24 weights on GPU) per input dtype
     groups = {}
@@ -165,22 +181,40 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     return out
 
 
-def _valid_window(offset, length):
-    """A shard's (offset, length) as an int32 pair. A negative offset is not a valid window: that shard
-    then holds nothing (offset 0, length 0), as does a negative length."""
+def _valid_window(offset, length, xp=jnp):
+    """A shard's (offset, length) as an int32 pair (last axis). A negative offset is not a valid window:
+    that shard then holds nothing (offset 0, length 0), as does a negative length."""
     ok = offset >= 0
-    return jnp.stack([jnp.where(ok, offset, 0), jnp.where(ok, jnp.maximum(length, 0), 0)]).astype(jnp.int32)
+    return xp.stack([xp.where(ok, offset, 0), xp.where(ok, xp.maximum(length, 0), 0)], axis=-1).astype(xp.int32)
 
 
-def _check_tiling(windows, held, shapes, axis_name):
-    """Raise at run time (from a host callback) unless the ranks' windows tile every weight exactly once."""
-    def report(all_windows):
+def _tiling_message(errors):
+    return ("quantize_master_weights(check=True): the shard windows do not tile every weight exactly once:\n  "
+            + "\n  ".join(errors))
+
+
+def _check_tiling(windows, rank, held, shapes, axis_name):
+    """Raise at run time (from a host callback) unless the ranks' windows tile every weight exactly once.
+
+    Every rank raises: a rank that returned would wait in its next collective for the ranks that stopped
+    (XLA's CPU runtime then aborts the process after 40 s). The caller still gets one error (the runtime
+    reports one failed rank's), and ``_log_once`` keeps jax from logging a traceback per rank."""
+    def report(all_windows, rank):
         errors = tiling_errors(np.asarray(all_windows), held, shapes)
         if errors:
-            raise ValueError("quantize_master_weights(check=True): the shard windows do not tile every weight "
-                             "exactly once:\n  " + "\n  ".join(errors))
+            e = ValueError(_tiling_message(errors))
+            e._jax_fp8_quiet = int(rank) != 0
+            raise e
 
-    jax.debug.callback(report, lax.all_gather(windows, axis_name))
+    jax.debug.callback(report, lax.all_gather(windows, axis_name), rank)
+
+
+def _log_once(record):
+    """Logging filter: drop jax's "jax.debug.callback failed" record of a tiling error off rank 0."""
+    return not getattr(record.exc_info[1] if record.exc_info else None, "_jax_fp8_quiet", False)
+
+
+logging.getLogger("jax._src.debugging").addFilter(_log_once)  # the logger of jax.debug.callback's failures
 
 
 def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: str = "compact") -> list:

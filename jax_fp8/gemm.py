@@ -32,8 +32,8 @@ from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan, dense_gemm,
-                              fp8_gemm_bind, gemm_supported, operand_scale_shape, operand_values)
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan, blocked_gemm,
+                              dense_gemm, fp8_gemm_bind, gemm_supported, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
@@ -142,11 +142,14 @@ def _gemm_dtype(out_dtype) -> np.dtype:
 
 def _gemm(a, b, out_dtype, c=None):
     """``a · bᵀ (+ c)`` as ``out_dtype``: the FP8 GEMM (padded as ``gemm_supported`` plans), else the
-    reference math (dequantize + fp32 dot); no warning here. ``a`` / ``b``: GemmOperands, or fp32
-    values (rows, K) where no FP8 operand exists (then always the reference math)."""
+    reference math; no warning here. ``a`` / ``b``: GemmOperands, or fp32 values (rows, K) where no
+    FP8 operand exists (then dequantize + fp32 dot)."""
     M, N = a.shape[0], b.shape[0]
     plan = _plan(a, b) if isinstance(a, GemmOperand) and isinstance(b, GemmOperand) else None
-    if plan is None or not plan.ok:
+    if plan is not None and not plan.ok:  # the primitive's reference numbers: no overflow the GEMM lacks
+        return blocked_gemm(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                            out_dtype=out_dtype)
+    if plan is None:
         vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
         return dense_gemm(*vals, c, out_dtype=out_dtype)
     dtype = _gemm_dtype(out_dtype)
@@ -162,7 +165,7 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
 
     ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand` or :class:`~jax_fp8.BlockwiseTensor` (2-D view,
     contracted over its last dim, see :func:`gemm_operand`). Misaligned shapes are padded
-    (:func:`gemm_supported`); what the GEMM cannot take is computed by dequantize + fp32 dot, with a
+    (:func:`gemm_supported`); what the GEMM cannot take is computed by its reference math, with a
     :class:`Fp8GemmFallbackWarning`. ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or
     float16 (computed in fp32). Not differentiable (use :func:`fp8_dot_general`).
     """
@@ -180,7 +183,7 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
         raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")
     plan = _plan(*ops)
     if not plan.ok and plan.M * plan.N * plan.K:
-        _warn(f"fp8_gemm: computed by dequantize + dot: the FP8 GEMM cannot take {plan.reason}")
+        _warn(f"fp8_gemm: computed by the reference math: the FP8 GEMM cannot take {plan.reason}")
     return _gemm(*ops, jnp.dtype(out_dtype), c)
 
 
@@ -288,7 +291,7 @@ def _usable(x, contract: str) -> bool:
 def _fallback_reasons(M: int, N: int, K: int, x, w, cfg: _Linear) -> list[str]:
     """Why any of the GEMMs of this linear layer (fprop; dgrad when x gets a gradient; wgrad when W
     does) cannot run on the FP8 GEMM; empty when all can. Each one that cannot is computed by the
-    reference math (dequantize + fp32 dot) on the same quantized operands."""
+    reference math (fp32, scaled per K block) on the same quantized operands."""
     xq = isinstance(x, BlockwiseTensor)
     wq = isinstance(w, BlockwiseTensor)
     xb, xd = (tuple(x.block), x.fp8_dtype) if xq else (BLOCK_1D, jnp.float8_e4m3fn)
@@ -419,7 +422,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         elif M * N * K:
             reasons = _fallback_reasons(M, N, K, lhs, rhs, cfg)
             if reasons:
-                _warn("fp8_dot_general: computing by dequantize + fp32 dot (same quantized operands) instead of "
+                _warn("fp8_dot_general: computing by the reference math (same quantized operands) instead of "
                       "the FP8 GEMM: " + "; ".join(reasons))
             x = lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(M, K)
             # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a

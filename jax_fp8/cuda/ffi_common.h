@@ -92,10 +92,15 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const Scheme& s, Q
 }
 
 // Calls f(rule) with the scheme's scale rule (fp8_math.h): the one place that dispatches on it.
-template <class F>
+// SATURATE_ONLY: for callers that take TE's rule alone and checked saturate_inf (the master-weight
+// shards), which then build no kernels for the other rule.
+template <bool SATURATE_ONLY = false, class F>
 auto with_rule(const QuantizeArgs& a, F&& f) {
   if (a.e8m0) return f(MxRule{a.fp8});
-  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value, a.saturate_inf});
+  if constexpr (!SATURATE_ONLY) {
+    if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
+  }
+  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
 }
 
 // The usages of a call, each as (bm, bk) blocks, in the kernels' output order: row, col, tile.

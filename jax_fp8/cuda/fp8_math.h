@@ -183,22 +183,25 @@ struct MxRule {
     mult = e8m0_reciprocal(g);
   }
 };
-struct BlockRule {
+// INF_SCALE_INV (scheme.py's saturate_inf=False): a block whose amax is inf stores scale_inv inf, so it
+// dequantizes to non-finite values. A type of its own: a runtime flag costs the tightest kernel a spill.
+template <bool INF_SCALE_INV>
+struct BlockRuleT {
   using ScaleT = float;
   int kind;
   bool pow2;
   float eps;
   float inf_value;
-  bool saturate_inf = true;  // false: a block whose amax is inf stores scale_inv inf (scheme.py's Scheme)
   JF_HD void operator()(float amax, ScaleT& stored, float& mult) const {
     mult = block_scale_from_amax(amax, kind, pow2, eps, inf_value);
-    stored = (!saturate_inf && is_inf(amax)) ? u2f(0x7F800000u) : 1.0f / mult;  // scale_inv, round to nearest
+    stored = (INF_SCALE_INV && is_inf(amax)) ? u2f(0x7F800000u) : 1.0f / mult;  // scale_inv, round to nearest
   }
   JF_HD static float dequant_scale(ScaleT s) { return s; }
   // fp32 scales are not monotonic bytes: ranks all-reduce the amax itself.
   JF_HD ScaleT partial(float amax) const { return amax; }
   JF_HD void from_global(float g, ScaleT& stored, float& mult) const { (*this)(g, stored, mult); }
 };
+using BlockRule = BlockRuleT<false>;  // TransformerEngine's rule
 
 // ---- bf16 / fp16 <-> fp32 -------------------------------------------------------------------
 JF_HD float bf16_to_float(uint16_t h) { return u2f(uint32_t(h) << 16); }

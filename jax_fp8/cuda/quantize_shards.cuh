@@ -154,8 +154,9 @@ ffi::Error shard_job(const ShardIO& io, ShardJob<typename Cfg::S>* jb) {
 template <int MODE>
 ffi::Error launch_shards(cudaStream_t st, const QuantizeArgs& a, const ShardIO* io, int n) {
   static_assert(MODE != kQuantize, "shards are partial-amax or partial-cast calls");
+  if (!a.saturate_inf) return bad("master-weight shards take TransformerEngine's rule (saturate_inf)");
   return with_loader(a.in, [&](auto ld) {
-    return with_cfg(a, [&](auto cfg, auto rule) -> ffi::Error {
+    return with_cfg<true>(a, [&](auto cfg, auto rule) -> ffi::Error {
       using L = decltype(ld);
       using C = decltype(cfg);
       if constexpr (C::COL_T || C::GEMM_SCALES) {

@@ -480,10 +480,11 @@ struct TileCfg {
   static constexpr int ROW_BM = TILE ? TM : 1, ROW_BK = TILE ? TK : RBK;
 };
 
-// Calls f(cfg, rule) with the tile configuration and scale rule for the usages of `a`.
-template <class F>
+// Calls f(cfg, rule) with the tile configuration and scale rule for the usages of `a` (SATURATE_ONLY:
+// as with_rule's).
+template <bool SATURATE_ONLY = false, class F>
 ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
-  return with_rule(a, [&](auto rule) -> ffi::Error {
+  return with_rule<SATURATE_ONLY>(a, [&](auto rule) -> ffi::Error {
     using R = decltype(rule);
     const bool T = a.gemm_ready;  // GEMM-ready: columnwise data transposed
     if constexpr (std::is_same_v<R, MxRule>) {

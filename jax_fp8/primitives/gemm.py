@@ -21,9 +21,13 @@ Contract, the same for every lowering (the jax.numpy reference below, and a cuBL
   K % 16 == 0, N % 8 == 0, M % 8 == 0 when ``a`` has 1x128 blocks; every dim < 2**31. The abstract
   eval rejects anything else, on every platform, so the reference path enforces what cuBLASLt needs.
   (With these rules the 1x128 scale grids never carry padding columns.)
-- result: (M, N) ``out_dtype``. The reference: both operands dequantized to fp32 from their block
-  scales, ``lax.dot_general`` in fp32 at ``Precision.HIGHEST``, ``+ C`` in fp32, rounded to
-  ``out_dtype``. A tensor-core lowering differs from it only by accumulation order and precision.
+- result: (M, N) ``out_dtype``. The reference (:func:`blocked_gemm`) forms it as the tensor cores do:
+  for each 128-wide K block, the fp32 product (``Precision.HIGHEST``) of the FP8 data, times that
+  block's ``a`` row scale times its ``b`` row scale, summed over the blocks in fp32; ``+ C`` in fp32;
+  rounded to ``out_dtype``. Values are scaled only after each block's product, so it overflows only
+  where a scaled partial product, a scale product or the sum does (as the FP8 GEMM), never because a
+  dequantized operand times another exceeds fp32. A tensor-core lowering differs from it only by
+  accumulation order and precision.
 
 With these cuBLASLt column-major arguments the CUDA lowering computes it: cuBLAS ``A`` = our ``b``
 (transa = T, m = N), cuBLAS ``B`` = our ``a`` (transb = N, n = M), k = K, lda = ldb = K, D (and C)
@@ -60,7 +64,7 @@ K_ALIGN, MN_ALIGN = 16, 8
 MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
 #: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
 #: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
-#: slice of the output; the fallback (dequantize both operands to fp32, fp32 dot at HIGHEST) moves >= 4x
+#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
 #: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
 #: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
 #: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
@@ -92,7 +96,7 @@ def operand_scale_shape(rows: int, k: int, block) -> tuple[int, int]:
 class GemmPlan:
     """What :func:`gemm_supported` decided: the (M, N, K) to run the GEMM at (>= the problem's; larger
     means pad with zeros: K columns of both operands, rows of ``a`` or ``b``, then slice the output),
-    or ``reason`` (why the FP8 GEMM cannot take it: compute it by dequantize + dot instead)."""
+    or ``reason`` (why the FP8 GEMM cannot take it: compute it by the reference math instead)."""
 
     M: int
     N: int
@@ -137,17 +141,23 @@ def gemm_supported(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a
 
 
 # ---- reference math: the one definition of the GEMM's numbers -----------------------------------
+def _compact_scales(data, scale, block):
+    """An operand's GEMM-ready ``scale`` as its compact grid (ceil(rows/bm), ceil(K/128))."""
+    rows, k = data.shape
+    return scales_to_layout(xp_of(data, scale), scale, operand_scheme(block, data.dtype), rows, k, "rowwise",
+                            "compact")
+
+
 def operand_values(data, scale, block):
     """fp32 values (rows, K) of a GEMM operand: FP8 ``data`` times its GEMM-ready block ``scale``."""
-    rows, k = data.shape
     scheme = operand_scheme(block, data.dtype)
-    compact = scales_to_layout(xp_of(data, scale), scale, scheme, rows, k, "rowwise", "compact")
-    return reference.dequantize_blocks(bitcast(data, np.uint8), compact, scheme=scheme.only("rowwise"),
-                                       out_dtype=np.float32)
+    return reference.dequantize_blocks(bitcast(data, np.uint8), _compact_scales(data, scale, block),
+                                       scheme=scheme.only("rowwise"), out_dtype=np.float32)
 
 
 def dense_gemm(a_values, b_values, c=None, *, out_dtype):
-    """``a_values · b_valuesᵀ (+ c)`` in fp32 (``Precision.HIGHEST``), rounded to ``out_dtype``."""
+    """``a_values · b_valuesᵀ (+ c)`` in fp32 (``Precision.HIGHEST``), rounded to ``out_dtype``: for
+    operands that exist only as fp32 values (FP8 operands: :func:`blocked_gemm`)."""
     out = lax.dot_general(a_values, b_values, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
     if c is not None:
@@ -155,11 +165,39 @@ def dense_gemm(a_values, b_values, c=None, *, out_dtype):
     return out.astype(out_dtype)
 
 
+def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
+    """``a · bᵀ (+ c)`` of FP8 operands (``jf_fp8_gemm``'s contract, any shape) as the tensor-core GEMM
+    forms it: per 128-wide K block kb, ``acc += (a_kb · b_kbᵀ) * (sa[:, kb] ⊗ sb[:, kb])``, the product
+    of the unscaled FP8 data in fp32 at ``Precision.HIGHEST`` (at most 448² · 128 in size), scaled
+    after it, accumulated in fp32; ``+ c`` in fp32; rounded to ``out_dtype``. A scan over the K
+    blocks: memory O(M·N + (M + N)·K), not one (M, N) partial per block."""
+    (M, K), N = a.shape, b.shape[0]
+    nk = cdiv(K, FLOAT8_BLOCK)
+
+    def k_blocks(data, scale, block):
+        """(nk, rows, 128) FP8 data (K zero-padded: zeros add nothing) and (nk, rows) fp32 row scales."""
+        rows = data.shape[0]
+        s = jnp.repeat(jnp.asarray(_compact_scales(data, scale, block), jnp.float32), block[0], axis=0)[:rows]
+        data = jnp.pad(jnp.asarray(data), ((0, 0), (0, nk * FLOAT8_BLOCK - K)))
+        return jnp.swapaxes(data.reshape(rows, nk, FLOAT8_BLOCK), 0, 1), s.T
+
+    def step(acc, blk):
+        ak, sa, bk, sb = blk
+        part = lax.dot_general(ak.astype(jnp.float32), bk.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                               precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return acc + part * (sa[:, None] * sb[None, :]), None
+
+    acc, _ = lax.scan(step, jnp.zeros((M, N), jnp.float32), (*k_blocks(a, a_scale, a_block),
+                                                             *k_blocks(b, b_scale, b_block)))
+    if c is not None:
+        acc = acc + c.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
 def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
     """The reference lowering of ``jf_fp8_gemm`` (see the module docstring)."""
     del accumulate  # implied by ``c``
-    return dense_gemm(operand_values(a, a_scale, a_block), operand_values(b, b_scale, b_block), *c,
-                      out_dtype=out_dtype)
+    return blocked_gemm(a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
 
 
 # ---- the primitive ------------------------------------------------------------------------------
@@ -269,7 +307,7 @@ ad.primitive_jvps[gemm_p] = _no_jvp
 
 
 class Fp8GemmFallbackWarning(UserWarning):
-    """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product as dequantize + dot
+    """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product by the reference math
     (correct, not fast); the message says why."""
 
 
@@ -281,7 +319,7 @@ mlir.register_lowering(gemm_p, _reference_rule)
 def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
     why = _ffi.gemm_cuda_unavailable()
     if why is not None:  # an old cuBLASLt, or not a Hopper: the same numbers, from the reference
-        warn(f"jax_fp8: jf_fp8_gemm runs as dequantize + dot on this GPU: {why}", Fp8GemmFallbackWarning)
+        warn(f"jax_fp8: jf_fp8_gemm runs as its reference (fp32 math) on this GPU: {why}", Fp8GemmFallbackWarning)
         return _reference_rule(ctx, a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block,
                                out_dtype=out_dtype, accumulate=accumulate)
     return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c, a_rows=np.int64(a_block[0]),

@@ -33,7 +33,9 @@ def _packed(shapes, scheme, *inputs, dtype=None):
     return out_aval((n,), dtype or (scheme.scale_dtype if scheme.e8m0 else np.float32), *inputs)
 
 
-def _check_group(windows, shards, shapes):
+def _check_group(windows, shards, shapes, scheme):
+    if not scheme.saturate_inf:
+        raise ValueError("master-weight casts take TransformerEngine's rule for infinities (saturate_inf=True)")
     if len(shards) != len(shapes):
         raise ValueError(f"{len(shards)} master-weight shards but {len(shapes)} shapes")
     if windows.shape != (len(shards), 2) or windows.dtype != np.int32:
@@ -46,12 +48,12 @@ def _check_group(windows, shards, shapes):
 
 
 def _amax_abstract(windows, *shards, shapes, scheme):
-    _check_group(windows, shards, shapes)
+    _check_group(windows, shards, shapes, scheme)
     return [_packed(shapes, scheme, windows, *shards)]
 
 
 def _cast_abstract(windows, glob, *shards, shapes, scheme):
-    _check_group(windows, shards, shapes)
+    _check_group(windows, shards, shapes, scheme)
     want = _packed(shapes, scheme)
     if (glob.shape, glob.dtype) != (want.shape, want.dtype):
         raise ValueError(f"partial cast: global scales {glob.dtype}{glob.shape} do not match the weights "
