@@ -369,11 +369,74 @@ def _quantize_windows(bufs, shapes, offs, lens, check=True):
     ("shape larger than the shards", [0, 5], [5, 5], "held by no rank"),
 ])
 def test_check_rejects_windows_that_do_not_tile(case, offs, lens, msg):
+    """Traced (per rank) windows: checked at run time; every rank stops, the caller gets the message once."""
     shape = (3, 4) if case == "shape larger than the shards" else (2, 5)
     bufs = np.arange(10, dtype=np.float32).reshape(2, 5) + 1
-    with pytest.raises(Exception, match=msg):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=msg) as excinfo:
         _quantize_windows(bufs, [shape], offs, lens)
+    assert str(excinfo.value).count("do not tile") == 1
     _quantize_windows(bufs, [shape], offs, lens, check=False)  # the contract is the caller's without check
+    # a valid tiling passes; its host callback also replaces the failed run's runtime tokens, which jax
+    # would raise again at the next effects_barrier and at exit
+    _quantize_windows(bufs, [(2, 5)], [0, 5], [5, 5])
+
+
+def test_check_traced_windows_error_once_on_8_ranks(caplog):
+    """8 ranks, windows from axis_index (a gap after each): one error reaches the caller and jax logs one
+    traceback (rank 0's), not one per rank; no rank is left waiting in a collective."""
+    def quantize(shape, length):
+        def step(b):
+            r = jax.lax.axis_index("data")
+            qs = quantize_master_weights([b[0]], [shape], "data", offsets=[r * 5], lengths=[jnp.int32(length)],
+                                         check=True)
+            return gather_master_weights(qs, "data")
+        return replicated(step, _mesh(8), P("data"), "data")[0](np.ones((8, 5), np.float32))
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="held by no rank") as excinfo:
+        quantize((4, 9), 4)
+    assert str(excinfo.value).count("do not tile") == 1
+    logged = [r for r in caplog.records if r.exc_info and "do not tile" in str(r.exc_info[1])]
+    assert len(logged) == 1
+    quantize((8, 5), 5)  # a valid tiling passes (and replaces the failed run's runtime tokens, as above)
+
+
+def _quantize_concrete(shape, offsets=None, lengths=None):
+    """quantize_master_weights(check=True) over 2 ranks with windows known while tracing."""
+    def step(b):
+        qs = quantize_master_weights([b[0]], [shape], "data", offsets=offsets, lengths=lengths, check=True)
+        return gather_master_weights(qs, "data")
+
+    return replicated(step, _mesh(2), P("data"), "data")
+
+
+@pytest.mark.parametrize("case,shape,offsets,lengths,msg", [
+    ("default split too short", (3, 4), None, None, "held by no rank"),             # 2 x 5 < 12 elements
+    ("same int offset on every rank", (2, 5), [0], None, "held by more than one rank"),
+    ("numpy lengths too short", (2, 5), None, [np.int32(4)], "held by no rank"),    # elements 4 and 9
+])
+def test_check_concrete_windows_raise_at_the_call(case, shape, offsets, lengths, msg):
+    """No traced offset or length: a plain ValueError while tracing, naming the call, weight and fault."""
+    bufs = np.arange(10, dtype=np.float32).reshape(2, 5) + 1
+    call, f = _quantize_concrete(shape, offsets, lengths)
+    want = rf"quantize_master_weights\(check=True\).*\n.*weight 0 of shape {re.escape(str(shape))}.*{msg}"
+    with pytest.raises(ValueError, match=want):
+        jax.eval_shape(f, bufs)  # tracing alone raises
+    with pytest.raises(ValueError, match=want):
+        call(bufs)
+
+
+def test_check_concrete_valid_tiling_has_no_run_time_check():
+    """A valid default split passes with check=True and compiles no host callback (traced windows do)."""
+    bufs = np.arange(10, dtype=np.float32).reshape(2, 5) + 1
+    call, f = _quantize_concrete((2, 5))
+    assert_tensors_equal(call(bufs)[0], jf.quantize_mxfp8(bufs.astype(jnp.bfloat16), rowwise=True, colwise=True))
+    assert "callback" not in f.lower(bufs).as_text()
+
+    def traced(b):
+        return quantize_master_weights([b[0]], [(2, 5)], "data", offsets=[jax.lax.axis_index("data") * 5],
+                                       check=True)[0].tensor.rowwise_data
+
+    assert "callback" in replicated(traced, _mesh(2), P("data"), "data")[1].lower(bufs).as_text()
 
 
 def test_check_accepts_a_valid_tiling():
