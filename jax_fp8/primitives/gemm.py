@@ -173,22 +173,26 @@ def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype)
     blocks: memory O(M·N + (M + N)·K), not one (M, N) partial per block."""
     (M, K), N = a.shape, b.shape[0]
     nk = cdiv(K, FLOAT8_BLOCK)
+    if nk == 0:  # nothing to contract: zeros (+ c)
+        return dense_gemm(a.astype(jnp.float32), b.astype(jnp.float32), c, out_dtype=out_dtype)
 
     def k_blocks(data, scale, block):
         """(nk, rows, 128) FP8 data (K zero-padded: zeros add nothing) and (nk, rows) fp32 row scales."""
         rows = data.shape[0]
         s = jnp.repeat(jnp.asarray(_compact_scales(data, scale, block), jnp.float32), block[0], axis=0)[:rows]
-        data = jnp.pad(jnp.asarray(data), ((0, 0), (0, nk * FLOAT8_BLOCK - K)))
-        return jnp.swapaxes(data.reshape(rows, nk, FLOAT8_BLOCK), 0, 1), s.T
+        if K != nk * FLOAT8_BLOCK:
+            data = jnp.pad(data, ((0, 0), (0, nk * FLOAT8_BLOCK - K)))
+        return jnp.swapaxes(jnp.reshape(data, (rows, nk, FLOAT8_BLOCK)), 0, 1), s.T
 
-    def step(acc, blk):
-        ak, sa, bk, sb = blk
+    def scaled_partial(ak, sa, bk, sb):
         part = lax.dot_general(ak.astype(jnp.float32), bk.astype(jnp.float32), (((1,), (1,)), ((), ())),
                                precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return acc + part * (sa[:, None] * sb[None, :]), None
+        return part * (sa[:, None] * sb[None, :])
 
-    acc, _ = lax.scan(step, jnp.zeros((M, N), jnp.float32), (*k_blocks(a, a_scale, a_block),
-                                                             *k_blocks(b, b_scale, b_block)))
+    xs = (*k_blocks(a, a_scale, a_block), *k_blocks(b, b_scale, b_block))
+    # block 0 starts the sum: the carry then has the operands' type (shard_map's varying axes)
+    acc, _ = lax.scan(lambda acc, blk: (acc + scaled_partial(*blk), None), scaled_partial(*(x[0] for x in xs)),
+                      tuple(x[1:] for x in xs))
     if c is not None:
         acc = acc + c.astype(jnp.float32)
     return acc.astype(out_dtype)
