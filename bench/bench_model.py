@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     for v, r in res.items():
         out(f"  {v:>8}: " + "  ".join(f"{r['losses'][m]:.4f}" for m in marks))
     if jax.default_backend() == "cpu":
-        out("(CPU: the FP8 GEMM runs as its reference, dequantize + fp32 dot, inlined: no custom calls; these "
+        out("(CPU: the FP8 GEMM runs as its reference, fp32 products per block, inlined: no custom calls; these "
             "step times are no GPU's)")
     return res
 

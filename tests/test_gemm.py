@@ -252,12 +252,13 @@ def test_cuda_lowering_runs_cublaslt_or_falls_back():
         text = export.export(gemm, platforms=["cuda"], disabled_checks=ok)(qa, qb).mlir_module()
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, G.Fp8GemmFallbackWarning)]
     why = _ffi.gemm_cuda_unavailable()
+    called = "custom_call @jf_fp8_gemm" in text  # the call itself (source locations may name it too)
     if _ffi.AVAILABLE["cuda"] and why is None:
-        assert "jf_fp8_gemm" in text and not fallbacks, fallbacks
+        assert called and not fallbacks, fallbacks
     elif _ffi.AVAILABLE["cuda"]:
-        assert "jf_fp8_gemm" not in text and len(fallbacks) == 1 and why in fallbacks[0], (why, fallbacks)
+        assert not called and len(fallbacks) == 1 and why in fallbacks[0], (why, fallbacks)
     else:
-        assert "jf_fp8_gemm" not in text and not fallbacks, fallbacks
+        assert not called and not fallbacks, fallbacks
 
 
 def test_gemm_operand_orientations():
