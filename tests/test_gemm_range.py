@@ -10,16 +10,19 @@ primitive's reference lowering) and the fallback (shapes the GEMM cannot take) m
 within the module bound of tests/test_gemm.py, against an fp64 product of operands dequantized here in
 NumPy; the old dequantize-then-dot of the same operands must give inf (so the case tests something).
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from jax_fp8 import gemm as G
+from jax_fp8 import _ffi, gemm as G
 from jax_fp8.primitives.gemm import dense_gemm
 from helpers import stable_seed
 from test_gemm import B1, B2, BF16, F32, NK, assert_within, gemm_bound, one_warning, strict  # noqa: F401
 
+#: the FP8 GEMM runs on cuBLASLt here (else on its reference lowering)
+CUBLASLT = jax.default_backend() == "gpu" and _ffi.AVAILABLE["cuda"] and _ffi.gemm_cuda_unavailable() is None
 #: w of the small side: 1 + w and -w are exact in E4M3 at scale 2**-7 (multiples of 16 up to 256)
 W_CHOICES = np.array([0.125, 0.25, 0.5, 0.75, 1.0])
 PIN = 3.5  # 448 * 2**-7: pins the small side's block amax, so its scale is 2**-7 (pow2 or not)
@@ -82,8 +85,12 @@ GEMM_CASES = [("a", (B1, B2)), ("b", (B1, B2)), ("b", (B2, B1)), ("a", (B1, B1))
 @pytest.mark.parametrize("dtype,out_dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("huge,blocks", GEMM_CASES, ids=["huge-a-1Dx2D", "huge-b-1Dx2D", "huge-b-2Dx1D",
                                                          "huge-a-1Dx1D"])
-def test_fp8_gemm_near_max_is_finite(dtype, out_dtype, huge, blocks, strict):
+def test_fp8_gemm_near_max_is_finite(dtype, out_dtype, huge, blocks, strict, request):
     """fp8_gemm on a shape the FP8 GEMM takes (K = 300: padded, three K blocks): finite, within the bound."""
+    if CUBLASLT and huge == "a" and blocks == (B1, B1):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "measured on the H200 (bench/RESULTS.md, run 71): cuBLASLt 13.1's 1x128 x 1x128 GEMM overflows on "
+            "this case, where its 1x128 x 128x128 and 128x128 x 1x128 GEMMs and the reference do not")))
     M, N, K = 40, 56, 300
     rng = np.random.default_rng(stable_seed("range-gemm", dtype, huge, blocks))
     qa, qb = _quantize(*planted(rng, M, N, K, dtype, huge), blocks, huge)
