@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import vma
 from .arrays import bitcast, view_2d
 from .formats import high_dtype
 from .gather import all_gather_dequantized, all_gather_first_dim
@@ -125,8 +126,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     if model_dtype is not None:
         model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
 
+    ranks = vma.axis_size(axis_name, where)
     rank = lax.axis_index(axis_name)
-    ranks = int(lax.psum(1, axis_name))
     # the windows of every rank are known while tracing unless an offset or length is traced
     concrete = not any(isinstance(v, jax.core.Tracer) for v in (offsets or []) + (lengths or []))
     xs, wins, held, table = [], [], [], []
@@ -227,6 +228,7 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
     """
     if layout not in ("compact", "gemm_ready"):
         raise ValueError(f"gather_master_weights: layout must be 'compact' or 'gemm_ready', got {layout!r}")
+    vma.axis_size(axis_name, "gather_master_weights")
     if isinstance(qshards, QuantizedShard) or not isinstance(qshards, Sequence):
         raise TypeError("gather_master_weights: qshards must be the list of QuantizedShard that "
                         f"quantize_master_weights returned, got {type(qshards).__name__}")

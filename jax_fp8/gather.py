@@ -107,7 +107,7 @@ def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
     second rounding: it warns); on the fallback path that is the gathered tensor, never a local
     requantization. Either way the result equals quantizing the gathered (dequantized) tensor.
     """
-    ranks = lax.psum(1, axis_name)
+    ranks = vma.axis_size(axis_name, "all_gather_first_dim")
     quantized = isinstance(x, (MXFP8Tensor, BlockwiseTensor))
     if quantizer is None:
         if not quantized:
@@ -162,4 +162,5 @@ def all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str = "row
     if usage not in ("rowwise", "colwise") or not getattr(quantizer, usage):
         raise ValueError(f"all_gather_dequantized: usage must be a usage the quantizer produces "
                          f"({[u for u in ('rowwise', 'colwise') if getattr(quantizer, u)]}), got {usage!r}")
+    vma.axis_size(axis_name, "all_gather_dequantized")
     return _all_gather_dequantized(_varying(x, axis_name), axis_name, quantizer, usage)

@@ -18,6 +18,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from . import vma
 from .arrays import cdiv
 
 LAYOUTS = ("per_weight", "flat")
@@ -113,7 +114,7 @@ def local_shards(local, shapes, axis_name, layout: str = "per_weight"):
     """
     shapes = check_shapes(shapes, "local_shards")
     _check_layout(layout, "local_shards")
-    ranks = int(lax.psum(1, axis_name))
+    ranks = vma.axis_size(axis_name, "local_shards")
     rank = lax.axis_index(axis_name)
     spans = _spans(shapes, ranks, layout)
     if layout == "per_weight":

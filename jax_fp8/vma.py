@@ -53,6 +53,17 @@ def vary(tree: Any, axes) -> Any:
     return jax.tree.map(cast, tree) if axes else tree
 
 
+def axis_size(axis_name, where: str) -> int:
+    """How many ranks ``axis_name`` (a mesh axis name, or a tuple of them) has here, inside
+    ``jax.shard_map``; a ValueError naming ``where`` when nothing binds the axis (plain ``jax.jit``)."""
+    try:
+        return int(lax.psum(1, axis_name))
+    except NameError:
+        raise ValueError(f"{where}: mesh axis {axis_name!r} is not bound here: call it inside jax.shard_map (it is "
+                         "a collective over that axis's ranks). Under plain jax.jit with sharded arrays, use "
+                         "quantize_*, dequantize and fp8_dot_general, which need no axis name.") from None
+
+
 def match(*trees):
     """The trees with every array leaf varying over the union of all their leaves' axes."""
     axes = frozenset().union(*(axes_of(leaf) for leaf in jax.tree.leaves(trees)))

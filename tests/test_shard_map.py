@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8.distributed import (Quantizer, all_gather_dequantized, all_gather_first_dim, gather_master_weights,
-                                 quantize_master_weights, split_masters)
+                                 local_shards, quantize_master_weights, split_masters)
 from helpers import assert_bits_equal, stable_seed
 
 N = 8
@@ -228,3 +228,24 @@ def test_out_specs_checks_behave_as_for_jnp(name):
         jax.shard_map(op, mesh=_mesh(), in_specs=P("data"), out_specs=P())(x)
     got = jax.jit(jax.shard_map(op, mesh=_mesh(), in_specs=P(), out_specs=P()))(x[:128])  # replicated input
     assert_bits_equal(got, jax.jit(op)(jax.device_put(x[:128], _CPU)), name)
+
+
+# ---- the collectives outside shard_map -----------------------------------------------------------
+COLLECTIVES = {
+    "quantize_master_weights": lambda b: quantize_master_weights([b.reshape(-1)], [(16, 16)], "data"),
+    "gather_master_weights": lambda b: gather_master_weights([], "data"),
+    "all_gather_first_dim": lambda b: all_gather_first_dim(b, "data", Quantizer("mxfp8")),
+    "all_gather_dequantized": lambda b: all_gather_dequantized(b, "data", Quantizer("mxfp8")),
+    "local_shards": lambda b: local_shards([b[0]], [(2, 16)], "data"),
+}
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collectives_under_plain_jit_say_they_need_shard_map(name):
+    """Called under jax.jit on sharded arrays, outside shard_map: a ValueError that names the function
+    and says to call it inside jax.shard_map (not jax's 'unbound axis name')."""
+    mesh = _mesh()
+    x = jax.device_put(np.ones((8, 32), np.float32), jax.sharding.NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=rf"{name}: mesh axis 'data' is not bound here: call it inside "
+                                         r"jax.shard_map"):
+        jax.jit(COLLECTIVES[name])(x)
