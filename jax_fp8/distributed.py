@@ -100,8 +100,9 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         window is known while tracing (each offset and length None or a Python/NumPy int, not traced),
         it is raised at the call and costs nothing at run time. Traced windows (from ``local_shards``,
         or derived from ``axis_index``) are checked at run time after one small int32 all-gather: every
-        rank stops, the error reaches the caller once, inside jax's runtime error, and rank 0 of the
-        axis alone logs it.
+        rank stops, the error reaches the caller once, inside jax's runtime error, and the ranks at
+        index 0 of the axis alone log it (one on a 1-D mesh). As for any failed ``jax.debug.callback``,
+        jax raises it again at its next effects barrier and at exit.
 
     The windows are the caller's contract: every element of every weight held by exactly one rank.
     :func:`jax_fp8.distributed.local_shards` computes shards and windows for the standard ZeRO layouts

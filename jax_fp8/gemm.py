@@ -345,9 +345,17 @@ def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_ty
     """Raise what ``lax.dot_general`` raises for these arguments (dimension numbers out of range or
     malformed, mismatched shapes, a bad precision or dtype): evaluate it abstractly on the operands'
     shapes and (high-precision) dtypes."""
-    spec = [jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in (lhs, rhs)]
-    jax.eval_shape(partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type), *spec)
+    ops = [jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+           for x in (lhs, rhs)]  # anything else (a scalar, a Python list) goes to lax as it is
+    shaped = [i for i, x in enumerate(ops) if isinstance(x, jax.ShapeDtypeStruct)]
+
+    def dot(*avals):
+        args = list(ops)
+        for i, a in zip(shaped, avals):
+            args[i] = a
+        return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type=preferred_element_type)
+
+    jax.eval_shape(dot, *(ops[i] for i in shaped))
 
 
 def _as_operand(x):
@@ -390,7 +398,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     output gradient) makes every output (gradient) it reaches non-finite, so NaN checks and loss
     scalers see an overflow. On the GEMM path a NaN stays NaN in FP8, and a block holding an infinity
     gets an infinite scale (the recipe's ``saturate_inf=False``), so its outputs are inf or NaN; an
-    infinity in a weight's 128x128 tile reaches all 128 output columns of that tile.
+    infinity in a weight's 128x128 tile reaches all 128 output columns of that tile. On the
+    ``lax.dot_general`` fallback an infinity reaches the dot as it is (lax's pattern exactly) and the
+    rest of its block is quantized at scale 1 (TransformerEngine's rule), losing its precision.
 
     Reverse mode only on the GEMM path (``jax.grad``, ``jax.vjp``, ``jax.jacrev``): forward mode
     (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) raises a ``TypeError`` that says why; the fallback
@@ -399,8 +409,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, Float8BlockScaling):
         raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling, got {recipe!r}")
-    lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.result_type(lhs.dtype, rhs.dtype))

@@ -236,9 +236,11 @@ class Scheme:
 
     def satisfied_by(self, q) -> bool:
         """Whether ``q`` (a quantized tensor, or the Scheme of one) already holds every usage this scheme
-        asks for, in this format and layout."""
+        asks for, in this format and layout. ``saturate_inf`` does not count: the data are the same
+        bits under both rules and so are the scales, but for blocks that held an infinity."""
         other = q if isinstance(q, Scheme) else q.scheme
-        same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise) == self
+        same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise,
+                                   saturate_inf=self.saturate_inf) == self
         return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)
 
     def quantize(self, x):

@@ -190,3 +190,25 @@ def test_non_finite_values_propagate_like_lax_on_the_lax_fallback(where):
     assert any((~m).any() for m in want)
     for name, g, r in zip(("y", "dx", "dW"), got, want):
         np.testing.assert_array_equal(g, r, err_msg=f"{name}: finite entries differ from lax.dot_general's")
+
+
+def test_non_array_operands_behave_as_in_lax():
+    """A Python list is rejected with lax's error; a Python scalar with scalar dimension numbers and a
+    NumPy array are taken, as lax takes them."""
+    w = jnp.ones((2, 2))
+    want = _raised(lambda: lax.dot_general([[1.0, 2.0]], w, KN))
+    assert want is not None and _raised(lambda: jf.fp8_dot_general([[1.0, 2.0]], w, KN)) == want
+    scalar = (((), ()), ((), ()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shapes this small are no FP8 GEMM: one warning each
+        np.testing.assert_array_equal(np.asarray(jf.fp8_dot_general(2.0, w, scalar)),
+                                      np.asarray(lax.dot_general(2.0, w, scalar)))
+        assert jf.fp8_dot_general(np.ones((1, 2), np.float32), w, KN).shape == (1, 2)
+
+
+def test_recipe_quantized_tensors_satisfy_a_te_rule_quantizer():
+    """saturate_inf does not count when a gather asks whether a tensor already holds what it needs:
+    the recipe's activations gather as they are under a Quantizer built with TE's rule."""
+    qz = jf.Scheme("blockwise", rowwise=True, colwise=True, layout="gemm_ready")
+    lhs = jf.Float8BlockScaling().scheme("lhs")
+    assert not lhs.saturate_inf and qz.satisfied_by(lhs) and lhs.satisfied_by(qz)
