@@ -423,6 +423,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             reason = f"an {name} of dtype {x.dtype} (FP8 quantizes float32, bfloat16, float16)"
     if reason is None and out_sharding is not None:
         reason = "out_sharding (not supported by the FP8 GEMM)"
+    if reason is None and out_dtype not in HIGH_DTYPES:  # its gradient could not be quantized either
+        reason = f"preferred_element_type {out_dtype} (the GEMM gives float32, bfloat16 or float16)"
     if reason is None:
         K = lshape[-1]
         M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]

@@ -212,3 +212,17 @@ def test_recipe_quantized_tensors_satisfy_a_te_rule_quantizer():
     qz = jf.Scheme("blockwise", rowwise=True, colwise=True, layout="gemm_ready")
     lhs = jf.Float8BlockScaling().scheme("lhs")
     assert not lhs.saturate_inf and qz.satisfied_by(lhs) and lhs.satisfied_by(qz)
+
+
+@pytest.mark.parametrize("out", [jnp.float8_e4m3fn, jnp.complex64], ids=["float8", "complex64"])
+def test_other_output_dtypes_fall_back_and_differentiate(out):
+    """An output dtype the GEMM does not give: the lax fallback, forward and gradient, as lax does."""
+    rng = np.random.default_rng(stable_seed("out-dtype", jnp.dtype(out).name))
+    x, w = rng.standard_normal((128, 128), np.float32), rng.standard_normal((128, 128), np.float32)
+    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning, match="preferred_element_type"):
+        y, vjp = jax.vjp(lambda a, b: jf.fp8_dot_general(a, b, KN, preferred_element_type=out), x, w)
+    y_ref, vjp_ref = jax.vjp(lambda a, b: lax.dot_general(a, b, KN, preferred_element_type=out), x, w)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    dx, dw = vjp(y)
+    dx_ref, dw_ref = vjp_ref(y_ref)
+    assert (dx.dtype, dw.dtype, dx.shape, dw.shape) == (dx_ref.dtype, dw_ref.dtype, x.shape, w.shape)
