@@ -14,7 +14,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import vma
-from .arrays import bitcast, cdiv, view_2d, xp_of
+from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
 from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor

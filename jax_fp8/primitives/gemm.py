@@ -171,7 +171,7 @@ def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype)
     of the unscaled FP8 data in fp32 at ``Precision.HIGHEST`` (at most 448² · 128 in size), scaled
     after it, accumulated in fp32; ``+ c`` in fp32; rounded to ``out_dtype``. A scan over the K
     blocks: memory O(M·N + (M + N)·K), not one (M, N) partial per block."""
-    (M, K), N = a.shape, b.shape[0]
+    K = a.shape[1]
     nk = cdiv(K, FLOAT8_BLOCK)
     if nk == 0:  # nothing to contract: zeros (+ c)
         return dense_gemm(a.astype(jnp.float32), b.astype(jnp.float32), c, out_dtype=out_dtype)
