@@ -21,7 +21,6 @@ from jax._src import core as _core
 from jax.sharding import NamedSharding, PartitionSpec
 
 
-
 def axes_of(x) -> frozenset:
     """The mesh axes a value (or an abstract value) varies over; empty outside ``shard_map``."""
     aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
