@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 
 from . import vma
 from .warn import warn
@@ -199,6 +200,8 @@ class _Linear:
     recipe: Float8BlockScaling
     rhs_kn: bool
     out_dtype: np.dtype
+    x_sharding: Any = None  # x's and W's shardings where their types carry one (an Explicit mesh): a
+    w_sharding: Any = None  # custom VJP's gradients must have the primals' types
 
     @property
     def w_fprop(self) -> str:  # contraction of W's 2-D view in fprop: over K
@@ -255,11 +258,23 @@ def _linear_bwd(cfg: _Linear, res, dy):
         dyq = quantize(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
     dx = dw = None
     if x_dtype is not None:  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ
-        dx = _gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype)
+        dx = _retyped(_gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype), cfg.x_sharding)
     if w_dtype is not None:  # dW = dyᵀ · x: (N, K) = dyᵀ (N, M) · [xᵀ (K, M)]ᵀ, or its transpose for (K, N)
         dy_t = gemm_operand(dyq, "first")
         dw = _gemm(x_t, dy_t, w_dtype.dtype) if cfg.rhs_kn else _gemm(dy_t, x_t, w_dtype.dtype)
+        dw = _retyped(dw, cfg.w_sharding)
     return dx, dw
+
+
+def _explicit_sharding(v):
+    """The sharding in ``v``'s type when its mesh has Explicit axes (the type then names them), else None."""
+    s = getattr(jax.typeof(v), "sharding", None) if not isinstance(v, BlockwiseTensor) else None
+    explicit = isinstance(s, NamedSharding) and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types)
+    return s if explicit else None
+
+
+def _retyped(v, sharding):
+    return v if sharding is None or jax.typeof(v).sharding == sharding else jax.sharding.reshard(v, sharding)
 
 
 @contextlib.contextmanager
@@ -428,7 +443,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if reason is None:
         K = lshape[-1]
         M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
-        cfg = _Linear(recipe, rhs_kn, out_dtype)
+        x2 = lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(M, K)
+        cfg = _Linear(recipe, rhs_kn, out_dtype, _explicit_sharding(x2), _explicit_sharding(rhs))
         if not (_usable(lhs, "last") and _usable(rhs, cfg.w_fprop)):
             reason = "a pre-quantized operand lacks the usage the forward GEMM contracts (1x128 blocks along it)"
         elif M * N * K:
@@ -436,7 +452,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             if reasons:
                 _warn("fp8_dot_general: computing by the reference math (same quantized operands) instead of "
                       "the FP8 GEMM: " + "; ".join(reasons))
-            x = lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(M, K)
+            x = x2
             # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
             # replicated operand transposes to the psum its gradient needs under shard_map
             x, w = vma.match(x, rhs)

@@ -37,21 +37,22 @@ cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .. import _ffi, reference
-from .._compat import Primitive, ad, apply_primitive, batching, ffi, mlir
+from .._compat import ad, batching, ffi, mlir
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..layout import scales_to_layout
-from ..scheme import Scheme
+from ..scheme import GEMM_SCALE_PAD, Scheme
 from ..vma import out_aval
 from ..warn import warn
+from .partitioning import Dim, Rule, partitioned_primitive
 
 BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
@@ -205,9 +206,6 @@ def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
 
 
 # ---- the primitive ------------------------------------------------------------------------------
-gemm_p = Primitive("jf_fp8_gemm")
-gemm_p.def_impl(partial(apply_primitive, gemm_p))
-
 
 def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
     where = "jf_fp8_gemm"
@@ -240,13 +238,69 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
     return out_aval((M, N), out_dtype, a, a_scale, b, b_scale, *c)
 
 
-gemm_p.def_abstract_eval(_gemm_abstract)
+# ---- partitioning under jit: M and N stay split; a split K gives partial products and a psum ------
+def _operand_dims(label: str, rows: int, K: int, block) -> tuple:
+    """An operand's (rows, K) data and its GEMM-ready scale grid (operand_scale_shape) as op dims."""
+    r, c = operand_scale_shape(rows, K, block)
+    if block == BLOCK_1D:  # (K blocks, rows padded to 4)
+        scale = (Dim("k", r, FLOAT8_BLOCK), Dim(label, c, 1, pad=4))
+    else:  # (row tiles, K tiles padded to 4)
+        scale = (Dim(label, r, FLOAT8_BLOCK), Dim("k", c, FLOAT8_BLOCK, pad=4))
+    return (Dim(label, rows), Dim("k", K)), scale
+
+
+def _gemm_arrays(sizes, params):
+    M, N, K = sizes["m"], sizes["n"], sizes["k"]
+    out = (Dim("m", M), Dim("n", N))
+    operands = [*_operand_dims("m", M, K, params["a_block"]), *_operand_dims("n", N, K, params["b_block"])]
+    return operands + [out] * bool(params["accumulate"]), [out]
+
+
+def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
+    """cuBLASLt's alignment for a shard: what gemm_supported would otherwise pad."""
+    if label == "k" and local % K_ALIGN:
+        return f"each shard's K ({local}) is not a multiple of {K_ALIGN}"
+    if (label == "n" or (label == "m" and tuple(params["a_block"]) == BLOCK_1D)) and local % MN_ALIGN:
+        return f"each shard's {local} rows are not a multiple of {MN_ALIGN}"
+    return None
+
+
+def _gemm_on_shard(bind, reduce_axes, params):
+    """One device's GEMM: its FP8 bytes read as their dtypes; with a split K, its partial product in
+    fp32, summed over the K axes, then ``+ c`` and rounded to ``out_dtype`` once (the sum of fp32
+    partials: the reduction XLA adds for dot_general)."""
+    kw = {k: v for k, v in params.items() if k not in ("a_dtype", "b_dtype")}
+
+    def run(a, a_scale, b, b_scale, *c):
+        a, b = bitcast(a, params["a_dtype"]), bitcast(b, params["b_dtype"])
+        if not reduce_axes:
+            return bind(a, a_scale, b, b_scale, *c, **kw)
+        out = bind(a, a_scale, b, b_scale, **dict(kw, out_dtype=np.dtype(np.float32), accumulate=False))
+        out = lax.psum(out, reduce_axes)
+        return (out + c[0].astype(jnp.float32) if c else out).astype(params["out_dtype"])
+
+    return run
+
+
+def _gemm_bytes_abstract(a, a_scale, b, b_scale, *c, a_dtype, b_dtype, **params):
+    """``jf_fp8_gemm`` takes its FP8 data as bytes (uint8), the dtypes as params: an operand that the
+    partitioner gathers (an FSDP weight) then travels at one byte per element on every backend."""
+    typed = [x.update(dtype=dt) if np.dtype(x.dtype) == np.uint8 else x for x, dt in ((a, a_dtype), (b, b_dtype))]
+    return _gemm_abstract(typed[0], a_scale, typed[1], b_scale, *c, **params)
+
+
+_GEMM_RULE = Rule(("m", "n", "k"), dict(m="M (the rows of a)", n="N (the rows of b)", k="K (the contraction)"),
+                  lambda shapes, params: dict(m=shapes[0][0], n=shapes[2][0], k=shapes[0][1]), _gemm_arrays,
+                  _gemm_why_not, contracted=("k",), local=_gemm_on_shard, pad_value=GEMM_SCALE_PAD)
+gemm_p, _gemm_local = partitioned_primitive("jf_fp8_gemm", _gemm_bytes_abstract, _GEMM_RULE,
+                                            local_abstract=_gemm_abstract)
 
 
 def fp8_gemm_bind(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
     """Bind ``jf_fp8_gemm`` (aligned operands; :func:`jax_fp8.gemm.fp8_gemm` pads and checks)."""
     params = dict(a_block=tuple(a_block), b_block=tuple(b_block), out_dtype=np.dtype(out_dtype),
-                  accumulate=c is not None)
+                  accumulate=c is not None, a_dtype=np.dtype(a.dtype), b_dtype=np.dtype(b.dtype))
+    a, b = (_as_bytes(x) if np.dtype(x.dtype) in FP8_DTYPES else x for x in (a, b))
     return gemm_p.bind(a, a_scale, b, b_scale, *([] if c is None else [c]), **params)
 
 
@@ -264,8 +318,9 @@ def _fold_rows(data, scale, block):
     return data.reshape(S * rows, K), scale
 
 
-def _gemm_batch(args, dims, *, a_block, b_block, out_dtype, accumulate):
-    params = dict(a_block=a_block, b_block=b_block, out_dtype=out_dtype, accumulate=accumulate)
+def _gemm_batch(args, dims, **params):
+    accumulate = params["accumulate"]
+    a_block, b_block = params["a_block"], params["b_block"]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     stack = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
@@ -310,6 +365,15 @@ def _no_jvp(primals, tangents, **params):
 ad.primitive_jvps[gemm_p] = _no_jvp
 
 
+@jax.custom_jvp
+def _as_bytes(x):
+    """FP8 data as the bytes ``jf_fp8_gemm`` takes; a tangent of them raises as the GEMM's own does."""
+    return bitcast(x, np.uint8)
+
+
+_as_bytes.defjvp(_no_jvp)
+
+
 class Fp8GemmFallbackWarning(UserWarning):
     """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product by the reference math
     (correct, not fast); the message says why."""
@@ -317,7 +381,7 @@ class Fp8GemmFallbackWarning(UserWarning):
 
 # ---- lowering: the reference everywhere, cuBLASLt on Hopper -------------------------------------
 _reference_rule = mlir.lower_fun(gemm_reference, multiple_results=False)
-mlir.register_lowering(gemm_p, _reference_rule)
+mlir.register_lowering(_gemm_local, _reference_rule)
 
 
 def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
@@ -331,4 +395,4 @@ def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_d
 
 
 if _ffi.AVAILABLE["cuda"]:
-    mlir.register_lowering(gemm_p, _gemm_cuda_lowering, platform="cuda")
+    mlir.register_lowering(_gemm_local, _gemm_cuda_lowering, platform="cuda")

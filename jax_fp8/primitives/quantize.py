@@ -6,22 +6,18 @@ handlers as one dictionary attribute, ``scheme`` (ffi_common.h's ``Scheme``).
 """
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, reference
-from .._compat import Primitive, ShapedArray, ad, apply_primitive, batching, ffi, mlir
+from .._compat import ShapedArray, ad, batching, ffi, mlir
 from ..arrays import cdiv
 from ..layout import Kernels
+from ..scheme import GEMM_SCALE_PAD
 from ..vma import out_aval
+from .partitioning import Dim, Rule, partitioned_primitive
 
 # ---- quantize ----------------------------------------------------------------------------------
-quantize_p = Primitive("jf_quantize")
-quantize_p.multiple_results = True
-quantize_p.def_impl(partial(apply_primitive, quantize_p))
-
 _FFI_RESULTS = 4  # the FFI target always has two (data, scale) result slots; unused ones are empty
 
 
@@ -35,7 +31,36 @@ def _quantize_abstract(x, *, scheme):
     return outs
 
 
-quantize_p.def_abstract_eval(_quantize_abstract)
+def _input_dims(sizes):
+    return Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
+
+
+def _scale_dims(scheme, M: int, K: int, usage: str):
+    """A usage's scale grid as op dims: (rows, cols) entries, transposed where the layout says."""
+    rows, cols = scheme.scale_shape(M, K, usage)
+    bm, bk = scheme.usage_block(usage)
+    pad = 4 if scheme.gemm_ready and not scheme.e8m0 else 1  # Scheme.scale_shape pads the columns
+    if scheme.transposed_scales(usage):
+        return Dim("k", rows, bk), Dim("m", cols, bm, pad)
+    return Dim("m", rows, bm), Dim("k", cols, bk, pad)
+
+
+def _quantize_arrays(sizes, params):
+    scheme = params["scheme"]
+    b, m, k = x = _input_dims(sizes)
+    outs = []
+    for usage in scheme.kernel_usages:
+        usage = "rowwise" if usage == "tile" else usage
+        outs.append((b, k, m) if usage == "colwise" and scheme.gemm_ready else x)
+        outs.append((b, *_scale_dims(scheme, m.size, k.size, usage)))
+    return [x], outs
+
+
+_SIZES = lambda shapes, params: dict(zip("bmk", shapes[0]))  # noqa: E731  (data / x: (B, M, K))
+_NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim")
+quantize_p, _quantize_local = partitioned_primitive(
+    "jf_quantize", _quantize_abstract, Rule(("b", "m", "k"), _NAMES, _SIZES, _quantize_arrays, pad_value=GEMM_SCALE_PAD),
+    multiple_results=True)
 
 
 def _quantize_ffi_lowering(ctx, x, *, scheme):
@@ -56,9 +81,6 @@ def _quantize_batch(args, dims, *, scheme):
 batching.primitive_batchers[quantize_p] = _quantize_batch
 
 # ---- dequantize --------------------------------------------------------------------------------
-dequantize_p = Primitive("jf_dequantize")
-dequantize_p.def_impl(partial(apply_primitive, dequantize_p))
-
 
 def _dequantize_abstract(data, scale, *, scheme, out_dtype):
     if data.ndim != 3 or scale.ndim != 3 or data.dtype != np.uint8:
@@ -71,7 +93,15 @@ def _dequantize_abstract(data, scale, *, scheme, out_dtype):
     return out_aval(data.shape, out_dtype, data, scale)
 
 
-dequantize_p.def_abstract_eval(_dequantize_abstract)
+def _dequantize_arrays(sizes, params):
+    scheme = params["scheme"]
+    x = _input_dims(sizes)
+    usage, = ("rowwise" if u == "tile" else u for u in scheme.kernel_usages)
+    return [x, (x[0], *_scale_dims(scheme, x[1].size, x[2].size, usage))], [x]
+
+
+dequantize_p, _dequantize_local = partitioned_primitive(
+    "jf_dequantize", _dequantize_abstract, Rule(("b", "m", "k"), _NAMES, _SIZES, _dequantize_arrays))
 
 
 def _dequantize_ffi_lowering(ctx, data, scale, *, scheme, out_dtype):
@@ -103,8 +133,8 @@ ad.primitive_jvps[quantize_p] = _no_jvp("quantize")
 ad.primitive_jvps[dequantize_p] = _no_jvp("dequantize")
 
 # ---- lowering registration ---------------------------------------------------------------------
-for _prim, _ffi_rule, _ref in ((quantize_p, _quantize_ffi_lowering, reference.quantize_usages),
-                               (dequantize_p, _dequantize_ffi_lowering, reference.dequantize_blocks)):
+for _prim, _ffi_rule, _ref in ((_quantize_local, _quantize_ffi_lowering, reference.quantize_usages),
+                               (_dequantize_local, _dequantize_ffi_lowering, reference.dequantize_blocks)):
     _ref_rule = mlir.lower_fun(_ref, multiple_results=_prim.multiple_results)
     mlir.register_lowering(_prim, _ref_rule)  # any platform without our kernels
     for _platform, _ok in _ffi.AVAILABLE.items():

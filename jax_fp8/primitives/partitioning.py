@@ -1,0 +1,351 @@
+"""How the primitives split under ``jax.jit`` over a mesh: sharded operands, no ``shard_map``.
+
+Without a rule, XLA runs a custom call whole on every device: it gathers every operand to each one.
+So each primitive is registered as a pair (:func:`partitioned_primitive`): the primitive the API
+binds (abstract eval, batching), whose lowering is a ``jax.experimental.custom_partitioning`` of its
+local twin (``<name>_local``: the same arguments, lowered to our FFI kernel or the reference), which is
+what each device runs on its shard.
+
+The partitioner consults a primitive twice. While it propagates shardings it reads a Shardy rule
+(:func:`sdy_rule`): which dims of the operands and results are one dimension of the op, a scale
+grid's coarse dim (one entry per block) being a compound factor of its data's dim. Then it calls back
+with the operands' shardings and :func:`plan` decides, per dim of the op: it stays sharded when each
+shard holds whole blocks and every array's local shape tiles its global one (padded GEMM-ready scales
+included); otherwise its mesh axes are dropped, XLA gathers that dim alone, and one warning says
+which and why. A mesh axis that would shard two dims of one op stays on the first in the rule's
+order (a GEMM keeps M, the activations' rows, and gathers the weight). A contracted dim that stays
+sharded gives local partial products and a ``psum``.
+
+Under a mesh with ``AxisType.Explicit`` axes the operands' shardings are known while tracing: the
+same plan types the results (``jax.typeof`` shows them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from functools import partial
+from typing import Callable, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import dispatch
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .._compat import Primitive, apply_primitive, mlir
+from ..warn import warn
+
+
+class ShardingWarning(UserWarning):
+    """A jax_fp8 op under ``jax.jit`` gathers a sharded dim it cannot split (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """One dim of an operand or result: the op dim it spans (``label``; None: its own, never split),
+    its ``size``, ``block``: op-dim elements per entry (1 for data, 32 or 128 along a scale grid), and
+    ``pad``: the entries are padded up to a multiple of it. A padded dim whose shards would not tile
+    it is held whole: each device slices its own entries from an operand, and gathers a result's
+    (a scale grid: a few bytes), while the data stay split."""
+
+    label: Optional[str]
+    size: int
+    block: int = 1
+    pad: int = 1  # entries rounded up to a multiple of this (GEMM-ready scales: 4)
+
+
+Layout = tuple  # tuple[Dim, ...]: one array's dims
+Axes = tuple  # tuple[str, ...]: the mesh axes that split one dim, major first
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How a primitive partitions.
+
+    - ``labels``: its op dims, in precedence order (a mesh axis wanted by two stays on the first);
+    - ``names``: each label in words, for warnings;
+    - ``sizes(shapes, params)``: each op dim's size, from the operands' shapes;
+    - ``arrays(sizes, params)``: the operands' and the results' :class:`Dim` layouts at these sizes
+      (called with local sizes too: the shards' layouts);
+    - ``why_not(label, local, sizes, params)``: why a shard of ``local`` entries along ``label`` cannot
+      run (alignment beyond whole blocks), or None;
+    - ``contracted``: labels absent from the results (split: partial products, summed);
+    - ``local(bind, reduce_axes, params)``: the per-device function, given the local twin's ``bind``
+      (default: ``bind`` with ``params``);
+    - ``pad_value``: what padded entries hold.
+    """
+
+    labels: tuple
+    names: dict
+    sizes: Callable
+    arrays: Callable
+    why_not: Callable = lambda label, local, sizes, params: None
+    contracted: tuple = ()
+    local: Optional[Callable] = None
+    pad_value: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A padded dim held whole (see :class:`Dim`): array ``index`` (operand or result), its ``dim``,
+    the ``axes`` its op dim is split over, a shard's ``entries`` and its padded ``local`` size, and the
+    padded global ``size``."""
+
+    index: int
+    dim: int
+    axes: Axes
+    entries: int
+    local: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs where: the specs the operands are taken in and the results come out in (per dim, a
+    tuple of mesh axes or None), the axes to ``psum`` the local results over, the padded dims held
+    whole (operands, results), and what was gathered, in words."""
+
+    operands: list
+    results: list
+    reduce_axes: Axes
+    whole_in: tuple
+    whole_out: tuple
+    gathered: list
+
+
+def _axes(entry) -> Axes:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def spec_axes(spec, ndim: int) -> tuple:
+    """A PartitionSpec as one tuple of mesh axes per dim (empty: replicated)."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    return tuple(_axes(e) for e in entries)
+
+
+def _exact(d: Dim, sizes) -> bool:
+    """The dim is exactly its op dim in blocks: no partial block, no padding."""
+    s = sizes[d.label]
+    return s % d.block == 0 and d.size * d.block == s
+
+
+def _split_problem(rule, params, label, axes, mesh_sizes, sizes, arrays) -> Optional[str]:
+    """Why ``label`` cannot be split over ``axes`` (None: it can)."""
+    n = _shards(axes, mesh_sizes)
+    s = sizes[label]
+    if s % n:
+        return f"its {s} entries do not split evenly over {n} shards"
+    local = s // n
+    local_arrays = rule.arrays({**sizes, label: local}, params)
+    for g, loc in zip(itertools.chain(*arrays), itertools.chain(*local_arrays)):
+        for gd, ld in zip(g, loc):
+            if gd.label != label:
+                continue
+            if local % ld.block:
+                return f"each shard's {local} is not a multiple of the {ld.block}-wide block"
+            if ld.size * n != gd.size and gd.pad == 1:
+                return f"a shard's padded layout ({ld.size} entries) does not tile the whole ({gd.size})"
+    return rule.why_not(label, local, sizes, params)
+
+
+def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
+    """Decide which op dims stay split, given the operands' global ``shapes`` and ``specs`` (per dim, a
+    tuple of mesh axes). A dim takes the axes of the first operand that splits it at full resolution."""
+    sizes = rule.sizes(shapes, params)
+    arrays = rule.arrays(sizes, params)
+    operands, results = arrays
+    chosen, used, gathered = {}, set(), []
+    for label in rule.labels:
+        want = next((axes for layout, spec in zip(operands, specs) for d, axes in zip(layout, spec)
+                     if d.label == label and d.block == 1 and axes), ())
+        if not want:
+            continue
+        free = tuple(a for a in want if a not in used)
+        best, reason = (), None  # axes that another dim of the op holds are gathered as lax would: silently
+        for i in range(len(free), 0, -1):  # the longest prefix that can be split
+            problem = _split_problem(rule, params, label, free[:i], mesh_sizes, sizes, arrays)
+            if problem is None:
+                best = free[:i]
+                break
+            reason = reason or problem
+        if best != free:
+            gathered.append(f"{rule.names[label]} gathered over mesh axes {[a for a in free if a not in best]}: "
+                            f"{reason}")
+        chosen[label] = best
+        used.update(best)
+
+    local_arrays = rule.arrays({k: v // _shards(chosen.get(k, ()), mesh_sizes) for k, v in sizes.items()}, params)
+
+    def whole(layouts, local_layouts):
+        out = []
+        for i, (g, loc) in enumerate(zip(layouts, local_layouts)):
+            for j, (gd, ld) in enumerate(zip(g, loc)):
+                axes = chosen.get(gd.label, ())
+                if axes and ld.size * _shards(axes, mesh_sizes) != gd.size:
+                    out.append(Whole(i, j, axes, sizes[gd.label] // _shards(axes, mesh_sizes) // gd.block,
+                                     ld.size, gd.size))
+        return tuple(out)
+
+    def spec(i, layout, held):
+        return [None if (i, j) in held else chosen.get(d.label) or None for j, d in enumerate(layout)]
+
+    whole_in, whole_out = whole(operands, local_arrays[0]), whole(results, local_arrays[1])
+    held_in, held_out = {(w.index, w.dim) for w in whole_in}, {(w.index, w.dim) for w in whole_out}
+    reduce_axes = tuple(a for label in rule.contracted for a in chosen.get(label, ()))
+    return Plan([spec(i, x, held_in) for i, x in enumerate(operands)],
+                [spec(i, x, held_out) for i, x in enumerate(results)], reduce_axes, whole_in, whole_out, gathered)
+
+
+def _shards(axes: Axes, mesh_sizes) -> int:
+    return int(np.prod([mesh_sizes[a] for a in axes]))
+
+
+def _own_entries(x, w: Whole, pad_value):
+    """This device's entries of an operand dim held whole, padded as a shard's layout."""
+    start = lax.axis_index(w.axes) * w.entries
+    x = lax.dynamic_slice_in_dim(x, start, w.entries, axis=w.dim)
+    return _pad_to(x, w.dim, w.local, pad_value)
+
+
+def _all_entries(x, w: Whole, pad_value):
+    """A result dim held whole: every device's entries, in order, padded as the global layout."""
+    x = lax.all_gather(lax.slice_in_dim(x, 0, w.entries, axis=w.dim), w.axes, axis=w.dim, tiled=True)
+    return _pad_to(x, w.dim, w.size, pad_value)
+
+
+def _pad_to(x, dim: int, size: int, value):
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, size - x.shape[dim])
+    return jnp.pad(x, widths, constant_values=np.asarray(value, x.dtype))
+
+
+def sdy_rule(rule: Rule, params: dict, shapes) -> tuple[str, dict]:
+    """The Shardy rule (einsum-like string, factor sizes) of the op at these operand shapes: one factor
+    per op dim; where a scale grid has one entry per block of c elements, the data's dim is the
+    compound ``(Lb Lr)`` (blocks, c) and the grid's dim ``Lb``. Dims that are not exactly their op dim
+    in blocks (partial blocks, padding) get factors of their own: nothing propagates through them."""
+    sizes = rule.sizes(shapes, params)
+    operands, results = rule.arrays(sizes, params)
+    coarse = {}
+    for d in itertools.chain(*operands, *results):
+        if d.label is not None and d.block > 1 and _exact(d, sizes):
+            coarse.setdefault(d.label, d.block)
+    factor_sizes, fresh = {}, itertools.count()
+
+    def name(d: Dim) -> str:
+        c = coarse.get(d.label)
+        if d.label is None or not _exact(d, sizes) or d.block not in (1, c or 1):
+            return f"z{next(fresh)}"
+        if c is None:
+            return d.label
+        if d.block == 1:
+            factor_sizes[f"{d.label}r"] = c
+            return f"({d.label}b {d.label}r)"
+        return f"{d.label}b"
+
+    def side(layouts):
+        return ", ".join(" ".join(name(d) for d in layout) for layout in layouts)
+
+    text = f"{side(operands)} -> {side(results)}"
+    used = set(text.replace("(", " ").replace(")", " ").replace(",", " ").split())
+    reduction = tuple(f for label in rule.contracted for f in (label, f"{label}b", f"{label}r") if f in used)
+    return text, dict(factor_sizes, reduction_factors=reduction)
+
+
+# ---- registration -------------------------------------------------------------------------------
+def _named(sharding, ndim: int):
+    return spec_axes(sharding.spec, ndim) if isinstance(sharding, NamedSharding) else None
+
+
+def _specs_and_plan(rule, params, mesh, arg_shapes):
+    specs = [_named(a.sharding, len(a.shape)) for a in arg_shapes]
+    if any(s is None for s in specs):  # shardings without mesh axes to read: run replicated
+        specs = [((),) * len(a.shape) for a in arg_shapes]
+    return plan(rule, params, dict(mesh.shape), [tuple(a.shape) for a in arg_shapes], specs)
+
+
+def _sharding(mesh, spec):
+    return NamedSharding(mesh, PartitionSpec(*[None if not axes else axes[0] if len(axes) == 1 else axes
+                                               for axes in spec]))
+
+
+def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_results: bool = False,
+                          local_abstract: Optional[Callable] = None):
+    """``(prim, local)``: the primitive ``name`` the API binds, partitioned by ``rule`` under ``jit``,
+    and its local twin, on which the caller registers the per-platform lowerings. ``prim`` has
+    ``abstract`` (and types its results with the plan under an Explicit mesh); ``local`` has
+    ``local_abstract`` (default: ``abstract``; another one when ``rule.local`` binds other params)."""
+    prim, local = Primitive(name), Primitive(f"{name}_local")
+    for p in (prim, local):
+        p.multiple_results = multiple_results
+        p.def_impl(partial(apply_primitive, p))
+    local.def_abstract_eval(local_abstract or abstract)
+    prim.def_abstract_eval(partial(_typed_abstract, abstract, rule))
+    dispatch.prim_requires_devices_during_lowering.add(prim)  # the partitioner needs the device mesh
+
+    def on_device(params, reduce_axes):
+        """What one device runs on its operands (its shard, or the whole array)."""
+        if rule.local is not None:
+            return rule.local(local.bind, reduce_axes, params)
+        return lambda *args: tuple(local.bind(*args, **params)) if multiple_results else local.bind(*args, **params)
+
+    def run(items, *args):  # unsplit: one device, or inside shard_map
+        return on_device(dict(items), ())(*args)
+
+    def lower_fn(items, p: Plan):
+        fn = on_device(dict(items), p.reduce_axes)
+
+        def on_shard(*args):
+            args = list(args)
+            for w in p.whole_in:
+                args[w.index] = _own_entries(args[w.index], w, rule.pad_value)
+            outs = list(fn(*args)) if multiple_results else [fn(*args)]
+            for w in p.whole_out:
+                outs[w.index] = _all_entries(outs[w.index], w, rule.pad_value)
+            return tuple(outs) if multiple_results else outs[0]
+
+        return on_shard
+
+    def partition(items, mesh, arg_shapes, result_shape):
+        p = _specs_and_plan(rule, dict(items), mesh, arg_shapes)
+        for note in p.gathered:
+            warn(f"jax_fp8: {name} under jax.jit: {note}", ShardingWarning)
+        outs = [_sharding(mesh, s) for s in p.results]
+        return mesh, lower_fn(items, p), tuple(outs) if multiple_results else outs[0], \
+            tuple(_sharding(mesh, s) for s in p.operands)
+
+    def infer(items, mesh, arg_shapes, result_shape):  # the GSPMD partitioner (jax_use_shardy_partitioner=False)
+        outs = [_sharding(mesh, s) for s in _specs_and_plan(rule, dict(items), mesh, arg_shapes).results]
+        return tuple(outs) if multiple_results else outs[0]
+
+    def sharding_rule(items, mesh, value_types, result_types):
+        return sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types])
+
+    split = custom_partitioning(run, static_argnums=(0,))
+    split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule)
+
+    def lowering(ctx, *args, **params):
+        items = tuple(sorted(params.items()))
+        return mlir.lower_fun(partial(split, items), multiple_results=multiple_results)(ctx, *args)
+
+    mlir.register_lowering(prim, lowering)
+    return prim, local
+
+
+def _typed_abstract(abstract, rule, *avals, **params):
+    """``abstract``'s results, typed with the plan's shardings when an operand's type names mesh axes
+    (an Explicit mesh); as they are otherwise (the partitioner decides at compile time)."""
+    outs = abstract(*avals, **params)
+    shardings = [getattr(a, "sharding", None) for a in avals]
+    specs = [spec_axes(s.spec, a.ndim) if isinstance(s, NamedSharding) else ((),) * a.ndim
+             for s, a in zip(shardings, avals)]
+    if not any(any(axes) for spec in specs for axes in spec):
+        return outs
+    mesh = next(s.mesh for s, spec in zip(shardings, specs) if any(spec))
+    p = plan(rule, params, dict(mesh.shape), [a.shape for a in avals], specs)
+    many = isinstance(outs, (list, tuple))
+    typed = [o.update(sharding=_sharding(mesh, s)) for o, s in zip(outs if many else [outs], p.results)]
+    return typed if many else typed[0]
