@@ -2,7 +2,9 @@
 
 Lowering: our FFI kernels on ``cpu`` and ``cuda`` when their module is built, else (and on every
 other platform) the jax.numpy reference, which defines the same numbers. The scheme reaches the FFI
-handlers as one dictionary attribute, ``scheme`` (ffi_common.h's ``Scheme``).
+handlers as one dictionary attribute, ``scheme`` (ffi_common.h's ``Scheme``). Under ``jax.jit`` on a
+mesh each splits over its batch, rows and last dim (:mod:`.partitioning`): the lowerings above belong
+to the local twins, which run on each device's shard.
 """
 from __future__ import annotations
 
