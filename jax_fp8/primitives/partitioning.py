@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from functools import partial
 from typing import Callable, Optional
 
@@ -222,16 +223,20 @@ def _pad_to(x, dim: int, size: int, value):
     return jnp.pad(x, widths, constant_values=np.asarray(value, x.dtype))
 
 
-def sdy_rule(rule: Rule, params: dict, shapes) -> tuple[str, dict]:
+def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
     """The Shardy rule (einsum-like string, factor sizes) of the op at these operand shapes: one factor
     per op dim; where a scale grid has one entry per block of c elements, the data's dim is the
     compound ``(Lb Lr)`` (blocks, c) and the grid's dim ``Lb``. Dims that are not exactly their op dim
-    in blocks (partial blocks, padding) get factors of their own: nothing propagates through them."""
+    in blocks (partial blocks, padding) get factors of their own: nothing propagates through them; so
+    do the grids whose block count a mesh axis neither divides nor is coprime with (Shardy would split
+    that axis between ``Lb`` and ``Lr``, a sharding no PartitionSpec can name)."""
     sizes = rule.sizes(shapes, params)
     operands, results = rule.arrays(sizes, params)
     coarse = {}
     for d in itertools.chain(*operands, *results):
-        if d.label is not None and d.block > 1 and _exact(d, sizes):
+        blocks = sizes[d.label] // d.block if d.label is not None else 0
+        if (d.label is not None and d.block > 1 and _exact(d, sizes)
+                and all(math.gcd(blocks, a) in (1, a) for a in mesh_sizes.values())):
             coarse.setdefault(d.label, d.block)
     factor_sizes, fresh = {}, itertools.count()
 
@@ -322,7 +327,7 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
         return tuple(outs) if multiple_results else outs[0]
 
     def sharding_rule(items, mesh, value_types, result_types):
-        return sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types])
+        return sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
 
     split = custom_partitioning(run, static_argnums=(0,))
     split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule)

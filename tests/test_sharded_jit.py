@@ -1,0 +1,446 @@
+"""Sharded arrays under plain ``jax.jit`` (no ``shard_map``): every jax_fp8 op partitions as the ``lax``
+code it replaces (issue 35).
+
+Inputs are ``NamedSharding`` arrays on meshes of the 8 simulated CPU devices, built by
+``jax.make_mesh`` with ``AxisType.Auto`` axes ("auto") and with its default axis types, Explicit
+("default"). Each op is checked against the same call on one device:
+
+- values: bit for bit, except where a contraction is split over devices (a sum of fp32 partial
+  products in another order: within one ulp of the output dtype, plus 2**-20 of the largest value);
+- placement: the data outputs are sharded as the input (the transposed GEMM-ready data transposed);
+- communication, read from the compiled HLO: no collective moves the data (quantize: at most a small
+  all-gather of a padded GEMM-ready fp32 scale grid); the FP8 GEMM's collectives are no more than those
+  of ``lax.dot_general`` on the same operands, an FSDP weight travels as FP8 bytes (u8), and the output
+  and gradient shardings and the per-device temp memory (within 2x) match lax's.
+
+The shard_map-only collectives' errors under plain jit are covered by
+``test_shard_map.py::test_collectives_under_plain_jit_say_they_need_shard_map``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_fp8 as jf
+from jax_fp8.gemm import Fp8GemmFallbackWarning
+from jax_fp8.primitives.partitioning import ShardingWarning
+from helpers import assert_bits_equal, assert_tensors_equal, random_input
+
+_CPU = jax.devices("cpu")[0]  # the meshes are CPU devices: the unsharded references run there too
+KN = (((1,), (0,)), ((), ()))  # x (M, K) @ W (K, N)
+MODES = ["auto", "default"]
+SMALL = 4096  # bytes: a collective at most this large moves scales, never data
+
+
+def _mesh(shape, names, mode):
+    devices = jax.devices("cpu")[:int(np.prod(shape))]
+    if mode == "auto":
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+    return jax.make_mesh(shape, names, devices=devices)  # jax's default axis types (Explicit)
+
+
+def _put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _norm(spec, ndim):
+    """A PartitionSpec as one tuple of mesh axes per dim (trailing Nones and 1-tuples normalised)."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    return tuple(() if e is None else tuple(e) if isinstance(e, (tuple, list)) else (e,) for e in entries)
+
+
+def _local_shape(shape, mesh, spec):
+    sizes = dict(mesh.shape)
+    return tuple(n // int(np.prod([sizes[a] for a in axes])) for n, axes in zip(shape, _norm(spec, len(shape))))
+
+
+def _assert_sharded_as(out, mesh, spec, what):
+    """``out`` is laid out as ``spec`` says: its normalised spec and its first shard's shape."""
+    assert _norm(out.sharding.spec, out.ndim) == _norm(spec, out.ndim), (what, out.sharding.spec, spec)
+    assert out.addressable_shards[0].data.shape == _local_shape(out.shape, mesh, spec), \
+        (what, out.addressable_shards[0].data.shape, out.shape, spec)
+
+
+# ---- the compiled HLO's collectives ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # all-gather, all-reduce, ...
+    dtype: str  # HLO element type: f32, bf16, u8, ...
+    shape: tuple
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        bits = re.search(r"\d+", self.dtype)
+        return self.size * (int(bits.group()) // 8 if bits else 1)
+
+
+_COLLECTIVE = re.compile(r"=\s*(\([^)]*\)|\S+)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
+                         r"reduce-scatter)(-start)?\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective of a compiled module, one entry per array it produces (a combined all-reduce
+    of a tuple counts each array; an async all-gather-start its outputs)."""
+    out = []
+    for m in _COLLECTIVE.finditer(hlo):
+        arrays = _ARRAY.findall(m.group(1))
+        if m.group(3) and m.group(2) == "all-gather":  # (operands, outputs)
+            arrays = arrays[len(arrays) // 2:]
+        out += [Collective(m.group(2), dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in arrays]
+    return out
+
+
+def _large(colls, *kinds):
+    return [c for c in colls if c.kind in kinds and c.nbytes > SMALL]
+
+
+def test_collectives_parser():
+    """The HLO reader sees every collective (else the 'no gather' checks below would prove nothing):
+    on lines of XLA's forms, and in what lax's own FSDP matmul compiles to."""
+    hlo = """
+      %all-gather = f32[1,256,200]{1,0,2} all-gather(%copy_bitcast_fusion), channel_id=1, dimensions={2}
+      %all-reduce.1 = (f32[], f32[512,1024]{1,0}) all-reduce(%ynn_fusion.5, %while.8), channel_id=2
+      %ags = (u8[128,1024]{1,0}, u8[1024,1024]{1,0}) all-gather-start(%p), dimensions={0}
+      %agd = u8[1024,1024]{1,0} all-gather-done(%ags)
+      %a2a = bf16[8,64]{1,0} all-to-all(%x), dimensions={0}
+      %cp = f8e4m3fn[64,64]{1,0} collective-permute(%y), source_target_pairs={{0,1}}
+    """
+    assert collectives(hlo) == [
+        Collective("all-gather", "f32", (1, 256, 200)), Collective("all-reduce", "f32", ()),
+        Collective("all-reduce", "f32", (512, 1024)), Collective("all-gather", "u8", (1024, 1024)),
+        Collective("all-to-all", "bf16", (8, 64)), Collective("collective-permute", "f8e4m3fn", (64, 64))]
+    assert [c.nbytes for c in collectives(hlo)] == [204800, 4, 2 << 20, 1 << 20, 1024, 4096]
+
+    mesh = _mesh((8,), ("data",), "auto")
+    rng = np.random.default_rng(3500)
+    x = _put(rng.standard_normal((256, 1024)).astype(np.float32), mesh, P("data", None))
+    w = _put(rng.standard_normal((1024, 384)).astype(np.float32), mesh, P("data", None))
+    colls = collectives(jax.jit(lambda a, b: jnp.sum(a @ b)).lower(x, w).compile().as_text())
+    assert ("f32", 1024 * 384) in [(c.dtype, c.size) for c in _large(colls, "all-gather")], colls  # the weight
+
+
+# ---- 1. quantize / dequantize: split where the input is, bit for bit ------------------------------------
+QUANTIZERS = {
+    "blockwise-1x128": lambda v, layout: jf.quantize_blockwise(v, block=(1, 128), rowwise=True, colwise=True,
+                                                               layout=layout),
+    "blockwise-128x128": lambda v, layout: jf.quantize_blockwise(v, block=(128, 128), rowwise=True, colwise=True,
+                                                                 layout=layout),
+    "mxfp8": lambda v, layout: jf.quantize_mxfp8(v, rowwise=True, colwise=True, layout=layout),
+}
+#: name: (mesh shape, axis names, input spec, global shape); every shard holds whole 128x128 tiles
+SPLITS = {
+    "rows": ((8,), ("data",), P("data", None), (1024, 256)),
+    "cols": ((4, 2), ("data", "model"), P(None, "model"), (256, 512)),
+    "rows+cols": ((4, 2), ("data", "model"), P("data", "model"), (512, 512)),
+}
+
+
+#: every split on an Auto mesh; Explicit (jax.make_mesh's default) on the one that splits both dims
+SPLIT_MODES = [(split, "auto") for split in SPLITS] + [("rows+cols", "default")]
+
+
+def _check_hlo_moves_only_scales(hlo, scale_bytes, what):
+    """No collective but all-gathers of fp32 scale grids (each at most one whole grid's bytes)."""
+    colls = collectives(hlo)
+    others = [c for c in colls if c.kind != "all-gather"]
+    assert not others, (what, others)
+    bad = [c for c in colls if c.dtype != "f32" or c.nbytes > scale_bytes]
+    assert not bad, (what, f"all-gathers beyond a {scale_bytes}-byte scale grid", bad)
+
+
+def _data_specs(q, spec):
+    """(data leaf, the spec it should have): the input's, transposed for GEMM-ready columnwise data."""
+    out = []
+    for usage in q.usage_blocks():
+        data = getattr(q, f"{usage}_data")
+        transposed = usage == "colwise" and q.layout == "gemm_ready"
+        out.append((usage, data, P(*reversed(_norm(spec, 2))) if transposed else spec))
+    return out
+
+
+def _scale_bytes(q):
+    return max(np.asarray(getattr(q, f"{u}_scale_inv")).nbytes for u in q.usage_blocks())
+
+
+@pytest.mark.parametrize("split,mode", SPLIT_MODES)
+@pytest.mark.parametrize("layout", ["compact", "gemm_ready"])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_quantize_and_dequantize_stay_split(name, layout, split, mode):
+    mesh_shape, names, spec, shape = SPLITS[split]
+    mesh = _mesh(mesh_shape, names, mode)
+    x = random_input(np.random.default_rng(3501), shape, jnp.bfloat16)
+    xs = _put(x, mesh, spec)
+    quant = jax.jit(lambda v: QUANTIZERS[name](v, layout))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)  # aligned shards: nothing to gather
+        compiled = quant.lower(xs).compile()
+        q, ref = compiled(xs), quant(jax.device_put(x, _CPU))
+        assert_tensors_equal(q, ref)
+        for usage, data, want in _data_specs(q, spec):
+            _assert_sharded_as(data, mesh, want, f"{usage}_data")
+        _check_hlo_moves_only_scales(compiled.as_text(), _scale_bytes(ref), "quantize")
+
+        # dequantize each usage of the sharded tensor (as the quantize left it), in another jit
+        deq = jax.jit(lambda t: tuple(jf.dequantize(t, usage=u) for u in t.usage_blocks()))
+        compiled = deq.lower(q).compile()
+        ys, y_ref = compiled(q), deq(ref)
+        for u, y, r in zip(q.usage_blocks(), ys, y_ref):
+            assert_bits_equal(y, r, f"dequantize {u}")
+            _assert_sharded_as(y, mesh, spec, f"dequantize {u}")
+        _check_hlo_moves_only_scales(compiled.as_text(), _scale_bytes(ref), "dequantize")
+
+
+QDQ = {
+    "mxfp8": dict(fmt="mxfp8"),
+    "blockwise-1x128": dict(fmt="blockwise", block=(1, 128)),
+    "blockwise-128x128": dict(fmt="blockwise", block=(128, 128)),
+}
+
+
+@pytest.mark.parametrize("split,mode", SPLIT_MODES)
+@pytest.mark.parametrize("name", list(QDQ))
+def test_quantize_dequantize_stays_split(name, split, mode):
+    mesh_shape, names, spec, shape = SPLITS[split]
+    mesh = _mesh(mesh_shape, names, mode)
+    x = random_input(np.random.default_rng(3502), shape, jnp.bfloat16)
+    xs = _put(x, mesh, spec)
+    f = jax.jit(lambda v: tuple(jf.quantize_dequantize(v, usage=u, **QDQ[name]) for u in ("rowwise", "colwise")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)
+        compiled = f.lower(xs).compile()
+        ys, refs = compiled(xs), f(jax.device_put(x, _CPU))
+        for u, y, r in zip(("rowwise", "colwise"), ys, refs):
+            assert_bits_equal(y, r, u)
+            _assert_sharded_as(y, mesh, spec, u)
+        colls = collectives(compiled.as_text())
+    assert not colls, colls  # compact scales: nothing to pad, nothing to move
+
+
+# ---- 2. shards that split a block: the dim is gathered, one warning names it -----------------------------
+#: name: (mesh shape, axis names, spec, shape, quantizer, words in the warning, {dim: local size} kept split)
+MISALIGNED = {
+    "last dim 200 over 2 (1x128)": ((4, 2), ("data", "model"), P(None, "model"), (256, 200),
+                                    lambda v: jf.quantize_blockwise(v, colwise=True), "last dim", {}),
+    "last dim 200 over 2 (mxfp8)": ((4, 2), ("data", "model"), P(None, "model"), (256, 200),
+                                    lambda v: jf.quantize_mxfp8(v, colwise=True), "last dim", {}),
+    "last dim 200 over 2, rows split": ((4, 2), ("data", "model"), P("data", "model"), (256, 200),
+                                        lambda v: jf.quantize_blockwise(v), "last dim", {0: 64}),
+    "last dim 512 over 8 (1x128)": ((8,), ("data",), P(None, "data"), (64, 512),
+                                    lambda v: jf.quantize_blockwise(v), "last dim", {}),
+    "96-row shards over 4, colwise": ((4, 2), ("data", "model"), P("data", "model"), (384, 256),
+                                      lambda v: jf.quantize_blockwise(v, colwise=True), "rows", {1: 128}),
+    "96-row shards over 8, colwise": ((8,), ("data",), P("data", None), (768, 256),
+                                      lambda v: jf.quantize_blockwise(v, colwise=True), "rows", {}),
+    "64-row shards over 4, colwise, cols split": ((4, 2), ("data", "model"), P("data", "model"), (256, 512),
+                                                  lambda v: jf.quantize_blockwise(v, colwise=True), "rows", {1: 256}),
+}
+
+
+@pytest.mark.parametrize("case,mode", [(case, "auto") for case in MISALIGNED] + [
+    (case, "default") for case in ("last dim 200 over 2 (1x128)", "96-row shards over 4, colwise",
+                                   "96-row shards over 8, colwise")])
+def test_misaligned_shards_gather_that_dim_with_one_warning(case, mode):
+    mesh_shape, names, spec, shape, quant, words, kept = MISALIGNED[case]
+    mesh = _mesh(mesh_shape, names, mode)
+    x = random_input(np.random.default_rng(3503), shape, jnp.bfloat16)
+    f = jax.jit(quant)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = f(_put(x, mesh, spec))
+    ours = [w for w in caught if issubclass(w.category, ShardingWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert words in str(ours[0].message) and "gathered" in str(ours[0].message), str(ours[0].message)
+    assert_tensors_equal(q, f(jax.device_put(x, _CPU)))
+    for dim, local in kept.items():  # the other, aligned dim stays split
+        assert q.rowwise_data.addressable_shards[0].data.shape[dim] == local, q.rowwise_data.sharding
+
+
+# ---- 3, 4. fp8_dot_general against lax.dot_general on the same sharded operands ------------------------
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    mesh: tuple
+    names: tuple
+    x_shape: tuple
+    x_spec: P
+    w_spec: P
+    split: frozenset  # results whose contraction is split over devices: y (K), dx (N), dw (M)
+    fsdp: bool = False  # the weight is gathered (as lax gathers it), in FP8
+
+
+M, K, N = 1024, 1024, 512
+DP, TP = ((8,), ("data",)), ((4, 2), ("data", "model"))
+GEMM_CASES = {
+    "dp": GemmCase(*DP, (M, K), P("data", None), P(), frozenset({"dw"})),
+    "tp-col": GemmCase(*TP, (M, K), P("data", None), P(None, "model"), frozenset({"dx", "dw"})),
+    "tp-row": GemmCase(*TP, (M, K), P("data", "model"), P("model", None), frozenset({"y", "dw"})),
+    "fsdp": GemmCase(*DP, (M, K), P("data", None), P("data", None), frozenset({"dw"}), fsdp=True),
+    "fsdp+tp": GemmCase(*TP, (M, K), P("data", None), P("data", "model"), frozenset({"dx", "dw"}), fsdp=True),
+    # 4. a 3-D activation (B, S, K): batch-sharded, and sequence-sharded
+    "3d-batch": GemmCase(*TP, (8, M // 8, K), P("data", None, None), P(None, "model"), frozenset({"dx", "dw"})),
+    "3d-sequence": GemmCase(*TP, (2, M // 2, K), P(None, "data", None), P(None, "model"), frozenset({"dx", "dw"})),
+}
+
+
+def _dims(x_ndim):
+    return (((x_ndim - 1,), (0,)), ((), ()))
+
+
+def _train_step(dot, x_ndim, fixed_cotangent):
+    """(loss, y), (dx, dW) of ``sum(y.astype(f32) ** 2)``; with ``fixed_cotangent`` of ``sum(y * c)``
+    instead: where the forward's K is split, y (and so 2y) may differ from the one-device y in its last
+    bit, and the backward is compared on the same output gradient."""
+    def loss(x, w, c):
+        y = dot(x, w, _dims(x_ndim))
+        y32 = y.astype(jnp.float32)
+        return (jnp.sum(y32 * c) if fixed_cotangent else jnp.sum(y32 ** 2)), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@lru_cache(maxsize=None)
+def _gemm_data(x_shape):
+    rng = np.random.default_rng(3504)
+    x = rng.standard_normal(x_shape).astype(jnp.bfloat16)
+    w = (rng.standard_normal((K, N)) / 32).astype(jnp.bfloat16)
+    c = rng.standard_normal((*x_shape[:-1], N)).astype(np.float32)
+    return x, w, c
+
+
+@lru_cache(maxsize=None)
+def _gemm_reference(x_shape, fixed_cotangent):
+    """The fp8 step on one device, unsharded."""
+    x, w, c = _gemm_data(x_shape)
+    (_, y), (dx, dw) = _train_step(jf.fp8_dot_general, len(x_shape), fixed_cotangent)(
+        *jax.device_put((x, w, c), _CPU))
+    return {"y": np.asarray(y), "dx": np.asarray(dx), "dw": np.asarray(dw)}
+
+
+def assert_close_reassociated(got, want, what):
+    """``got`` equals ``want`` up to the order of an fp32 sum: within one ulp of ``got``'s dtype at the
+    larger magnitude (the fp32 sums may round either way) plus 2**-20 of the largest ``|want|``."""
+    mant = jnp.finfo(got.dtype).nmant
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert g.shape == w.shape and np.isfinite(w).all(), what
+    mag = np.maximum(np.abs(g), np.abs(w))
+    ulp = np.exp2(np.floor(np.log2(np.where(mag > 0, mag, 1.0))) - mant)
+    tol = ulp + 2.0 ** -20 * np.max(np.abs(w))
+    bad = np.flatnonzero(~(np.abs(g - w) <= tol))
+    assert bad.size == 0, (f"{what}: {bad.size} of {g.size} differ beyond reassociation; worst "
+                           f"{np.max(np.abs(g - w) / tol):.3g}x the tolerance")
+
+
+# Known limitation (README, "Sharded jit"): the GEMM's 2-D view folds (B, S) into M, and with B > 1 a split
+# S does not survive the fold: XLA gathers the activation (Auto) or the reshape raises (Explicit).
+_SEQUENCE = pytest.mark.xfail(strict=True, reason="a split inner leading dim does not survive the fold into M")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_SEQUENCE) if c == "3d-sequence" else c for c in GEMM_CASES])
+def test_fp8_dot_general_partitions_like_lax(case, mode):
+    cfg = GEMM_CASES[case]
+    mesh = _mesh(cfg.mesh, cfg.names, mode)
+    x, w, c = _gemm_data(cfg.x_shape)
+    y_spec = P(*cfg.x_spec[:-1], None)
+    args = _put(x, mesh, cfg.x_spec), _put(w, mesh, cfg.w_spec), _put(c, mesh, y_spec)
+    fixed = "y" in cfg.split
+
+    fp8 = _train_step(jf.fp8_dot_general, x.ndim, fixed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)  # aligned shards: no warning
+        warnings.simplefilter("error", Fp8GemmFallbackWarning)  # and every GEMM in FP8
+        compiled = fp8.lower(*args).compile()
+        (_, y), (dx, dw) = compiled(*args)
+
+    # values: those of the same step on one device
+    ref = _gemm_reference(cfg.x_shape, fixed)
+    for what, got in (("y", y), ("dx", dx), ("dw", dw)):
+        if what in cfg.split:
+            assert_close_reassociated(got, ref[what], what)
+        else:
+            assert_bits_equal(got, ref[what], what)
+
+    # communication: never the activations; the weight (FSDP) as FP8 bytes; no more than lax
+    colls = collectives(compiled.as_text())
+    assert not _large(colls, "all-to-all", "collective-permute"), colls
+    gathers = _large(colls, "all-gather")
+    if cfg.fsdp:
+        assert gathers and all(g.dtype == "u8" for g in gathers), gathers
+        assert all(g.size <= w.size for g in gathers), gathers  # a weight's bytes, never x's
+    else:
+        assert not gathers, gathers
+
+    laxed = _train_step(lax.dot_general, x.ndim, fixed)
+    try:
+        lax_compiled = laxed.lower(*args).compile()
+    except Exception as e:  # an Explicit mesh: lax asks for out_sharding where the contraction is split
+        if mode == "auto" or "out_sharding" not in str(e):
+            raise
+        # fp8 needed none: compare with lax told to shard y as it does on an Auto mesh
+        out = NamedSharding(mesh, y_spec)
+        laxed = _train_step(lambda a, b, dims: lax.dot_general(a, b, dims, out_sharding=out), x.ndim, fixed)
+        lax_compiled = laxed.lower(*args).compile()
+    (_, y_lax), (dx_lax, dw_lax) = lax_compiled(*args)
+    lax_colls = collectives(lax_compiled.as_text())
+    if cfg.fsdp:
+        lax_gathers = _large(lax_colls, "all-gather")
+        assert sum(g.nbytes for g in gathers) <= sum(g.nbytes for g in lax_gathers), (gathers, lax_gathers)
+    else:
+        assert not _large(lax_colls, "all-gather"), lax_colls
+    reduce = _large(colls, "all-reduce", "reduce-scatter")
+    lax_reduce = _large(lax_colls, "all-reduce", "reduce-scatter")
+    assert len(reduce) <= len(lax_reduce), (reduce, lax_reduce)
+    assert sum(r.nbytes for r in reduce) <= sum(r.nbytes for r in lax_reduce), (reduce, lax_reduce)
+
+    # the results are sharded as lax's
+    for what, got, want in (("y", y, y_lax), ("dx", dx, dx_lax), ("dw", dw, dw_lax)):
+        assert _norm(got.sharding.spec, got.ndim) == _norm(want.sharding.spec, want.ndim), \
+            (what, got.sharding.spec, want.sharding.spec)
+
+    ours, theirs = compiled.memory_analysis().temp_size_in_bytes, lax_compiled.memory_analysis().temp_size_in_bytes
+    print(f"\n{case} ({mode}): temp bytes per device: fp8 {ours}, lax {theirs} ({ours / theirs:.2f}x)")
+    assert ours <= 2 * theirs, (ours, theirs)
+
+
+# ---- 5. vmap inside jit on sharded inputs --------------------------------------------------------------
+VMAPPED = {
+    "leading axis split": ((8,), ("data",), P("data", None, None), (8, 256, 256),
+                           lambda v: jf.quantize_blockwise(v, block=(128, 128), colwise=True)),
+    "rows split": ((8,), ("data",), P(None, "data", None), (4, 1024, 256),
+                   lambda v: jf.quantize_blockwise(v, colwise=True)),
+    "rows and cols split, gemm_ready": ((4, 2), ("data", "model"), P(None, "data", "model"), (4, 512, 256),
+                                        lambda v: jf.quantize_blockwise(v, colwise=True, layout="gemm_ready")),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(VMAPPED))
+def test_vmap_inside_jit_on_sharded_input(case, mode):
+    mesh_shape, names, spec, shape, quant = VMAPPED[case]
+    mesh = _mesh(mesh_shape, names, mode)
+    x = random_input(np.random.default_rng(3505), shape, jnp.bfloat16)
+    xs = _put(x, mesh, spec)
+    f = jax.jit(jax.vmap(lambda v: (quant(v), jf.dequantize(quant(v), usage="colwise"))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)
+        compiled = f.lower(xs).compile()
+        (q, y), (q_ref, y_ref) = compiled(xs), f(jax.device_put(x, _CPU))
+    assert_tensors_equal(q, q_ref)
+    assert_bits_equal(y, y_ref, "dequantize")
+    _assert_sharded_as(q.rowwise_data, mesh, spec, "rowwise_data")
+    _assert_sharded_as(y, mesh, spec, "dequantize")
+    assert not _large(collectives(compiled.as_text()), "all-gather", "all-reduce", "all-to-all",
+                      "collective-permute", "reduce-scatter")
