@@ -56,8 +56,9 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
         pairs = [(xp.zeros(d, scheme.dtype), xp.full(sc, pad, scheme.scale_dtype)) for d, sc in shapes]
         pairs = vma.vary(pairs, vma.axes_of(x))  # per-device wherever x is, as the kernels' outputs
     else:
-        outs = kernels.quantize(x.reshape(1, M, K), scheme=scheme)
-        pairs = [(bitcast(outs[2 * i].reshape(d), scheme.dtype), outs[2 * i + 1][0]) for i, (d, _) in enumerate(shapes)]
+        # 2-D, then [None]: an Explicit mesh types these reshapes (jax rejects a direct (1, M, K))
+        outs = kernels.quantize(x.reshape(M, K)[None], scheme=scheme)
+        pairs = [(bitcast(outs[2 * i][0].reshape(d), scheme.dtype), outs[2 * i + 1][0]) for i, (d, _) in enumerate(shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
@@ -75,9 +76,9 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     if data.size == 0:
         return vma.vary(xp_of(data).zeros(q.shape, out_dtype), vma.axes_of(data) | vma.axes_of(scale))
     M, K = view_2d(q.shape)
-    y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(1, M, K), scale[None], scheme=q.scheme.only(usage),
+    y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(M, K)[None], scale[None], scheme=q.scheme.only(usage),
                            out_dtype=np.dtype(out_dtype))
-    return y.reshape(q.shape)
+    return y[0].reshape(q.shape)
 
 
 def scales_to_layout(xp, scale, scheme: Scheme, M: int, K: int, usage: str, layout: str):
