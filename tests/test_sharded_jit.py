@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -444,3 +444,37 @@ def test_vmap_inside_jit_on_sharded_input(case, mode):
     _assert_sharded_as(y, mesh, spec, "dequantize")
     assert not _large(collectives(compiled.as_text()), "all-gather", "all-reduce", "all-to-all",
                       "collective-permute", "reduce-scatter")
+
+
+# ---- the edges of a scale grid's layout --------------------------------------------------------------
+def test_tile_shards_whose_padding_would_sit_mid_grid():
+    """128x128 tiles in the GEMM-ready layout, 3 tiles per shard: each shard pads its grid to 4, the
+    whole grid pads 6 tiles to 8. The shards' grids do not tile the whole one (padding mid-grid), so
+    the grid is gathered, the data stay split, and the bits are the unsharded call's; through
+    fp8_dot_general, dW is the unsharded one's, and dx (on that weight's other orientation, its
+    contraction over N split) too, within reassociation."""
+    mesh = _mesh((2,), ("fsdp",), "auto")
+    rng = np.random.default_rng(3501)
+    w = rng.standard_normal((256, 768)).astype(np.float32)
+    scheme = jf.Float8BlockScaling().scheme("rhs")
+    want = jax.jit(partial(jf.quantize, scheme=scheme))(jax.device_put(w, _CPU))
+    got = jax.jit(partial(jf.quantize, scheme=scheme))(_put(w, mesh, P(None, "fsdp")))
+    assert_tensors_equal(got, want)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jf.fp8_dot_general(x, w, KN) ** 2), argnums=(0, 1)))
+    (dx, dw), (dx_ref, dw_ref) = (grad(_put(x, mesh, P()), _put(w, mesh, P(None, "fsdp"))),
+                                  grad(jax.device_put(x, _CPU), jax.device_put(w, _CPU)))
+    assert_bits_equal(np.asarray(dw), np.asarray(dw_ref), "dW")
+    assert_close_reassociated(np.asarray(dx), np.asarray(dx_ref), "dx")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_block_wide_operands(mode):
+    """K = 128, one block: a scale grid of one column (no compound Shardy factor of size 1) on a mesh."""
+    mesh = _mesh((8,), ("data",), mode)
+    rng = np.random.default_rng(3502)
+    x, w = rng.standard_normal((1024, 128)).astype(np.float32), rng.standard_normal((128, 256)).astype(np.float32)
+    f = jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))
+    got = f(_put(x, mesh, P("data", None)), _put(w, mesh, P()))
+    assert_bits_equal(np.asarray(got), np.asarray(f(jax.device_put(x, _CPU), jax.device_put(w, _CPU))))
+    _assert_sharded_as(got, mesh, P("data", None), "y")

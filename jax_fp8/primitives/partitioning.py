@@ -185,9 +185,13 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
         for i, (g, loc) in enumerate(zip(layouts, local_layouts)):
             for j, (gd, ld) in enumerate(zip(g, loc)):
                 axes = chosen.get(gd.label, ())
-                if axes and ld.size * _shards(axes, mesh_sizes) != gd.size:
-                    out.append(Whole(i, j, axes, sizes[gd.label] // _shards(axes, mesh_sizes) // gd.block,
-                                     ld.size, gd.size))
+                if not axes:
+                    continue
+                n = _shards(axes, mesh_sizes)
+                entries = sizes[gd.label] // n // gd.block
+                # a shard's own padding (3 tiles padded to 4) sits mid-grid in the whole: not a tiling
+                if ld.size != entries or ld.size * n != gd.size:
+                    out.append(Whole(i, j, axes, entries, ld.size, gd.size))
         return tuple(out)
 
     def spec(i, layout, held):
@@ -235,7 +239,7 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
     coarse = {}
     for d in itertools.chain(*operands, *results):
         blocks = sizes[d.label] // d.block if d.label is not None else 0
-        if (d.label is not None and d.block > 1 and _exact(d, sizes)
+        if (d.label is not None and d.block > 1 and _exact(d, sizes) and blocks > 1  # Shardy: no size-1 factor
                 and all(math.gcd(blocks, a) in (1, a) for a in mesh_sizes.values())):
             coarse.setdefault(d.label, d.block)
     factor_sizes, fresh = {}, itertools.count()
