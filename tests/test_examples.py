@@ -96,3 +96,90 @@ def test_helper_module_says_what_it_is(capsys):
     runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples", "_fp8_mlp.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "Helper module" in out and "examples/train_mlp.py" in out
+
+
+# train_transformer.py --mesh: 1 layer of the default model (d_model 128: one 128-wide K block; ffn 384:
+# the gate/up kernel's fsdp shards are 3 tiles of 128 each), batch 8 x 128 tokens: one sequence per device
+MESH_RUN = ["--d-model", "128", "--ffn", "384", "--heads", "4", "--layers", "1", "--seq", "128", "--batch", "8",
+            "--vocab", "256", "--steps", "4", "--warmup", "2", "--variants", "fp8", "--log-every", "1000"]
+
+
+def test_train_transformer_mesh_matches_one_device(capsys):
+    """--mesh data=4,fsdp=2 on the 8 simulated CPU devices (plain jax.jit, NamedShardings only): the FP8
+    losses are the single-device run's, and the FSDP weights travel as FP8 bytes.
+
+    Stated tolerance, relative: step 1 (a forward pass on the same parameters; every FP8 GEMM gives the
+    same bits on a shard, only the fp32 mean over the batch sums in another order) 1e-5; steps 2-4
+    2e-3. After the first update the parameters differ by rounding: XLA's bf16 attention backward gives
+    other bits for one sequence per device than for eight on one (its dq and dk differ in ~40% of the
+    elements by a bf16 ulp), and re-quantizing to FP8 lets such differences flip roundings; measured
+    1.5e-4 at most over these 4 steps (2.6e-4 at step 2, 8.5e-3 by step 60 of the default run, bf16
+    8e-4). A wrong gradient shows at once: the misplaced scale grid of a 3-tile shard gave 9.5e-3 at step 2."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    import jax
+    import numpy as np
+
+    import train_transformer
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py gives the CPU 8)")
+    one = train_transformer.main(MESH_RUN)["fp8"]
+    mesh = train_transformer.main(MESH_RUN + ["--mesh", "data=4,fsdp=2"])["fp8"]
+    rel = np.abs(np.array(mesh.losses) - np.array(one.losses)) / np.array(one.losses)
+    assert rel[0] < 1e-5 and rel.max() < 2e-3, (one.losses, mesh.losses)
+    out = capsys.readouterr().out
+    assert "mesh data=4 x fsdp=2 (8 cpu devices" in out and "w_gate_up (128, 768) dim 1" in out
+    assert "[     fp8] compiled step, per device: temp" in out and "all-gather" in out and "all-reduce" in out
+    # FSDP: less state per device than on one device
+    assert mesh.stats["argument"] < one.stats["argument"], (mesh.stats["argument"], one.stats["argument"])
+    # every all-gather: a projection weight as FP8 bytes (u8, either orientation), the embedding table (a
+    # jnp.take lookup, no FP8 operand) or a scale grid (a few bytes); no activation, no bf16/f32 weight
+    kernels = {(128, 384), (128, 128), (128, 768), (384, 128), (128, 256)}
+    kernels |= {k[::-1] for k in kernels}
+    gathers = [(dt, shape) for op, dt, shape in mesh.stats["collectives"] if op == "all-gather"]
+    weights = [(dt, shape) for dt, shape in gathers if shape in kernels and dt == "u8"]
+    assert {shape for _, shape in weights} == {(128, 768), (768, 128), (128, 256), (256, 128)}, gathers
+    rest = [(dt, shape) for dt, shape in gathers if (dt, shape) not in weights and shape != (256, 128)]
+    assert all(np.prod(shape) <= 64 for _, shape in rest), rest
+
+
+def test_train_transformer_mesh_flags():
+    """Run as a script, --mesh gives the CPU as many simulated devices as the mesh has, unless XLA_FLAGS
+    already says; a bad --mesh stops with an argparse error naming it."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    import train_transformer as TT
+
+    flag = "--xla_force_host_platform_device_count"
+    assert TT.xla_flags_for_mesh(["--mesh", "data=4,fsdp=2"], "") == f"{flag}=8"
+    assert TT.xla_flags_for_mesh(["--steps", "3", "--mesh=fsdp=2"], "--xla_cpu_ftz=false") == \
+        f"--xla_cpu_ftz=false {flag}=2"
+    assert TT.xla_flags_for_mesh(["--mesh", "data=4"], f"{flag}=8") == f"{flag}=8"
+    assert TT.xla_flags_for_mesh(["--mesh", "model=2"], "") == "" and TT.xla_flags_for_mesh([], "") == ""
+    assert TT.mesh_axes("data=4, fsdp=2") == {"data": 4, "fsdp": 2}
+    for bad, message in (("model=2", "each axis one of data, fsdp"), ("data=0", "positive integer"),
+                         ("data=64", "needs 64 devices, but only"), ("data=3", "--batch 8 is not divisible by")):
+        with pytest.raises(SystemExit) as exc:
+            TT.parse_args(["--mesh", bad])
+        assert exc.value.code == 2
+
+
+def test_hlo_collectives_parser():
+    """train_transformer.py's collective counts read the compiled HLO: sync and async (GPU) forms, tuples."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    import _transformer as T
+
+    hlo = """
+  %all-gather.1 = f32[256,128]{1,0} all-gather(f32[128,128]{1,0} %p0), channel_id=1, dimensions={0}
+  %ags = ((u8[64,768]{1,0}, f32[1,6]{1,0}), (u8[128,768]{1,0}, f32[2,6]{1,0})) all-gather-start(%a, %b), dimensions={0}
+  %agd = (u8[128,768]{1,0}, f32[2,6]{1,0}) all-gather-done(%ags)
+  %ar = (f32[128,384]{1,0}, f32[]) all-reduce(%g, %l), to_apply=%add, metadata={op_name="jit(step)/all-reduce"}
+  %ars = bf16[8]{0} all-reduce-start(bf16[8]{0} %x), to_apply=%add
+"""
+    got = T.hlo_collectives(hlo)
+    assert got == [("all-gather", "f32", (256, 128)), ("all-gather", "u8", (128, 768)), ("all-gather", "f32", (2, 6)),
+                   ("all-reduce", "f32", (128, 384)), ("all-reduce", "f32", ()), ("all-reduce", "bf16", (8,))], got
+    assert T.summarize_collectives(got) == {"all-gather": (3, 256 * 128 * 4 + 128 * 768 + 48),
+                                            "all-reduce": (3, 128 * 384 * 4 + 4 + 16)}
