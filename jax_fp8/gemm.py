@@ -32,9 +32,11 @@ from .warn import warn
 from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
-from .formats import HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan, blocked_gemm,
-                              dense_gemm, fp8_gemm_bind, gemm_supported, operand_scale_shape, operand_values)
+from .formats import FLOAT8_BLOCK, HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, K_ALIGN, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan,
+                              blocked_gemm, dense_gemm, fp8_gemm_bind, gemm_supported, operand_scale_shape,
+                              operand_values)
+from .primitives.quantize import quantize_p
 from .scheme import GEMM_SCALE_PAD, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
@@ -145,6 +147,10 @@ def _gemm(a, b, out_dtype, c=None):
     """``a · bᵀ (+ c)`` as ``out_dtype``: the FP8 GEMM (padded as ``gemm_supported`` plans), else the
     reference math; no warning here. ``a`` / ``b``: GemmOperands, or fp32 values (rows, K) where no
     FP8 operand exists (then dequantize + fp32 dot)."""
+    if isinstance(a, GemmOperand) and a.data.ndim == 3:  # stacked (aligned by _stackable)
+        out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                            out_dtype=_gemm_dtype(out_dtype))
+        return out.astype(out_dtype)
     M, N = a.shape[0], b.shape[0]
     plan = _plan(a, b) if isinstance(a, GemmOperand) and isinstance(b, GemmOperand) else None
     if plan is not None and not plan.ok:  # the primitive's reference numbers: no overflow the GEMM lacks
@@ -212,8 +218,41 @@ class _Linear:
         return "last" if self.rhs_kn else "first"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """A (B, S, K) activation or gradient quantized sequence by sequence (the kernels' batch dim), so
+    that a split S stays split under jit: rowwise data (B, S, K) with scales (B, K/128, S), columnwise
+    data (B, K, S) with scales (B, S/128, K); the stacked operands of ``jf_fp8_gemm``. With S % 128 == 0
+    every block lies inside one sequence: the same blocks, bits and GEMMs as the (B*S, K) tensor's."""
+
+    usages: dict  # usage -> (FP8 data, fp32 scale)
+
+    @classmethod
+    def of(cls, x3, scheme: Scheme) -> "_Stacked":
+        outs = quantize_p.bind(x3, scheme=scheme)
+        return cls({u: (bitcast(outs[2 * i], scheme.dtype), outs[2 * i + 1])
+                    for i, u in enumerate(scheme.kernel_usages)})
+
+    def operand(self, contract: str) -> GemmOperand:
+        data, scale = self.usages["rowwise" if contract == "last" else "colwise"]
+        return GemmOperand(data, scale, BLOCK_1D)
+
+
+def _stackable(lshape, N: int, x) -> bool:
+    """Whether the lhs of this shape takes the stacked GEMMs: rank >= 3, not pre-quantized, S % 128 == 0
+    and K, N aligned as contractions (fprop's, dgrad's): the stacked GEMMs take no padding."""
+    return (len(lshape) >= 3 and not isinstance(x, BlockwiseTensor) and lshape[-2] % FLOAT8_BLOCK == 0
+            and lshape[-1] % K_ALIGN == 0 and N % K_ALIGN == 0)
+
+
 def _quantized(x, scheme: Scheme):
-    return x if isinstance(x, BlockwiseTensor) else quantize(x, scheme)
+    if isinstance(x, BlockwiseTensor):
+        return x
+    return _Stacked.of(x, scheme) if x.ndim == 3 else quantize(x, scheme)
+
+
+def _operand(q, contract: str):
+    return q.operand(contract) if isinstance(q, _Stacked) else gemm_operand(q, contract)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -222,7 +261,7 @@ def _linear(x, w, cfg: _Linear):
     r = cfg.recipe
     xq = _quantized(x, r.scheme("lhs", colwise=False))
     wq = _quantized(w, r.scheme("rhs", rowwise=not cfg.rhs_kn, colwise=cfg.rhs_kn))
-    return _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
+    return _gemm(_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
 
 
 def _linear_fwd(x, w, cfg: _Linear):
@@ -231,7 +270,7 @@ def _linear_fwd(x, w, cfg: _Linear):
     An operand the backward needs but a pre-quantized tensor lacks is saved as fp32 values instead."""
     r = cfg.recipe
     xq, wq = _quantized(x, r.scheme("lhs")), _quantized(w, r.scheme("rhs"))
-    y = _gemm(gemm_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
+    y = _gemm(_operand(xq, "last"), gemm_operand(wq, cfg.w_fprop), cfg.out_dtype)
     x_t = None if isinstance(w, BlockwiseTensor) else _operand_or_values(xq, "first")  # wgrad: xᵀ (K, M)
     w_d = None if isinstance(x, BlockwiseTensor) else _operand_or_values(wq, cfg.w_dgrad)  # dgrad: (K, N)
     return y, (x_t, w_d, _dtype_of(x), _dtype_of(w))
@@ -240,7 +279,7 @@ def _linear_fwd(x, w, cfg: _Linear):
 def _operand_or_values(q: BlockwiseTensor, contract: str):
     """``gemm_operand(q, contract)``, or, where ``q`` lacks that usage, its fp32 values in the same
     orientation (the backward then computes that GEMM by the reference math)."""
-    op = gemm_operand(q, contract)
+    op = _operand(q, contract)
     if op is not None:
         return op
     v = dequantize(q, jnp.float32).reshape(view_2d(q.shape))
@@ -255,12 +294,12 @@ def _dtype_of(v):
 def _linear_bwd(cfg: _Linear, res, dy):
     x_t, w_d, x_dtype, w_dtype = res
     with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
-        dyq = quantize(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
+        dyq = _quantized(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
     dx = dw = None
     if x_dtype is not None:  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ
-        dx = _retyped(_gemm(gemm_operand(dyq, "last"), w_d, x_dtype.dtype), cfg.x_sharding)
+        dx = _retyped(_gemm(_operand(dyq, "last"), w_d, x_dtype.dtype), cfg.x_sharding)
     if w_dtype is not None:  # dW = dyᵀ · x: (N, K) = dyᵀ (N, M) · [xᵀ (K, M)]ᵀ, or its transpose for (K, N)
-        dy_t = gemm_operand(dyq, "first")
+        dy_t = _operand(dyq, "first")
         dw = _gemm(x_t, dy_t, w_dtype.dtype) if cfg.rhs_kn else _gemm(dy_t, x_t, w_dtype.dtype)
         dw = _retyped(dw, cfg.w_sharding)
     return dx, dw
@@ -443,8 +482,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if reason is None:
         K = lshape[-1]
         M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
-        x2 = lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(M, K)
-        cfg = _Linear(recipe, rhs_kn, out_dtype, _explicit_sharding(x2), _explicit_sharding(rhs))
+        cfg = _Linear(recipe, rhs_kn, out_dtype)
         if not (_usable(lhs, "last") and _usable(rhs, cfg.w_fprop)):
             reason = "a pre-quantized operand lacks the usage the forward GEMM contracts (1x128 blocks along it)"
         elif M * N * K:
@@ -452,7 +490,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             if reasons:
                 _warn("fp8_dot_general: computing by the reference math (same quantized operands) instead of "
                       "the FP8 GEMM: " + "; ".join(reasons))
-            x = x2
+            # sequences (B, S, K) kept apart where all three GEMMs take them stacked: a split S stays split
+            x = (lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(-1, *lshape[-2:])
+                 if not reasons and _stackable(lshape, N, lhs) else lhs.reshape(M, K))
+            cfg = dataclasses.replace(cfg, x_sharding=_explicit_sharding(x), w_sharding=_explicit_sharding(rhs))
             # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
             # replicated operand transposes to the psum its gradient needs under shard_map
             x, w = vma.match(x, rhs)

@@ -2,6 +2,7 @@
 that point at the caller's line, non-finite values that propagate like lax's, and forward-mode
 autodiff that fails with a message naming it (the GEMM path has a reverse-mode rule only)."""
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from jax import lax
 
 import jax_fp8 as jf
-from helpers import stable_seed
+from helpers import assert_bits_equal, stable_seed
 
 KN, NK = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))
 
@@ -228,3 +229,32 @@ def test_other_output_dtypes_fall_back_and_differentiate(out):
     dx, dw = vjp(y)
     dx_ref, dw_ref = vjp_ref(y_ref)
     assert (dx.dtype, dw.dtype, dx.shape, dw.shape) == (dx_ref.dtype, dw_ref.dtype, x.shape, w.shape)
+
+
+@pytest.mark.parametrize("shape,n,grad_dtype", [((2, 256, 384), 272, jnp.float8_e4m3fn),
+                                                ((3, 2, 128, 256), 256, jnp.float8_e5m2),
+                                                ((4, 136, 256), 272, jnp.float8_e4m3fn),
+                                                ((2, 128, 256), 264, jnp.float8_e4m3fn)],
+                         ids=["3d", "4d-e5m2", "seq-not-128", "n-padded"])
+def test_sequences_kept_apart_give_the_folded_bits(shape, n, grad_dtype):
+    """A (..., S, K) lhs with S % 128 == 0 runs as stacked sequences (so a split S stays split under jit):
+    forward and gradients bit for bit those of the same lhs folded to (M, K) by hand; S % 128 != 0, or
+    an N the stacked GEMMs would need padded, folds."""
+    rng = np.random.default_rng(stable_seed("stacked", shape))
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((shape[-1], n)) / 16, jnp.float32)
+    recipe = jf.Float8BlockScaling(grad_dtype=grad_dtype)
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    cot = jnp.asarray(rng.standard_normal((*shape[:-1], n)), jnp.bfloat16)
+
+    def run(x, w, fold):
+        f = lambda a, b: jf.fp8_dot_general(a.reshape(-1, shape[-1]) if fold else a, b,  # noqa: E731
+                                            (((1,), (0,)), ((), ())) if fold else dims, recipe=recipe)
+        y, vjp = jax.vjp(f, x, w)
+        return (y.reshape(cot.shape), *vjp(cot.reshape(y.shape).astype(y.dtype)))
+
+    stacked = f"u8[{int(np.prod(shape[:-2]))},{shape[-2]},{shape[-1]}]"  # the GEMM's stacked lhs
+    assert (stacked in str(jax.make_jaxpr(partial(run, fold=False))(x, w))) == (shape[-2] % 128 == 0 and n % 16 == 0)
+    for got, want, what in zip(jax.jit(partial(run, fold=False))(x, w), jax.jit(partial(run, fold=True))(x, w),
+                               ("y", "dx", "dw")):
+        assert_bits_equal(got.reshape(want.shape), want, what)

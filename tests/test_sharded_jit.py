@@ -343,13 +343,8 @@ def assert_close_reassociated(got, want, what):
                            f"{np.max(np.abs(g - w) / tol):.3g}x the tolerance")
 
 
-# Known limitation (README, "Sharded jit"): the GEMM's 2-D view folds (B, S) into M, and with B > 1 a split
-# S does not survive the fold: XLA gathers the activation (Auto) or the reshape raises (Explicit).
-_SEQUENCE = pytest.mark.xfail(strict=True, reason="a split inner leading dim does not survive the fold into M")
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_SEQUENCE) if c == "3d-sequence" else c for c in GEMM_CASES])
+@pytest.mark.parametrize("case", list(GEMM_CASES))
 def test_fp8_dot_general_partitions_like_lax(case, mode):
     cfg = GEMM_CASES[case]
     mesh = _mesh(cfg.mesh, cfg.names, mode)

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from .. import _ffi, reference
-from .._compat import ad, batching, ffi, mlir
+from .._compat import ShapedArray, ad, batching, ffi, mlir
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..layout import scales_to_layout
@@ -249,11 +249,30 @@ def _operand_dims(label: str, rows: int, K: int, block) -> tuple:
     return (Dim(label, rows), Dim("k", K)), scale
 
 
+def _gemm_sizes(shapes, params) -> dict:
+    (a, _, b, *_) = shapes
+    if len(a) == 2:
+        return dict(m=a[0], n=b[0], k=a[1])
+    if len(b) == 2:  # stacked rows: "s" sequences of "m" rows
+        return dict(s=a[0], m=a[1], n=b[0], k=a[2])
+    return dict(j=a[0], m=a[1], n=b[1], k=a[2])  # stacked contraction: over "j" sequences of "k"
+
+
 def _gemm_arrays(sizes, params):
     M, N, K = sizes["m"], sizes["n"], sizes["k"]
     out = (Dim("m", M), Dim("n", N))
-    operands = [*_operand_dims("m", M, K, params["a_block"]), *_operand_dims("n", N, K, params["b_block"])]
-    return operands + [out] * bool(params["accumulate"]), [out]
+    if "s" not in sizes and "j" not in sizes:
+        operands = [*_operand_dims("m", M, K, params["a_block"]), *_operand_dims("n", N, K, params["b_block"])]
+        return operands + [out] * bool(params["accumulate"]), [out]
+    if "s" in sizes:  # a (S, M, K), its scales per sequence; out (S, M, N)
+        seq = Dim("s", sizes["s"])
+        (a, a_scale), b = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, params["b_block"])
+        out = (seq, *out)
+        return [(seq, *a), (seq, *a_scale), *b] + [out] * bool(params["accumulate"]), [out]
+    # a (J, M, K) and b (J, N, K): every sequence contracted
+    seq = Dim("j", sizes["j"])
+    (a, a_scale), (b, b_scale) = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, BLOCK_1D)
+    return [(seq, *a), (seq, *a_scale), (seq, *b), (seq, *b_scale)] + [out] * bool(params["accumulate"]), [out]
 
 
 def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
@@ -273,25 +292,104 @@ def _gemm_on_shard(bind, reduce_axes, params):
 
     def run(a, a_scale, b, b_scale, *c):
         a, b = bitcast(a, params["a_dtype"]), bitcast(b, params["b_dtype"])
+        mode = _stacked_mode(a, b, params)
+        stack = a.shape[:2]
+        if mode is not None:
+            a, a_scale, b, b_scale, *c = _fold(mode, a, a_scale, b, b_scale, *c)
         if not reduce_axes:
-            return bind(a, a_scale, b, b_scale, *c, **kw)
-        out = bind(a, a_scale, b, b_scale, **dict(kw, out_dtype=np.dtype(np.float32), accumulate=False))
-        out = lax.psum(out, reduce_axes)
-        return (out + c[0].astype(jnp.float32) if c else out).astype(params["out_dtype"])
+            out = bind(a, a_scale, b, b_scale, *c, **kw)
+        else:
+            out = bind(a, a_scale, b, b_scale, **dict(kw, out_dtype=np.dtype(np.float32), accumulate=False))
+            out = lax.psum(out, reduce_axes)
+            out = (out + c[0].astype(jnp.float32) if c else out).astype(params["out_dtype"])
+        return out.reshape(*stack, -1) if mode == "rows" else out
 
     return run
 
 
 def _gemm_bytes_abstract(a, a_scale, b, b_scale, *c, a_dtype, b_dtype, **params):
     """``jf_fp8_gemm`` takes its FP8 data as bytes (uint8), the dtypes as params: an operand that the
-    partitioner gathers (an FSDP weight) then travels at one byte per element on every backend."""
+    partitioner gathers (an FSDP weight) then travels at one byte per element on every backend. It
+    also takes stacked operands (:func:`_stacked_mode`), checked as the 2-D GEMM they fold into."""
     typed = [x.update(dtype=dt) if np.dtype(x.dtype) == np.uint8 else x for x, dt in ((a, a_dtype), (b, b_dtype))]
-    return _gemm_abstract(typed[0], a_scale, typed[1], b_scale, *c, **params)
+    mode = _stacked_mode(typed[0], typed[1], params)
+    if mode is None:
+        return _gemm_abstract(typed[0], a_scale, typed[1], b_scale, *c, **params)
+    folded = [ShapedArray(shape, x.dtype) for shape, x in zip(_folded_shapes(mode, a.shape, b.shape, params),
+                                                               (typed[0], a_scale, typed[1], b_scale, *c))]
+    want = _stacked_scale_shapes(mode, a.shape, b.shape, params)
+    for name, got, shape in (("a_scale", a_scale, want[0]), ("b_scale", b_scale, want[1])):
+        if tuple(got.shape) != shape:
+            raise ValueError(f"jf_fp8_gemm: a must be 2-D (rows, K), or stacked (sequences, rows, K) with "
+                             f"per-sequence {name} {shape}; got a {a.shape}, {name} {got.shape}")
+    out = _gemm_abstract(*folded, **params)
+    shape = (a.shape[0], a.shape[1], b.shape[0]) if mode == "rows" else out.shape
+    return out_aval(shape, out.dtype, a, a_scale, b, b_scale, *c)
 
 
-_GEMM_RULE = Rule(("m", "n", "k"), dict(m="M (the rows of a)", n="N (the rows of b)", k="K (the contraction)"),
-                  lambda shapes, params: dict(m=shapes[0][0], n=shapes[2][0], k=shapes[0][1]), _gemm_arrays,
-                  _gemm_why_not, contracted=("k",), local=_gemm_on_shard, pad_value=GEMM_SCALE_PAD)
+# ---- stacked operands: sequences (B, S, K) kept apart, so a split S stays split under jit ---------
+#: Two stacked modes, each folded on every device into the 2-D GEMM of its shard:
+#: "rows": a (B, S, K) with per-sequence 1x128 scales (B, ceil(K/128), roundup(S, 4)) and a 2-D b;
+#: out (and c) (B, S, N): the GEMM of a's B*S rows. "contraction": a (B, R, S) and b (B, C, S), 1x128
+#: blocks along S, per-sequence scales (B, S/128, roundup(R, 4)) and (B, S/128, roundup(C, 4)); out
+#: (and c) (R, C): the GEMM contracting over all B*S. S % 8 == 0 ("rows"), S % 128 == 0
+#: ("contraction": every block inside one sequence, so the fold is the merged tensor's blocking).
+def _stacked_mode(a, b, params) -> Optional[str]:
+    if a.ndim == 3 and b.ndim == 2:
+        mode = "rows"
+    elif a.ndim == 3 and b.ndim == 3:
+        mode = "contraction"
+    else:
+        return None
+    blocks = {tuple(params["a_block"])} | ({tuple(params["b_block"])} if mode == "contraction" else set())
+    S, need = a.shape[1 if mode == "rows" else 2], MN_ALIGN if mode == "rows" else FLOAT8_BLOCK
+    if blocks != {BLOCK_1D} or S % need or (mode == "contraction" and (a.shape[0], a.shape[2]) != (b.shape[0], b.shape[2])):
+        raise ValueError(f"jf_fp8_gemm: stacked operands ({mode}) take 1x128 blocks and a stack dim S a multiple "
+                         f"of {need}, one S for both; got a {a.shape}, b {b.shape}, blocks {sorted(blocks)}")
+    return mode
+
+
+def _stacked_scale_shapes(mode, a_shape, b_shape, params):
+    if mode == "rows":
+        B, S, K = a_shape
+        return (B, *operand_scale_shape(S, K, BLOCK_1D)), operand_scale_shape(b_shape[0], K, params["b_block"])
+    B, R, S = a_shape
+    return (B, *operand_scale_shape(R, S, BLOCK_1D)), (B, *operand_scale_shape(b_shape[1], S, BLOCK_1D))
+
+
+def _folded_shapes(mode, a_shape, b_shape, params):
+    """The 2-D GEMM's operand shapes (a, a_scale, b, b_scale, c) of a stacked one."""
+    if mode == "rows":
+        B, S, K = a_shape
+        N = b_shape[0]
+        return [(B * S, K), operand_scale_shape(B * S, K, BLOCK_1D), b_shape,
+                operand_scale_shape(N, K, params["b_block"]), (B * S, N)]
+    B, R, S = a_shape
+    C = b_shape[1]
+    return [(R, B * S), operand_scale_shape(R, B * S, BLOCK_1D), (C, B * S), operand_scale_shape(C, B * S, BLOCK_1D),
+            (R, C)]
+
+
+def _fold(mode, a, a_scale, b, b_scale, *c):
+    """A shard's stacked operands as its 2-D GEMM's (the data of "contraction" transposed: a copy)."""
+    if mode == "rows":
+        B, S, K = a.shape
+        kb, s4 = a_scale.shape[1:]
+        scale = jnp.swapaxes(a_scale[:, :, :S], 0, 1).reshape(kb, B * S)
+        return (a.reshape(B * S, K), scale, b, b_scale, *(x.reshape(B * S, -1) for x in c))
+
+    def rows(data, scale):  # (B, R, S) -> (R, B*S); scales (B, S/128, R4) -> (B*S/128, R4)
+        B, R, S = data.shape
+        return jnp.swapaxes(data, 0, 1).reshape(R, B * S), scale.reshape(-1, scale.shape[-1])
+
+    return (*rows(a, a_scale), *rows(b, b_scale), *c)
+
+
+_GEMM_RULE = Rule(("s", "m", "n", "j", "k"),
+                  dict(s="the sequences of a", m="M (the rows of a)", n="N (the rows of b)",
+                       j="the contracted sequences", k="K (the contraction)"),
+                  _gemm_sizes, _gemm_arrays, _gemm_why_not, contracted=("j", "k"), local=_gemm_on_shard,
+                  pad_value=GEMM_SCALE_PAD)
 gemm_p, _gemm_local = partitioned_primitive("jf_fp8_gemm", _gemm_bytes_abstract, _GEMM_RULE,
                                             local_abstract=_gemm_abstract)
 
@@ -326,7 +424,8 @@ def _gemm_batch(args, dims, **params):
              for x, d in zip(args, dims)]
     batched = [d is not None for d in dims]
     a_side, b_side = batched[0] or batched[1], batched[2] or batched[3]
-    if a_side != b_side:  # one side stacked: fold it into M (or N), one GEMM
+    flat = all(x.ndim - bd == 2 for x, bd in zip(args[0:3:2], batched[0:3:2]))  # 2-D a and b (not stacked)
+    if a_side != b_side and flat:  # one side stacked: fold it into M (or N), one GEMM
         side = 0 if a_side else 2
         folded = _fold_rows(stack[side], stack[side + 1], (a_block, b_block)[side // 2])
         if folded is not None:

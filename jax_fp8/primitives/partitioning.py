@@ -27,6 +27,7 @@ import math
 from functools import partial
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -204,6 +205,16 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
                 [spec(i, x, held_out) for i, x in enumerate(results)], reduce_axes, whole_in, whole_out, gathered)
 
 
+def _unsplit(x):
+    """``x`` typed whole. custom_partitioning traces the unsplit function on the global types, and
+    those name mesh axes on an Explicit mesh, where a local reshape of the per-device function would
+    not type; that function runs only where nothing is split (one device, inside shard_map)."""
+    s = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(s, NamedSharding) and any(e is not None for e in s.spec):
+        return jax.sharding.reshard(x, NamedSharding(s.mesh, PartitionSpec()))
+    return x
+
+
 def _shards(axes: Axes, mesh_sizes) -> int:
     return int(np.prod([mesh_sizes[a] for a in axes]))
 
@@ -302,7 +313,7 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
         return lambda *args: tuple(local.bind(*args, **params)) if multiple_results else local.bind(*args, **params)
 
     def run(items, *args):  # unsplit: one device, or inside shard_map
-        return on_device(dict(items), ())(*args)
+        return on_device(dict(items), ())(*map(_unsplit, args))
 
     def lower_fn(items, p: Plan):
         fn = on_device(dict(items), p.reduce_axes)
