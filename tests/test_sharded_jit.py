@@ -473,3 +473,26 @@ def test_one_block_wide_operands(mode):
     got = f(_put(x, mesh, P("data", None)), _put(w, mesh, P()))
     assert_bits_equal(np.asarray(got), np.asarray(f(jax.device_put(x, _CPU), jax.device_put(w, _CPU))))
     _assert_sharded_as(got, mesh, P("data", None), "y")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_split_over_two_axes_that_no_spec_can_name(mode):
+    """Rows split over ("a", "b") of a (2, 4) mesh, 64 per shard, 4 columnwise blocks in all: Shardy may
+    give the block grid a piece of "b" (a sub-axis no PartitionSpec names). The rule reads such a split
+    as replicated: compiles, bits equal, the rows kept split over "a" alone, one warning saying why."""
+    mesh = _mesh((2, 4), ("a", "b"), mode)
+    x = np.random.default_rng(3503).standard_normal((512, 256)).astype(np.float32)
+    f = jax.jit(lambda v: jf.quantize_blockwise(v, rowwise=True, colwise=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = f(_put(x, mesh, P(("a", "b"), None)))
+    assert_tensors_equal(got, f(jax.device_put(x, _CPU)))
+    assert any(issubclass(w.category, ShardingWarning) and "rows" in str(w.message) for w in caught)
+    dims = (((1,), (0,)), ((), ()))
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jf.fp8_dot_general(x, w, dims) ** 2), argnums=(0, 1)))
+    w = np.random.default_rng(3504).standard_normal((256, 256)).astype(np.float32) / 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingWarning)
+        got = grad(_put(x, mesh, P(("a", "b"), None)), _put(w, mesh, P(("a", "b"), None)))
+    for g, r, what in zip(got, grad(jax.device_put(x, _CPU), jax.device_put(w, _CPU)), ("dx", "dw")):
+        assert_close_reassociated(np.asarray(g), np.asarray(r), what)

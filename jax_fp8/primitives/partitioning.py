@@ -17,7 +17,9 @@ order (a GEMM keeps M, the activations' rows, and gathers the weight). A contrac
 sharded gives local partial products and a ``psum``.
 
 Under a mesh with ``AxisType.Explicit`` axes the operands' shardings are known while tracing: the
-same plan types the results (``jax.typeof`` shows them).
+same plan types the results (``jax.typeof`` shows them). The callbacks decode the operands' shardings
+themselves: Shardy may split a mesh axis between the parts of a compound factor, which no
+PartitionSpec names; such an operand is read as replicated (the plan asks for it whole).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
+from jax._src import dispatch, sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -177,7 +179,7 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
             gathered.append(f"{rule.names[label]} gathered over mesh axes {[a for a in free if a not in best]}: "
                             f"{reason}")
         chosen[label] = best
-        used.update(best)
+        used.update(best)  # axes dropped for alignment stay free: a later dim may take them
 
     local_arrays = rule.arrays({k: v // _shards(chosen.get(k, ()), mesh_sizes) for k, v in sizes.items()}, params)
 
@@ -253,11 +255,14 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
         if (d.label is not None and d.block > 1 and _exact(d, sizes) and blocks > 1  # Shardy: no size-1 factor
                 and all(math.gcd(blocks, a) in (1, a) for a in mesh_sizes.values())):
             coarse.setdefault(d.label, d.block)
+    devices = int(np.prod(list(mesh_sizes.values())))
     factor_sizes, fresh = {}, itertools.count()
 
     def name(d: Dim) -> str:
         c = coarse.get(d.label)
-        if d.label is None or not _exact(d, sizes) or d.block not in (1, c or 1):
+        # a padded grid links to its data only where no split could leave a shard padding mid-grid
+        padded_per_shard = d.pad > 1 and d.size % (d.pad * devices)
+        if d.label is None or not _exact(d, sizes) or d.block not in (1, c or 1) or padded_per_shard:
             return f"z{next(fresh)}"
         if c is None:
             return d.label
@@ -276,14 +281,21 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
 
 
 # ---- registration -------------------------------------------------------------------------------
-def _named(sharding, ndim: int):
-    return spec_axes(sharding.spec, ndim) if isinstance(sharding, NamedSharding) else None
+def _axes_of(sharding, mesh, ndim: int) -> tuple:
+    """An operand's sharding as mesh axes per dim. The partitioner hands HloShardings (we decode them:
+    ``decode_shardings=False``); one no PartitionSpec can name (Shardy may split a mesh axis between
+    a compound factor's parts) is read as replicated: the plan then asks for it whole."""
+    if isinstance(sharding, NamedSharding):
+        return spec_axes(sharding.spec, ndim)
+    try:
+        return spec_axes(PartitionSpec(*sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]),
+                         ndim)
+    except Exception:  # a sub-axis split, or no sharding to read
+        return ((),) * ndim
 
 
 def _specs_and_plan(rule, params, mesh, arg_shapes):
-    specs = [_named(a.sharding, len(a.shape)) for a in arg_shapes]
-    if any(s is None for s in specs):  # shardings without mesh axes to read: run replicated
-        specs = [((),) * len(a.shape) for a in arg_shapes]
+    specs = [_axes_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
     return plan(rule, params, dict(mesh.shape), [tuple(a.shape) for a in arg_shapes], specs)
 
 
@@ -345,7 +357,8 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
         return sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
 
     split = custom_partitioning(run, static_argnums=(0,))
-    split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule)
+    split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
+                        decode_shardings=False)
 
     def lowering(ctx, *args, **params):
         items = tuple(sorted(params.items()))
