@@ -431,10 +431,13 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     tiles; a :class:`~jax_fp8.BlockwiseTensor` is used as it is (any layout, converted exactly; it gets
     no gradient). Differentiable through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on
     the operands quantized in the forward (see the module docstring); gradients come back in the
-    primal dtypes. Works under ``jit``, ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
+    primal dtypes. Works under ``jit`` (sharded operands split as ``lax.dot_general``'s; README,
+    "Sharded jit"), ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
 
     Taken by the GEMM: contraction over ``lhs``'s last dim and one dim of a 2-D ``rhs`` ((K, N), as
-    flax's kernel, or (N, K)), no batch dims; ``lhs``'s leading dims flatten into M. Shapes are padded
+    flax's kernel, or (N, K)), no batch dims; ``lhs``'s leading dims flatten into M (an lhs (..., S, K)
+    with S % 128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding
+    its own: the same bits, and a split S stays split under ``jit``). Shapes are padded
     to cuBLASLt's alignment (:func:`gemm_supported`). Anything else is computed as ``lax.dot_general``
     of quantize-dequantized operands (dequantized ones for quantized inputs; unquantized for non-float
     ones), with one :class:`Fp8GemmFallbackWarning` per call saying why: always a correct answer. A
