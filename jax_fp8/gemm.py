@@ -239,10 +239,27 @@ class _Stacked:
 
 
 def _stackable(lshape, N: int, x) -> bool:
-    """Whether the lhs of this shape takes the stacked GEMMs: rank >= 3, not pre-quantized, S % 128 == 0
-    and K, N aligned as contractions (fprop's, dgrad's): the stacked GEMMs take no padding."""
+    """Whether the lhs takes the stacked GEMMs: rank >= 3, not pre-quantized, S % 128 == 0 and K, N
+    aligned as contractions (fprop's, dgrad's; the stacked GEMMs take no padding), and its sequences may
+    be split across devices (:func:`_sequences_may_split`)."""
     return (len(lshape) >= 3 and not isinstance(x, BlockwiseTensor) and lshape[-2] % FLOAT8_BLOCK == 0
-            and lshape[-1] % K_ALIGN == 0 and N % K_ALIGN == 0)
+            and lshape[-1] % K_ALIGN == 0 and N % K_ALIGN == 0 and _sequences_may_split(x))
+
+
+def _sequences_may_split(x) -> bool:
+    """Stacking pays only where ``x``'s sequences may be split over devices: elsewhere the folded GEMMs
+    are the same bits, and cheaper (the stacked weight gradient transposes its FP8 operands, about 3%
+    of the H200 model step, bench/RESULTS.md). An Explicit type says whether an inner leading dim is
+    split; inside shard_map the arrays are local; otherwise (Auto axes: the split is decided when XLA
+    compiles) it may be wherever jit has more than one device."""
+    s = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(s, NamedSharding) and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types):
+        spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
+        return any(e is not None for e in spec[1:-1])
+    types = tuple(jax.sharding.get_abstract_mesh().axis_types)
+    if types and all(t == jax.sharding.AxisType.Manual for t in types):  # inside shard_map: local arrays
+        return False
+    return len(jax.devices()) > 1 or len(jax.devices("cpu")) > 1
 
 
 def _quantized(x, scheme: Scheme):

@@ -237,7 +237,8 @@ def test_other_output_dtypes_fall_back_and_differentiate(out):
                                                 ((2, 128, 256), 264, jnp.float8_e4m3fn)],
                          ids=["3d", "4d-e5m2", "seq-not-128", "n-padded"])
 def test_sequences_kept_apart_give_the_folded_bits(shape, n, grad_dtype):
-    """A (..., S, K) lhs with S % 128 == 0 runs as stacked sequences (so a split S stays split under jit):
+    """A (..., S, K) lhs with S % 128 == 0 runs as stacked sequences where they may be split across devices
+    (so a split S stays split under jit):
     forward and gradients bit for bit those of the same lhs folded to (M, K) by hand; S % 128 != 0, or
     an N the stacked GEMMs would need padded, folds."""
     rng = np.random.default_rng(stable_seed("stacked", shape))
@@ -254,7 +255,19 @@ def test_sequences_kept_apart_give_the_folded_bits(shape, n, grad_dtype):
         return (y.reshape(cot.shape), *vjp(cot.reshape(y.shape).astype(y.dtype)))
 
     stacked = f"u8[{int(np.prod(shape[:-2]))},{shape[-2]},{shape[-1]}]"  # the GEMM's stacked lhs
+    assert len(jax.devices("cpu")) > 1  # conftest's 8 CPU devices: where sequences may be split, they stack
     assert (stacked in str(jax.make_jaxpr(partial(run, fold=False))(x, w))) == (shape[-2] % 128 == 0 and n % 16 == 0)
     for got, want, what in zip(jax.jit(partial(run, fold=False))(x, w), jax.jit(partial(run, fold=True))(x, w),
                                ("y", "dx", "dw")):
         assert_bits_equal(got.reshape(want.shape), want, what)
+
+
+def test_sequences_fold_where_they_cannot_be_split():
+    """Inside shard_map (local arrays) a (B, S, K) lhs folds into rows: no stacked GEMM, no transpose."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    x, w = jnp.ones((4, 128, 256), jnp.bfloat16), jnp.ones((256, 256), jnp.bfloat16)
+    f = jax.shard_map(lambda x, w: jf.fp8_dot_general(x, w, (((2,), (0,)), ((), ()))), mesh=mesh,
+                      in_specs=(jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec()),
+                      out_specs=jax.sharding.PartitionSpec("d"))
+    text = str(jax.make_jaxpr(f)(x, w))
+    assert "u8[256,256]" in text and "u8[2,128,256]" not in text  # the folded (M, K) lhs, not the stack
