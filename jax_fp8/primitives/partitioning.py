@@ -59,7 +59,6 @@ class Dim:
     pad: int = 1  # entries rounded up to a multiple of this (GEMM-ready scales: 4)
 
 
-Layout = tuple  # tuple[Dim, ...]: one array's dims
 Axes = tuple  # tuple[str, ...]: the mesh axes that split one dim, major first
 
 
