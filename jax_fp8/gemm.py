@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 
 from . import vma
 from .warn import warn
@@ -36,6 +35,7 @@ from .formats import FLOAT8_BLOCK, HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, K_ALIGN, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan,
                               blocked_gemm, dense_gemm, fp8_gemm_bind, gemm_supported, operand_scale_shape,
                               operand_values)
+from .primitives.partitioning import explicit_sharding
 from .primitives.quantize import quantize_p
 from .scheme import GEMM_SCALE_PAD, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
@@ -252,8 +252,8 @@ def _sequences_may_split(x) -> bool:
     of the H200 model step, bench/RESULTS.md). An Explicit type says whether an inner leading dim is
     split; inside shard_map the arrays are local; otherwise (Auto axes: the split is decided when XLA
     compiles) it may be wherever jit has more than one device."""
-    s = getattr(jax.typeof(x), "sharding", None)
-    if isinstance(s, NamedSharding) and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types):
+    s = explicit_sharding(x)
+    if s is not None:
         spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
         return any(e is not None for e in spec[1:-1])
     types = tuple(jax.sharding.get_abstract_mesh().axis_types)
@@ -322,11 +322,9 @@ def _linear_bwd(cfg: _Linear, res, dy):
     return dx, dw
 
 
-def _explicit_sharding(v):
-    """The sharding in ``v``'s type when its mesh has Explicit axes (the type then names them), else None."""
-    s = getattr(jax.typeof(v), "sharding", None) if not isinstance(v, BlockwiseTensor) else None
-    explicit = isinstance(s, NamedSharding) and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types)
-    return s if explicit else None
+def _explicit_sharding_of(v):
+    """:func:`explicit_sharding` of an array operand (a pre-quantized tensor gets no gradient)."""
+    return None if isinstance(v, BlockwiseTensor) else explicit_sharding(v)
 
 
 def _retyped(v, sharding):
@@ -513,7 +511,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             # sequences (B, S, K) kept apart where all three GEMMs take them stacked: a split S stays split
             x = (lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(-1, *lshape[-2:])
                  if not reasons and _stackable(lshape, N, lhs) else lhs.reshape(M, K))
-            cfg = dataclasses.replace(cfg, x_sharding=_explicit_sharding(x), w_sharding=_explicit_sharding(rhs))
+            cfg = dataclasses.replace(cfg, x_sharding=_explicit_sharding_of(x), w_sharding=_explicit_sharding_of(rhs))
             # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
             # replicated operand transposes to the psum its gradient needs under shard_map
             x, w = vma.match(x, rhs)

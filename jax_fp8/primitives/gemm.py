@@ -37,6 +37,7 @@ cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 import jax
@@ -315,14 +316,14 @@ def _gemm_bytes_abstract(a, a_scale, b, b_scale, *c, a_dtype, b_dtype, **params)
     mode = _stacked_mode(typed[0], typed[1], params)
     if mode is None:
         return _gemm_abstract(typed[0], a_scale, typed[1], b_scale, *c, **params)
-    folded = [ShapedArray(shape, x.dtype) for shape, x in zip(_folded_shapes(mode, a.shape, b.shape, params),
-                                                               (typed[0], a_scale, typed[1], b_scale, *c))]
     want = _stacked_scale_shapes(mode, a.shape, b.shape, params)
     for name, got, shape in (("a_scale", a_scale, want[0]), ("b_scale", b_scale, want[1])):
         if tuple(got.shape) != shape:
             raise ValueError(f"jf_fp8_gemm: a must be 2-D (rows, K), or stacked (sequences, rows, K) with "
                              f"per-sequence {name} {shape}; got a {a.shape}, {name} {got.shape}")
-    out = _gemm_abstract(*folded, **params)
+    operands = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (typed[0], a_scale, typed[1], b_scale, *c))
+    folded = jax.eval_shape(partial(_fold, mode), *operands)  # the 2-D GEMM each device runs
+    out = _gemm_abstract(*(ShapedArray(f.shape, f.dtype) for f in folded), **params)
     shape = (a.shape[0], a.shape[1], b.shape[0]) if mode == "rows" else out.shape
     return out_aval(shape, out.dtype, a, a_scale, b, b_scale, *c)
 
@@ -357,25 +358,11 @@ def _stacked_scale_shapes(mode, a_shape, b_shape, params):
     return (B, *operand_scale_shape(R, S, BLOCK_1D)), (B, *operand_scale_shape(b_shape[1], S, BLOCK_1D))
 
 
-def _folded_shapes(mode, a_shape, b_shape, params):
-    """The 2-D GEMM's operand shapes (a, a_scale, b, b_scale, c) of a stacked one."""
-    if mode == "rows":
-        B, S, K = a_shape
-        N = b_shape[0]
-        return [(B * S, K), operand_scale_shape(B * S, K, BLOCK_1D), b_shape,
-                operand_scale_shape(N, K, params["b_block"]), (B * S, N)]
-    B, R, S = a_shape
-    C = b_shape[1]
-    return [(R, B * S), operand_scale_shape(R, B * S, BLOCK_1D), (C, B * S), operand_scale_shape(C, B * S, BLOCK_1D),
-            (R, C)]
-
-
 def _fold(mode, a, a_scale, b, b_scale, *c):
     """A shard's stacked operands as its 2-D GEMM's (the data of "contraction" transposed: a copy)."""
     if mode == "rows":
         B, S, K = a.shape
-        kb, s4 = a_scale.shape[1:]
-        scale = jnp.swapaxes(a_scale[:, :, :S], 0, 1).reshape(kb, B * S)
+        scale = jnp.swapaxes(a_scale[:, :, :S], 0, 1).reshape(-1, B * S)
         return (a.reshape(B * S, K), scale, b, b_scale, *(x.reshape(B * S, -1) for x in c))
 
     def rows(data, scale):  # (B, R, S) -> (R, B*S); scales (B, S/128, R4) -> (B*S/128, R4)

@@ -37,7 +37,7 @@ from jax._src import dispatch, sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._compat import Primitive, apply_primitive, mlir
+from .._compat import Primitive, ShapedArray, apply_primitive, mlir
 from ..warn import warn
 
 
@@ -206,12 +206,20 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
                 [spec(i, x, held_out) for i, x in enumerate(results)], reduce_axes, whole_in, whole_out, gathered)
 
 
+def explicit_sharding(x):
+    """The sharding that ``x``'s type names (``x``: a value, or its abstract value) when its mesh has
+    Explicit axes; None elsewhere (Auto axes are decided when XLA compiles, shard_map's are manual)."""
+    s = getattr(x if isinstance(x, ShapedArray) else jax.typeof(x), "sharding", None)
+    explicit = isinstance(s, NamedSharding) and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types)
+    return s if explicit else None
+
+
 def _unsplit(x):
     """``x`` typed whole. custom_partitioning traces the unsplit function on the global types, and
     those name mesh axes on an Explicit mesh, where a local reshape of the per-device function would
     not type; that function runs only where nothing is split (one device, inside shard_map)."""
-    s = getattr(jax.typeof(x), "sharding", None)
-    if isinstance(s, NamedSharding) and any(e is not None for e in s.spec):
+    s = explicit_sharding(x)
+    if s is not None and any(e is not None for e in s.spec):
         return jax.sharding.reshard(x, NamedSharding(s.mesh, PartitionSpec()))
     return x
 
@@ -371,9 +379,8 @@ def _typed_abstract(abstract, rule, *avals, **params):
     """``abstract``'s results, typed with the plan's shardings when an operand's type names mesh axes
     (an Explicit mesh); as they are otherwise (the partitioner decides at compile time)."""
     outs = abstract(*avals, **params)
-    shardings = [getattr(a, "sharding", None) for a in avals]
-    specs = [spec_axes(s.spec, a.ndim) if isinstance(s, NamedSharding) else ((),) * a.ndim
-             for s, a in zip(shardings, avals)]
+    shardings = [explicit_sharding(a) for a in avals]
+    specs = [spec_axes(s.spec, a.ndim) if s is not None else ((),) * a.ndim for s, a in zip(shardings, avals)]
     if not any(any(axes) for spec in specs for axes in spec):
         return outs
     mesh = next(s.mesh for s, spec in zip(shardings, specs) if any(spec))
