@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import sys
 from collections import Counter
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -25,18 +25,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 import jax_fp8 as jf  # noqa: E402
 
-_COLL = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(")
-_BYTES = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import _transformer as T  # noqa: E402
 
 
 def collectives(hlo: str) -> Counter:
-    """(op, element type) -> per-device result bytes, summed over the compiled HLO's collectives."""
+    """(op, element type) -> per-device result bytes, summed over the compiled HLO's collectives (the
+    decoder example's reader of them, ``examples/_transformer.py``)."""
     out = Counter()
-    for dtype, dims, op in _COLL.findall(hlo):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        out[(op, dtype)] += n * _BYTES.get(dtype, 4)
+    for entry in T.hlo_collectives(hlo):
+        out[entry[:2]] += T.collective_bytes(entry)
     return out
 
 
