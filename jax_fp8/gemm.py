@@ -32,6 +32,7 @@ from ._compat import E8M0_DTYPE
 from .api import dequantize, quantize, quantize_dequantize, to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import FLOAT8_BLOCK, HIGH_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
+from .layout import kernel_pairs
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, K_ALIGN, OUT_DTYPES, Fp8GemmFallbackWarning, GemmPlan,
                               blocked_gemm, dense_gemm, fp8_gemm_bind, gemm_supported, operand_scale_shape,
                               operand_values)
@@ -229,9 +230,7 @@ class _Stacked:
 
     @classmethod
     def of(cls, x3, scheme: Scheme) -> "_Stacked":
-        outs = quantize_p.bind(x3, scheme=scheme)
-        return cls({u: (bitcast(outs[2 * i], scheme.dtype), outs[2 * i + 1])
-                    for i, u in enumerate(scheme.kernel_usages)})
+        return cls(dict(zip(scheme.kernel_usages, kernel_pairs(scheme, quantize_p.bind(x3, scheme=scheme)))))
 
     def operand(self, contract: str) -> GemmOperand:
         data, scale = self.usages["rowwise" if contract == "last" else "colwise"]

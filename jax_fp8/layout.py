@@ -32,6 +32,12 @@ class Kernels:
     dequantize: Callable
 
 
+def kernel_pairs(scheme: Scheme, outs) -> list:
+    """The kernels' outputs (data as uint8, scale, data, scale, ...) as (FP8 data, scale) pairs in
+    ``kernel_usages`` order, each with the kernels' leading batch dim."""
+    return [(bitcast(outs[2 * i], scheme.dtype), outs[2 * i + 1]) for i in range(len(scheme.kernel_usages))]
+
+
 def assemble(scheme: Scheme, pairs, shape, dtype):
     """The tensor of ``scheme`` from the kernels' (data, scale) pairs, given in ``kernel_usages`` order;
     data already has the layout's shape and the FP8 dtype. Compact 128x128 tiles serve both usages."""
@@ -58,7 +64,7 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
     else:
         # 2-D, then [None]: an Explicit mesh types these reshapes (jax rejects a direct (1, M, K))
         outs = kernels.quantize(x.reshape(M, K)[None], scheme=scheme)
-        pairs = [(bitcast(outs[2 * i][0].reshape(d), scheme.dtype), outs[2 * i + 1][0]) for i, (d, _) in enumerate(shapes)]
+        pairs = [(data[0].reshape(d), scale[0]) for (data, scale), (d, _) in zip(kernel_pairs(scheme, outs), shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
