@@ -27,6 +27,7 @@ from jax import lax
 import jax_fp8 as jf
 from _timing import jax_time
 from jax_fp8 import gemm as G
+from jax_fp8.primitives import cublaslt
 
 SHAPES = "4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096"  # MxKxN
 NT = (((1,), (1,)), ((), ()))  # x (M, K) . W (N, K): contract the last dims
@@ -181,9 +182,8 @@ def main():
     ap.add_argument("--iters", type=int, default=30, help="calls per timed run (5 runs, median)")
     args = ap.parse_args()
     warnings.simplefilter("always", G.Fp8GemmFallbackWarning)
-    from jax_fp8 import _ffi
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
-          f"cuBLASLt={_ffi.cublaslt()} fp8 GEMM on CUDA unavailable because: {_ffi.gemm_cuda_unavailable()}")
+          f"cuBLASLt={cublaslt.cublaslt()} fp8 GEMM on CUDA unavailable because: {cublaslt.unavailable()}")
     gpu = jax.default_backend() == "gpu"
     for shape in args.shapes.split(","):
         M, K, N = map(int, shape.split("x"))

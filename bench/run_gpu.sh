@@ -28,7 +28,7 @@ so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")" | tee "$OUT/sass_summary.txt"
 rm -f "$OUT/sass.txt"  # too large to bring back
-python3 -c "import jax_fp8._ffi as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.gemm_cuda_unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" | tee -a "$OUT/gpu.txt"
+python3 -c "import jax_fp8.primitives.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" | tee -a "$OUT/gpu.txt"
 # no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
 [ "${TESTS:-1}" != 0 ] && python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
 [ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$OUT/kernel_bench_build.log"; }

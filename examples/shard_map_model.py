@@ -155,7 +155,7 @@ def main(argv=None):
     sizes = [128, args.width, args.width, 16]
     shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
     params = init_mlp(jax.random.key(0), sizes)
-    # ZeRO layout: each weight flattened, padded to a multiple of the data ranks, split evenly.
+    # ZeRO split "per_weight": each weight flattened, padded to a multiple of the data ranks, split evenly.
     Ls = [-(-a * b // nd) for a, b in shapes]
     masters = [jnp.pad(p["w"].reshape(-1), (0, nd * L - p["w"].size)).reshape(nd, L) for p, L in zip(params, Ls)]
     biases = [p["b"] for p in params]

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from . import layout as _layout
-from . import reference
 from .formats import check_input, fp8_dtype
-from .primitives import KERNELS
+from .contracts import e8m0_from_amax as _e8m0_from_amax
 from .scheme import Scheme, build_scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
@@ -21,7 +20,7 @@ def quantize(x, scheme: Scheme) -> QuantizedTensor:
     """Quantize ``x`` with a :class:`jax_fp8.Scheme` (the format, FP8 dtype, usages and options)."""
     if not isinstance(scheme, Scheme):
         raise TypeError(f"quantize: scheme must be a jax_fp8.Scheme, got {scheme!r}")
-    return _layout.quantize(x, scheme, KERNELS)
+    return _layout.quantize(x, scheme, _layout.PRIMITIVES)
 
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
@@ -78,13 +77,13 @@ def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
     ``dtype`` defaults to the dtype that was quantized; ``usage`` ('rowwise' or 'colwise') defaults to
     rowwise when present. NaN outputs are the dtype's canonical quiet NaN.
     """
-    return _layout.dequantize(q, dtype, usage, KERNELS)
+    return _layout.dequantize(q, dtype, usage, _layout.PRIMITIVES)
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
     """E8M0 scale (uint8, biased 127) for block amaxes, TE's rule; same shape as ``amax``."""
     fp8_dtype(dtype)
-    return reference.e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
+    return _e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(1, 2))

@@ -28,8 +28,8 @@ from .formats import high_dtype
 from .gather import all_gather_dequantized, all_gather_first_dim
 from .layout import assemble, to_layout
 from .primitives.partial import partial_amax_p, partial_cast_p
-from .scheme import Quantizer, build_scheme, unpack_grids
-from .shard_layout import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
+from .scheme import build_scheme, unpack_grids
+from .master_shards import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
 
 Array = Any
 
@@ -260,5 +260,5 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
     return out
 
 
-__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard", "Quantizer",
+__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard",
            "all_gather_first_dim", "all_gather_dequantized", "local_shards", "shard_windows", "split_masters"]

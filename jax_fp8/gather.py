@@ -17,10 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import vma
-from .api import dequantize, to_layout
+from .api import dequantize, quantize, to_layout
 from .arrays import bitcast, view_2d
-from .layout import scales_to_layout
-from .scheme import Quantizer
+from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .warn import warn
 
@@ -78,89 +77,90 @@ def _gather_quantized(q, axis_name, ranks: int):
         data, scale = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
         fields[f"{usage}_data"] = _gather(data, axis_name, 1 if usage == "colwise" and scheme.gemm_ready else 0)
         if gemm_scales:
-            scale = scales_to_layout(jnp, scale, scheme, M, K, usage, "compact")
+            scale = scheme.scales_to_layout(jnp, scale, M, K, usage, "compact")
         scale = _gather(scale, axis_name)
         if gemm_scales:
-            scale = scales_to_layout(jnp, scale, scheme, M * ranks, K, usage, "gemm_ready")
+            scale = scheme.scales_to_layout(jnp, scale, M * ranks, K, usage, "gemm_ready")
         fields[f"{usage}_scale_inv"] = scale
     return dataclasses.replace(q, **fields, shape=shape)
 
 
-def _keep(q, quantizer: Quantizer):
-    """Drop usages the quantizer did not ask for."""
-    return dataclasses.replace(q, **({} if quantizer.rowwise else dict(rowwise_data=None, rowwise_scale_inv=None)),
-                               **({} if quantizer.colwise else dict(colwise_data=None, colwise_scale_inv=None)))
+def _keep(q, scheme: Scheme):
+    """Drop the usages ``scheme`` does not ask for."""
+    dropped = {f"{u}_{f}": None for u in ("rowwise", "colwise") if not getattr(scheme, u) for f in ("data", "scale_inv")}
+    kept = dataclasses.replace(q.scheme, rowwise=scheme.rowwise, colwise=scheme.colwise)
+    return q.with_scheme(kept, **dropped)
 
 
-def all_gather_first_dim(x, axis_name, quantizer: Optional[Quantizer] = None):
+def all_gather_first_dim(x, axis_name, scheme: Optional[Scheme] = None):
     """All-gather ``x`` along its first dim over ``axis_name`` (inside shard_map), quantized.
 
     Args:
       x: a high-precision array (rank >= 2 for quantized gathers) or an MXFP8Tensor / BlockwiseTensor.
-      quantizer: what to produce. None: a high-precision ``x`` is gathered as is (differentiable: the
+      scheme: what to produce. None: a high-precision ``x`` is gathered as is (differentiable: the
         backward is a reduce-scatter); a quantized ``x`` is gathered in its own format.
 
     The path is chosen first, at trace time, from static shapes: FP8 travels when the local rows keep
     every block inside one rank; otherwise (one warning) the input is dequantized if quantized,
     gathered in high precision and quantized after the gather. A quantized ``x`` that lacks a usage
-    the quantizer asks for, or is in another format, is converted from its dequantized values (a
+    the scheme asks for, or is in another format, is converted from its dequantized values (a
     second rounding: it warns); on the fallback path that is the gathered tensor, never a local
     requantization. Either way the result equals quantizing the gathered (dequantized) tensor.
     """
     ranks = vma.axis_size(axis_name, "all_gather_first_dim")
     quantized = isinstance(x, (MXFP8Tensor, BlockwiseTensor))
-    if quantizer is None:
+    if scheme is None:
         if not quantized:
             return gather_high(x, axis_name)
-        quantizer = Quantizer.of(x)
-    if not isinstance(quantizer, Quantizer):
-        raise TypeError("all_gather_first_dim: quantizer must be a jax_fp8.distributed.Quantizer or None, got "
-                        f"{quantizer!r}; e.g. Quantizer('mxfp8', rowwise=True, colwise=True)")
+        scheme = x.scheme
+    if not isinstance(scheme, Scheme):
+        raise TypeError("all_gather_first_dim: scheme must be a jax_fp8.Scheme or None, got "
+                        f"{scheme!r}; e.g. jf.Scheme('mxfp8', rowwise=True, colwise=True)")
     shape = x.shape
     if len(shape) < 2:
         raise ValueError(f"all_gather_first_dim: a quantized gather needs rank >= 2, got shape {shape}")
-    if quantized and quantizer.satisfied_by(dataclasses.replace(x.scheme, layout=quantizer.layout)):
-        x = to_layout(x, quantizer.layout)  # the same bits, rearranged if the layouts differ: exact
-    convert = quantized and not quantizer.satisfied_by(x)
+    if quantized and scheme.satisfied_by(dataclasses.replace(x.scheme, layout=scheme.layout)):
+        x = to_layout(x, scheme.layout)  # the same bits, rearranged if the layouts differ: exact
+    convert = quantized and not scheme.satisfied_by(x.scheme)
     if convert:
-        warn(f"all_gather_first_dim: the input is {Quantizer.of(x)} but {quantizer} was asked for: "
+        warn(f"all_gather_first_dim: the input is {x.scheme} but {scheme} was asked for: "
              "requantizing its dequantized values (a second rounding)")
     rows = view_2d(shape)[0]
-    if rows % quantizer.block_rows == 0:
+    if rows % scheme.block_rows == 0:
         if quantized and not convert:
-            q = _keep(x, quantizer)
+            q = _keep(x, scheme)
         else:
-            q = quantizer.quantize(dequantize(x) if quantized else x)
+            q = quantize(dequantize(x) if quantized else x, scheme)
         return _gather_quantized(q, axis_name, ranks)
     warn(f"all_gather_first_dim: local shape {tuple(shape)} has {rows} rows, not a multiple of the "
-         f"{quantizer.block_rows}-row blocks of {quantizer.fmt}; gathering in high precision and "
+         f"{scheme.block_rows}-row blocks of {scheme.fmt}; gathering in high precision and "
          "quantizing after the gather")
     hp = dequantize(x) if quantized else x
-    return quantizer.quantize(_gather(hp, axis_name))
+    return quantize(_gather(hp, axis_name), scheme)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str):
-    return dequantize(all_gather_first_dim(x, axis_name, quantizer), x.dtype, usage)
+def _all_gather_dequantized(x, axis_name, scheme: Scheme, usage: str):
+    return dequantize(all_gather_first_dim(x, axis_name, scheme), x.dtype, usage)
 
 
 _all_gather_dequantized.defvjp(
-    lambda x, axis_name, quantizer, usage: (_all_gather_dequantized(x, axis_name, quantizer, usage), None),
+    lambda x, axis_name, scheme, usage: (_all_gather_dequantized(x, axis_name, scheme, usage), None),
     _scatter_grad)
 
 
-def all_gather_dequantized(x, axis_name, quantizer: Quantizer, usage: str = "rowwise"):
-    """``dequantize(all_gather_first_dim(x, axis_name, quantizer), usage=usage)`` in ``x.dtype`` with a
+def all_gather_dequantized(x, axis_name, scheme: Scheme, usage: str = "rowwise"):
+    """``dequantize(all_gather_first_dim(x, axis_name, scheme), usage=usage)`` in ``x.dtype`` with a
     straight-through backward: the gradient is reduce-scattered as for a plain all-gather.
 
-    ``x`` is a high-precision array; ``quantizer`` (required) says what the forward quantizes to. The
+    ``x`` is a high-precision array; ``scheme`` (required) says what the forward quantizes to. The
     result is typed as ``lax.all_gather``'s (varying over ``axis_name`` inside ``shard_map``), and so
     is the gradient: a replicated ``x`` gets the sum over the ranks, as with ``lax.all_gather``."""
-    if not isinstance(quantizer, Quantizer):
-        raise TypeError("all_gather_dequantized: quantizer must be a jax_fp8.distributed.Quantizer (the format "
-                        f"of the forward), got {quantizer!r}; for an unquantized gather use all_gather_first_dim")
-    if usage not in ("rowwise", "colwise") or not getattr(quantizer, usage):
-        raise ValueError(f"all_gather_dequantized: usage must be a usage the quantizer produces "
-                         f"({[u for u in ('rowwise', 'colwise') if getattr(quantizer, u)]}), got {usage!r}")
+    if not isinstance(scheme, Scheme):
+        raise TypeError("all_gather_dequantized: scheme must be a jax_fp8.Scheme (the format "
+                        f"of the forward), got {scheme!r}; for an unquantized gather use all_gather_first_dim")
+    if usage not in ("rowwise", "colwise") or not getattr(scheme, usage):
+        raise ValueError(f"all_gather_dequantized: usage must be a usage the scheme produces "
+                         f"({[u for u in ('rowwise', 'colwise') if getattr(scheme, u)]}), got {usage!r}")
     vma.axis_size(axis_name, "all_gather_dequantized")
-    return _all_gather_dequantized(_varying(x, axis_name), axis_name, quantizer, usage)
+    return _all_gather_dequantized(_varying(x, axis_name), axis_name, scheme, usage)

@@ -1,8 +1,8 @@
 """How quantized tensors map onto the kernels' arrays and back: the one place that turns a scheme and
 an input into a tensor, and a tensor into high-precision values.
 
-Written once and run over two kernel sets (``Kernels``): the primitives (FFI kernels) for the public
-API and the pure-jax.numpy reference for ``jax_fp8.reference``. Kernels see (B, M, K) arrays; tensors
+Written once and run over two kernel sets (:class:`Kernels`): ``PRIMITIVES`` (our FFI kernels) for
+the public API (``api.py``) and ``CONTRACTS`` (their jax.numpy contracts) for ``jax_fp8.reference``. Kernels see (B, M, K) arrays; tensors
 keep the input's N-D shape with 2-D scales of the (prod(shape[:-1]), shape[-1]) view.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Callable, Optional
 import numpy as np
 import jax.numpy as jnp
 
-from . import vma
+from . import contracts, vma
 from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
+from .primitives import dequantize_p, quantize_p
 from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
@@ -32,6 +33,12 @@ class Kernels:
     dequantize: Callable
 
 
+#: The kernel set of the public API: our FFI kernels, through their primitives.
+PRIMITIVES = Kernels(quantize=quantize_p.bind, dequantize=dequantize_p.bind)
+#: The kernel set of ``jax_fp8.reference``: the kernels' jax.numpy contracts.
+CONTRACTS = Kernels(quantize=contracts.quantize_usages, dequantize=contracts.dequantize_blocks)
+
+
 def kernel_pairs(scheme: Scheme, outs) -> list:
     """The kernels' outputs (data as uint8, scale, data, scale, ...) as (FP8 data, scale) pairs in
     ``kernel_usages`` order, each with the kernels' leading batch dim."""
@@ -45,10 +52,8 @@ def assemble(scheme: Scheme, pairs, shape, dtype):
     if "tile" in got:
         got = {u: got["tile"] for u in ("rowwise", "colwise") if getattr(scheme, u)}
     row, col = got.get("rowwise", (None, None)), got.get("colwise", (None, None))
-    if scheme.e8m0:
-        return MXFP8Tensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.layout)
-    return BlockwiseTensor(*row, *col, tuple(shape), jnp.dtype(dtype), scheme.dtype, scheme.block,
-                           scheme.pow2_scales, scheme.amax_epsilon, scheme.layout, scheme.saturate_inf)
+    cls = MXFP8Tensor if scheme.e8m0 else BlockwiseTensor
+    return cls(*row, *col, tuple(shape), jnp.dtype(dtype), scheme)
 
 
 def quantize(x, scheme: Scheme, kernels: Kernels):
@@ -87,21 +92,6 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     return y[0].reshape(q.shape)
 
 
-def scales_to_layout(xp, scale, scheme: Scheme, M: int, K: int, usage: str, layout: str):
-    """A usage's scales (the last two axes of ``scale``), converted to ``layout`` from the other one."""
-    if scheme.e8m0:
-        return scale  # MXFP8 scales are compact in both layouts
-    rows, cols = scheme.grid(M, K, usage)
-    gemm = dataclasses.replace(scheme, layout="gemm_ready")
-    transposed = gemm.transposed_scales(usage)
-    if layout == "gemm_ready":
-        g = xp.swapaxes(scale, -1, -2) if transposed else scale
-        pad = [(0, 0)] * (g.ndim - 1) + [(0, gemm.scale_shape(M, K, usage)[1] - g.shape[-1])]
-        return xp.pad(g, pad, constant_values=np.float32(GEMM_SCALE_PAD))
-    g = scale[..., :rows] if transposed else scale[..., :cols]  # drop the padding
-    return xp.swapaxes(g, -1, -2) if transposed else g
-
-
 def to_layout(q, layout: str):
     """``q`` in ``layout`` ('compact' or 'gemm_ready'): the same bits, rearranged (exact both ways).
 
@@ -124,5 +114,5 @@ def to_layout(q, layout: str):
             data = (xp.transpose(data.reshape(M, K)) if layout == "gemm_ready"
                     else xp.transpose(data).reshape(q.shape))
         fields[f"{usage}_data"] = data
-        fields[f"{usage}_scale_inv"] = scales_to_layout(xp, scale, scheme, M, K, usage, layout)
-    return dataclasses.replace(q, **fields, layout=layout)
+        fields[f"{usage}_scale_inv"] = scheme.scales_to_layout(xp, scale, M, K, usage, layout)
+    return q.with_scheme(dataclasses.replace(scheme, layout=layout), **fields)

@@ -1,6 +1,6 @@
 """A quantization scheme: the one value that says how a tensor is quantized, from the API to the kernels.
 
-``Scheme`` (also exported as ``jax_fp8.distributed.Quantizer``, TE's name) holds the format, the FP8
+``Scheme`` (TE calls it a quantizer) holds the format, the FP8
 element dtype, the usages asked for and the Float8 blockwise scale options. It is validated once, when
 it is built, and travels as one static parameter through the primitives, the reference and the
 collectives; the FFI handlers decode it once, as one struct (``ffi_attrs``).
@@ -24,6 +24,8 @@ USAGES = ("rowwise", "colwise")
 LAYOUTS = ("compact", "gemm_ready")
 #: Value of the padding entries of GEMM-ready fp32 scales: the scale_inv of an all-zero block.
 GEMM_SCALE_PAD = 1.0
+#: Each stored row of GEMM-ready fp32 scales is padded to a multiple of this many entries (TE's GEMM_READY).
+GEMM_SCALE_ALIGN = 4
 BLOCKWISE_BLOCKS = ((1, FLOAT8_BLOCK), (FLOAT8_BLOCK, FLOAT8_BLOCK))
 
 
@@ -186,7 +188,13 @@ class Scheme:
             return rows, cols
         if self.transposed_scales(usage):
             rows, cols = cols, rows
-        return rows, -(-cols // 4) * 4
+        return rows, cdiv(cols, GEMM_SCALE_ALIGN) * GEMM_SCALE_ALIGN
+
+    @property
+    def scale_row_align(self) -> int:
+        """Each stored scale row holds a multiple of this many entries (padded): 4 for GEMM-ready
+        Float8 blockwise scales, else 1."""
+        return GEMM_SCALE_ALIGN if self.gemm_ready and not self.e8m0 else 1
 
     def kernel_outputs(self, shape) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
         """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
@@ -205,15 +213,21 @@ class Scheme:
         return dataclasses.replace(self, rowwise=usage == "rowwise", colwise=usage == "colwise")
 
     def ffi_attrs(self) -> dict:
-        """The scheme as the FFI handlers' ``Scheme`` struct (ffi_common.h): one dictionary attribute."""
-        row, col, tile = ((self.block[1] if self.rowwise and not self.tiles else 0),
-                          (self.block[1] if self.colwise and not self.tiles else 0),
-                          (self.block[0] if self.tiles else 0))
-        return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0), row_block=np.int32(row),
-                    col_block=np.int32(col), tile_block=np.int32(tile), pow2=np.bool_(self.pow2_scales),
-                    eps=np.float32(self.amax_epsilon), gemm_ready=np.bool_(self.gemm_ready),
-                    tile_rows=np.bool_(self.tiles and self.rowwise), tile_cols=np.bool_(self.tiles and self.colwise),
-                    saturate_inf=np.bool_(self.saturate_inf))
+        """The scheme as the FFI handlers' ``Scheme`` struct (ffi_common.h): one dictionary attribute.
+
+        ``outputs``: the kernels' outputs in ``kernel_usages`` order, four int32 each, flattened: the
+        block (bm, bk) (``kernel_blocks``), whether the data is stored transposed (GEMM-ready columnwise
+        data, (K, M)) and whether the scales are (``transposed_scales``); compact shared tiles are laid
+        out as the rowwise usage (``kernel_outputs``). The handlers read every size, the padded length
+        of a stored scale row included, from the buffers they are given.
+        """
+        outputs = []
+        for u, (bm, bk) in zip(self.kernel_usages, self.kernel_blocks):
+            u = "rowwise" if u == "tile" else u
+            outputs += [bm, bk, int(self.gemm_ready and u == "colwise"), int(self.transposed_scales(u))]
+        return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0),
+                    pow2=np.bool_(self.pow2_scales), eps=np.float32(self.amax_epsilon),
+                    saturate_inf=np.bool_(self.saturate_inf), outputs=np.array(outputs, np.int32))
 
     def packed_grids(self, shapes) -> list[list[tuple[int, tuple[int, int]]]]:
         """Where each weight's scale grids lie in one packed buffer (the master-weight kernels' layout):
@@ -228,26 +242,28 @@ class Scheme:
             out.append(grids)
         return out
 
-    # ---- tensors -----------------------------------------------------------------------------------
-    @classmethod
-    def of(cls, q) -> "Scheme":
-        """The scheme that produced the quantized tensor ``q``."""
-        return q.scheme
-
-    def satisfied_by(self, q) -> bool:
-        """Whether ``q`` (a quantized tensor, or the Scheme of one) already holds every usage this scheme
-        asks for, in this format and layout. ``saturate_inf`` does not count: the data are the same
-        bits under both rules and so are the scales, but for blocks that held an infinity."""
-        other = q if isinstance(q, Scheme) else q.scheme
+    def satisfied_by(self, other: "Scheme") -> bool:
+        """Whether a tensor quantized with ``other`` already holds every usage this scheme asks for, in
+        this format and layout. ``saturate_inf`` does not count: the data are the same bits under both
+        rules and so are the scales, but for blocks that held an infinity."""
         same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise,
                                    saturate_inf=self.saturate_inf) == self
         return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)
 
-    def quantize(self, x):
-        """``jax_fp8.quantize(x, self)``."""
-        from .api import quantize  # the API sits above the scheme
-
-        return quantize(x, self)
+    def scales_to_layout(self, xp, scale, M: int, K: int, usage: str, layout: str):
+        """A usage's scales (the last two axes of ``scale``) of the (M, K) view, converted to
+        ``layout`` from the other one (``xp``: the array namespace). MXFP8 scales are compact in both."""
+        if self.e8m0:
+            return scale
+        rows, cols = self.grid(M, K, usage)
+        gemm = dataclasses.replace(self, layout="gemm_ready")
+        transposed = gemm.transposed_scales(usage)
+        if layout == "gemm_ready":
+            g = xp.swapaxes(scale, -1, -2) if transposed else scale
+            pad = [(0, 0)] * (g.ndim - 1) + [(0, gemm.scale_shape(M, K, usage)[1] - g.shape[-1])]
+            return xp.pad(g, pad, constant_values=np.float32(GEMM_SCALE_PAD))
+        g = scale[..., :rows] if transposed else scale[..., :cols]  # drop the padding
+        return xp.swapaxes(g, -1, -2) if transposed else g
 
 
 def build_scheme(where: str, *args, **kw) -> Scheme:
@@ -256,10 +272,6 @@ def build_scheme(where: str, *args, **kw) -> Scheme:
         return Scheme(*args, **kw)
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace("Scheme:", f"{where}:", 1)) from None
-
-
-#: TE's name for a scheme; the same class.
-Quantizer = Scheme
 
 
 def packed_size(grids) -> int:

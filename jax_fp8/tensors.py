@@ -1,4 +1,5 @@
-"""Quantized tensor pytrees: data and scales are leaves; shape, dtypes and block layout are static."""
+"""Quantized tensor pytrees: data and scales are leaves; the shape, the dtype that was quantized and
+the :class:`~jax_fp8.Scheme` that produced them are static."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,6 @@ from jax import lax
 
 from ._compat import E8M0_DTYPE
 from .arrays import view_2d
-from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK
 from .scheme import Scheme
 
 Array = Any
@@ -18,48 +18,75 @@ Array = Any
 
 @dataclasses.dataclass(frozen=True)
 class _QuantizedBase:
-    """Fields shared by every quantized tensor: the four leaves, then static layout (see the subclasses)."""
+    """Fields shared by every quantized tensor: the four leaves, then the static ``shape`` (its 2-D
+    view is ``(prod(shape[:-1]), shape[-1])``), ``dtype`` (the high-precision dtype that was
+    quantized) and ``scheme``, which says everything else: format, FP8 dtype, blocks, layout, and
+    which usages the tensor holds (a usage not held has None fields)."""
 
     rowwise_data: Optional[Array]
     rowwise_scale_inv: Optional[Array]
     colwise_data: Optional[Array]
     colwise_scale_inv: Optional[Array]
-    shape: tuple  # the quantized tensor's shape (its 2-D view: (prod(shape[:-1]), shape[-1]))
-    dtype: np.dtype  # the high-precision dtype that was quantized
-    fp8_dtype: np.dtype
+    shape: tuple
+    dtype: np.dtype
+    scheme: Scheme
 
-    def _aux(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[4:])
+    _FMT = ""  # the scheme format of the subclass
+
+    def __post_init__(self):
+        if not isinstance(self.scheme, Scheme) or self.scheme.fmt != self._FMT:
+            raise TypeError(f"{type(self).__name__}: scheme must be a jax_fp8.Scheme with fmt={self._FMT!r}, got "
+                            f"{self.scheme!r}")
 
     def tree_flatten(self):
-        return (self.rowwise_data, self.rowwise_scale_inv, self.colwise_data, self.colwise_scale_inv), self._aux()
+        return (self.rowwise_data, self.rowwise_scale_inv, self.colwise_data, self.colwise_scale_inv), \
+            (self.shape, self.dtype, self.scheme)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
 
+    # ---- read from the scheme ---------------------------------------------------------------------
+    @property
+    def fp8_dtype(self) -> np.dtype:
+        return self.scheme.dtype
+
+    @property
+    def layout(self) -> str:
+        return self.scheme.layout
+
+    @property
+    def block(self) -> tuple:
+        return self.scheme.block
+
     @property
     def has_rowwise(self) -> bool:
-        return self.rowwise_data is not None
+        return self.scheme.rowwise
 
     @property
     def has_colwise(self) -> bool:
-        return self.colwise_data is not None
+        return self.scheme.colwise
+
+    def usage_blocks(self) -> dict:
+        """{'rowwise': (bm, bk), 'colwise': (bm, bk)} for the usages this tensor holds."""
+        return {u: self.scheme.usage_block(u) for u in ("rowwise", "colwise") if getattr(self.scheme, u)}
+
+    def with_scheme(self, scheme: Scheme, **fields):
+        """This tensor with another scheme (and the leaves in ``fields`` replaced)."""
+        return dataclasses.replace(self, **fields, scheme=scheme)
 
     def usage_fields(self, usage: str, where: str):
-        """The (data, scale_inv) of a usage, checked against the static layout: data of the layout's
-        shape and ``fp8_dtype``, scales of the layout's shape and the format's scale dtype (E8M0 scales
-        as uint8). Raises naming the field, never reinterprets bits."""
+        """The (data, scale_inv) of a usage, checked against the scheme: data of the layout's shape
+        and FP8 dtype, scales of the layout's shape and the format's scale dtype (E8M0 scales as
+        uint8). Raises naming the field, never reinterprets bits."""
         blocks = self.usage_blocks()
         if usage not in blocks:
             raise ValueError(f"{where}: usage must be one of {sorted(blocks)}, got {usage!r}")
         data, scale = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
         cls = type(self).__name__
-        fp8 = np.dtype(self.fp8_dtype)
-        if fp8 not in FP8_DTYPES:
-            raise TypeError(f"{where}: {cls}.fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8}")
-        if scale is None:
-            raise ValueError(f"{where}: {cls} has {usage}_data but {usage}_scale_inv is None")
+        for name, leaf in (("data", data), ("scale_inv", scale)):
+            if leaf is None:
+                raise ValueError(f"{where}: {cls}'s scheme holds the {usage} usage but {usage}_{name} is None")
         scheme = self.scheme
         stacked = ("; its leaves look stacked (e.g. by vmap or scan outside the quantize): index the tensor "
                    "first or dequantize inside jax.vmap")
@@ -68,8 +95,9 @@ class _QuantizedBase:
             extra = stacked if tuple(data.shape[-len(want):]) == want else ""
             raise ValueError(f"{where}: {cls}.{usage}_data has shape {tuple(data.shape)} but the tensor's "
                              f"{self.layout} layout has {want}{extra}")
-        if np.dtype(data.dtype) != fp8:
-            raise TypeError(f"{where}: {cls}.{usage}_data has dtype {data.dtype} but fp8_dtype is {fp8}")
+        if np.dtype(data.dtype) != scheme.dtype:
+            raise TypeError(f"{where}: {cls}.{usage}_data has dtype {data.dtype} but the scheme's FP8 dtype is "
+                            f"{scheme.dtype}")
         M, K = view_2d(self.shape)
         grid = scheme.scale_shape(M, K, usage)
         if tuple(scale.shape) != grid:
@@ -78,15 +106,6 @@ class _QuantizedBase:
             raise ValueError(f"{where}: {cls}.{usage}_scale_inv has shape {tuple(scale.shape)}, want {grid} "
                              f"({bm}x{bk} blocks of the {M}x{K} view, {self.layout} layout){extra}")
         return data, self._checked_scale(scale, f"{where}: {cls}.{usage}_scale_inv")
-
-    def usage_blocks(self) -> dict:
-        """{'rowwise': (bm, bk), 'colwise': (bm, bk)} for the usages this tensor holds."""
-        out = {}
-        if self.has_rowwise:
-            out["rowwise"] = self.row_block
-        if self.has_colwise:
-            out["colwise"] = self.col_block
-        return out
 
 
 @jax.tree_util.register_pytree_node_class
@@ -101,15 +120,7 @@ class MXFP8Tensor(_QuantizedBase):
     ``colwise_data`` is stored transposed, (K, M) (K-major for a GEMM over M); scales stay as above.
     """
 
-    layout: str = "compact"
-
-    row_block = (1, MX_BLOCK)
-    col_block = (MX_BLOCK, 1)
-
-    @property
-    def scheme(self) -> Scheme:
-        """The scheme that produced this tensor."""
-        return Scheme("mxfp8", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise, layout=self.layout)
+    _FMT = "mxfp8"
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -141,35 +152,17 @@ class BlockwiseTensor(_QuantizedBase):
     asked) are the same arrays as ``rowwise_*``. Data has the input's shape; dequantized value =
     data * scale_inv. ``layout="gemm_ready"`` (TE's GEMM_READY): columnwise data is the (K, M)
     transpose and the scales are transposed / padded as ``Scheme.scale_shape`` says; ``to_layout``
-    converts between the two, exactly.
+    converts between the two, exactly. ``scheme.saturate_inf`` False: blocks that held an infinity
+    have scale_inv inf.
     """
 
-    block: tuple = (1, FLOAT8_BLOCK)
-    pow2_scales: bool = True
-    amax_epsilon: float = 0.0
-    layout: str = "compact"
-    saturate_inf: bool = True  # False: blocks that held an infinity have scale_inv inf (Scheme)
+    _FMT = "blockwise"
 
     @staticmethod
     def _checked_scale(scale, name):
         if scale.dtype != np.float32:
             raise TypeError(f"{name} must be float32 scale_inv values, got {scale.dtype}")
         return scale
-
-    @property
-    def scheme(self) -> Scheme:
-        """The scheme that produced this tensor."""
-        return Scheme("blockwise", self.fp8_dtype, rowwise=self.has_rowwise, colwise=self.has_colwise,
-                      block=tuple(self.block), pow2_scales=self.pow2_scales, amax_epsilon=self.amax_epsilon,
-                      layout=self.layout, saturate_inf=self.saturate_inf)
-
-    @property
-    def row_block(self) -> tuple:
-        return tuple(self.block)
-
-    @property
-    def col_block(self) -> tuple:
-        return (FLOAT8_BLOCK, FLOAT8_BLOCK) if tuple(self.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK) else (FLOAT8_BLOCK, 1)
 
 
 def _as_e8m0(scale):

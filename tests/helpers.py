@@ -34,6 +34,37 @@ def on_cpu(fn, *args, **kw):
     return fn(*jax.tree_util.tree_map(np.asarray, args), **kw)
 
 
+def deq(q, usage: str = "rowwise") -> np.ndarray:
+    """fp64 values of a quantized tensor's usage, as its 2-D (M, K) view, computed here in NumPy from the
+    stored arrays alone: the FP8 data decoded exactly (ml_dtypes' cast to float64), each block's scale
+    (fp32 ``scale_inv``, or E8M0 bytes e as 2**(e - 127), 0xFF as NaN) repeated over its block, and the
+    two multiplied (exact in fp64: 4 x 24 significand bits). No jax_fp8 dequantize, reference or layout
+    code runs; the storage is read as documented (``jax_fp8.Scheme``): compact data of the tensor's
+    shape and compact scale grids (ceil(M/bm), ceil(K/bk)); GEMM-ready columnwise data transposed
+    (K, M), and GEMM-ready Float8 blockwise scales padded along their last axis, stored as the grid's
+    transpose for 1x128 rowwise blocks and 128x128 columnwise tiles (MXFP8 scales stay compact)."""
+    shape = tuple(q.shape)
+    K = shape[-1] if shape else 1
+    M = int(np.prod(shape[:-1], dtype=np.int64))
+    bm, bk = q.usage_blocks()[usage]
+    rows, cols = -(-M // bm), -(-K // bk)
+    data = np.asarray(jax.device_get(getattr(q, f"{usage}_data")))
+    scale = np.asarray(jax.device_get(getattr(q, f"{usage}_scale_inv")))
+    gemm_ready = q.layout == "gemm_ready"
+    data = data.reshape(K, M).T if gemm_ready and usage == "colwise" else data.reshape(M, K)
+    if scale.dtype.itemsize == 1:  # E8M0 exponents (uint8 or float8_e8m0fnu), compact in both layouts
+        e = scale.view(np.uint8).astype(np.float64)
+        s = np.where(e == 255, np.nan, np.exp2(e - 127))
+    else:
+        s = scale.astype(np.float64)
+        if gemm_ready:
+            transposed = (usage == "rowwise") != (tuple(q.block) == (128, 128))
+            s = s[:, :rows].T if transposed else s[:, :cols]
+    s = s.reshape(rows, cols)
+    with np.errstate(invalid="ignore"):  # 0 * inf (a zero in a block of infinite scale) is NaN, as intended
+        return data.astype(np.float64) * np.repeat(np.repeat(s, bm, 0)[:M], bk, 1)[:, :K]
+
+
 def bits(a) -> np.ndarray:
     a = np.ascontiguousarray(jax.device_get(a))
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"uint{8 * a.dtype.itemsize}")
@@ -50,7 +81,7 @@ def assert_bits_equal(a, b, what=""):
 def assert_tensors_equal(q, r):
     """Every leaf of two quantized tensors equal bit for bit, and the same static layout."""
     assert type(q) is type(r)
-    assert q._aux() == r._aux(), (q._aux(), r._aux())
+    assert q.tree_flatten()[1] == r.tree_flatten()[1], (q.tree_flatten()[1], r.tree_flatten()[1])
     for f in ("rowwise_data", "rowwise_scale_inv", "colwise_data", "colwise_scale_inv"):
         a, b = getattr(q, f), getattr(r, f)
         assert (a is None) == (b is None), f

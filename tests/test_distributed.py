@@ -15,7 +15,7 @@ from jax_fp8 import Scheme
 from jax import shard_map
 from jax_fp8.distributed import (gather_master_weights, local_shards, quantize_master_weights, shard_windows,
                                  split_masters)
-from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input, replicated
+from helpers import assert_bits_equal, assert_tensors_equal, on_cpu, random_input, replicated, stable_seed
 
 SHAPES = [(64, 96), (33, 70), (1, 31), (129, 257), (5, 3), (40, 128)]
 
@@ -60,10 +60,11 @@ def _run(masters, n, even, seed, **kw):
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("even", [True, False], ids=["even", "random-cuts"])
 def test_mxfp8_gathered_equals_single_device(n, even):
-    rng = np.random.default_rng(n * 10 + even)
+    rng = np.random.default_rng(stable_seed("mxfp8 gathered", n, even))
     masters = [random_input(rng, s, jnp.float32) for s in SHAPES]
     for model_dtype, fp8 in [(jnp.bfloat16, jnp.float8_e4m3fn), (None, jnp.float8_e5m2), (jnp.float16, jnp.float8_e4m3fn)]:
-        got, _, _ = _run(masters, n, even, seed=n, model_dtype=model_dtype, dtype=fp8)
+        got, _, _ = _run(masters, n, even, seed=stable_seed("mxfp8 gathered cuts", n, even, model_dtype, fp8),
+                         model_dtype=model_dtype, dtype=fp8)
         for w, q in zip(masters, got):
             with np.errstate(over="ignore"):  # huge fp32 values become inf in fp16, as on the device
                 x = w if model_dtype is None else w.astype(model_dtype)
@@ -75,9 +76,10 @@ def test_mxfp8_gathered_equals_single_device(n, even):
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=str)
 @pytest.mark.parametrize("n", [2, 8])
 def test_blockwise_gathered_equals_single_device(block, n):
-    rng = np.random.default_rng(n + block[0])
+    rng = np.random.default_rng(stable_seed("blockwise gathered", block, n))
     masters = [random_input(rng, s, jnp.float32) for s in [(130, 300), (64, 96), (1, 200), (257, 129)]]
-    got, _, _ = _run(masters, n, False, seed=n + 1, fmt="blockwise", block=block, amax_epsilon=1e-6)
+    got, _, _ = _run(masters, n, False, seed=stable_seed("blockwise gathered cuts", block, n), fmt="blockwise",
+                     block=block, amax_epsilon=1e-6)
     for w, q in zip(masters, got):
         want = jf.quantize_blockwise(w.astype(jnp.bfloat16), block=block, amax_epsilon=1e-6, colwise=True)
         assert_tensors_equal(q, want)
@@ -166,7 +168,7 @@ _SCHEMES = {"mxfp8": Scheme("mxfp8", rowwise=True, colwise=True),
 
 def _rank_groups(rng, weights, n, even):
     """Per rank: the (N, 2) int32 windows and the N flat shards of a group of weights split over n ranks."""
-    per_weight = []
+    windows = []
     for w in weights:
         flat = np.asarray(w).reshape(-1)
         offs, lens, L = _split(rng, flat.size, n, even)
@@ -176,8 +178,8 @@ def _rank_groups(rng, weights, n, even):
             seg = flat[o:o + l]
             buf[:seg.size] = seg
             bufs.append(buf)
-        per_weight.append((offs, lens, bufs))
-    return [(np.array([[o[r], l[r]] for o, l, _ in per_weight], np.int32), [b[r] for _, _, b in per_weight])
+        windows.append((offs, lens, bufs))
+    return [(np.array([[o[r], l[r]] for o, l, _ in windows], np.int32), [b[r] for _, _, b in windows])
             for r in range(n)]
 
 
@@ -194,12 +196,12 @@ def _group_kernels(shapes, scheme):
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_partial_kernels_single_device(fmt, in_dtype):
     """The grouped partial-amax and partial-cast kernels on the default device (the CUDA ones on a GPU)
-    for a group of three weights and several simulated shard layouts: each rank's packed outputs equal
+    for a group of three weights and several simulated shardings: each rank's packed outputs equal
     the reference's bit for bit, and the host-reduced scales cast into exactly the single-device
     quantization of every weight."""
     from jax_fp8 import reference as R
 
-    rng = np.random.default_rng(len(fmt) + jnp.dtype(in_dtype).itemsize)
+    rng = np.random.default_rng(stable_seed("partial kernels", fmt, in_dtype))
     shapes = [(130, 300), (64, 96), (3, 40)]
     weights = [random_input(rng, s, in_dtype) for s in shapes]
     p, amax, cast = _group_kernels(shapes, _SCHEMES[fmt])
@@ -245,7 +247,7 @@ def test_partial_kernels_many_weights(fmt):
     reference bit for bit (fresh 0xAB memory under the outputs)."""
     from jax_fp8 import reference as R
 
-    rng = np.random.default_rng(40 + len(fmt))
+    rng = np.random.default_rng(stable_seed("partial kernels many weights", fmt))
     shapes = [(int(rng.integers(1, 300)), int(rng.integers(1, 300))) for _ in range(36)]
     shapes += [(0, 40), (1, 1), (129, 1), (1, 257)]
     weights = [random_input(rng, s, jnp.bfloat16) for s in shapes]
@@ -279,10 +281,10 @@ def _subnormal_masters(rng, shapes):
 def test_subnormal_block_amaxes_survive_the_reduction(fmt, block, n):
     """Regression: the blockwise amax pmax ran on floats, and XLA's CPU all-reduce flushes subnormals,
     so a block whose bf16 amax is subnormal got scale 1. Gathered shards equal whole-weight quantization."""
-    rng = np.random.default_rng(n + (block or (0,))[0])
+    rng = np.random.default_rng(stable_seed("subnormal amaxes", fmt, block, n))
     masters = _subnormal_masters(rng, [(6, 300), (130, 129)])
     kw = dict(fmt=fmt, block=block) if block else {}
-    got, _, _ = _run(masters, n, False, seed=n, **kw)
+    got, _, _ = _run(masters, n, False, seed=stable_seed("subnormal amaxes cuts", fmt, block, n), **kw)
     for w, q in zip(masters, got):
         wb = w.astype(jnp.bfloat16)
         want = (jf.quantize_blockwise(wb, block=block, colwise=True) if block
@@ -309,39 +311,39 @@ def test_subnormal_amax_issue_repro():
     assert np.asarray(q.rowwise_data).view(np.uint8).tolist() == [[0, 0, 0x20, 0, 0]]
 
 
-# ---- shard windows: the standard layouts, the tiling check, argument errors -------------------------
-LAYOUT_SHAPES = [(64, 96), (33, 70), (1, 31), (0, 16), (129, 257), (5, 3)]
+# ---- shard windows: the standard ZeRO splits, the tiling check, argument errors ---------------------
+SPLIT_SHAPES = [(64, 96), (33, 70), (1, 31), (0, 16), (129, 257), (5, 3)]
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6),
        st.integers(1, 9), st.sampled_from(["per_weight", "flat"]))
-def test_shard_windows_tile_every_weight_once(shapes, ranks, layout):
-    from jax_fp8.shard_layout import tiling_errors
+def test_shard_windows_tile_every_weight_once(shapes, ranks, split):
+    from jax_fp8.master_shards import tiling_errors
 
-    wins = shard_windows(shapes, ranks, layout)
+    wins = shard_windows(shapes, ranks, split=split)
     assert wins.shape == (ranks, len(shapes), 2) and wins.dtype == np.int32
-    bufs = split_masters([np.zeros(s, np.float32) for s in shapes], ranks, layout)
-    held = [b.shape[1] for b in bufs] if layout == "per_weight" else [bufs.shape[1]] * len(shapes)
+    bufs = split_masters([np.zeros(s, np.float32) for s in shapes], ranks, split=split)
+    held = [b.shape[1] for b in bufs] if split == "per_weight" else [bufs.shape[1]] * len(shapes)
     assert tiling_errors(wins, held, shapes) == []
     assert (wins[:, :, 1].sum(0) == [a * b for a, b in shapes]).all()
 
 
-@pytest.mark.parametrize("layout", ["per_weight", "flat"])
+@pytest.mark.parametrize("split", ["per_weight", "flat"])
 @pytest.mark.parametrize("n", [3, 8])
 @pytest.mark.parametrize("fmt", ["mxfp8", "blockwise"])
-def test_layout_helpers_round_trip(layout, n, fmt):
+def test_split_helpers_round_trip(split, n, fmt):
     """split_masters -> local_shards -> quantize_master_weights(check=True) -> gather equals quantizing
-    every whole weight; the flat layout starts and ends weights anywhere in a rank's buffer."""
-    rng = np.random.default_rng(n + len(layout) + len(fmt))
-    masters = [random_input(rng, s, jnp.float32) for s in LAYOUT_SHAPES]
-    bufs = split_masters(masters, n, layout)
+    every whole weight; the flat split starts and ends weights anywhere in a rank's buffer."""
+    rng = np.random.default_rng(stable_seed("split helpers round trip", split, n, fmt))
+    masters = [random_input(rng, s, jnp.float32) for s in SPLIT_SHAPES]
+    bufs = split_masters(masters, n, split=split)
     kw = dict(fmt=fmt, block=(128, 128)) if fmt == "blockwise" else {}
 
     def step(local):
-        local = [b[0] for b in local] if layout == "per_weight" else local[0]
-        shards, offsets, lengths = local_shards(local, LAYOUT_SHAPES, "data", layout)
-        qs = quantize_master_weights(shards, LAYOUT_SHAPES, "data", offsets=offsets, lengths=lengths, check=True, **kw)
+        local = [b[0] for b in local] if split == "per_weight" else local[0]
+        shards, offsets, lengths = local_shards(local, SPLIT_SHAPES, "data", split=split)
+        qs = quantize_master_weights(shards, SPLIT_SHAPES, "data", offsets=offsets, lengths=lengths, check=True, **kw)
         return gather_master_weights(qs, "data")
 
     got = replicated(step, _mesh(n), P("data"), "data")[0](bufs)
@@ -472,15 +474,17 @@ def test_master_weight_argument_errors():
     with pytest.raises(TypeError, match="gather_master_weights: qshards"):
         shard_map(lambda b: gather_master_weights(jf.quantize_mxfp8(b), "data"), mesh=_mesh(2), in_specs=P("data"),
                   out_specs=P())(np.zeros((2, 32), np.float32))
-    with pytest.raises(ValueError, match="layout"):
-        shard_windows([(2, 2)], 2, "zero3")
+    with pytest.raises(ValueError, match=r"shard_windows: split must be one of \('per_weight', 'flat'\)"):
+        shard_windows([(2, 2)], 2, split="zero3")
+    with pytest.raises(TypeError, match="layout"):  # the tensor layout is not the ZeRO split's keyword
+        shard_windows([(2, 2)], 2, layout="flat")
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_gather_master_weights_gemm_ready(n):
     """128x128 master weights gathered in the GEMM-ready layout: both orientations of each weight for
     the GEMMs (the columnwise one transposed), equal to quantizing the whole weight that way."""
-    rng = np.random.default_rng(n + 50)
+    rng = np.random.default_rng(stable_seed("gather gemm_ready", n))
     masters = [random_input(rng, s, jnp.float32) for s in [(130, 300), (256, 128), (5, 7)]]
     shapes = [m.shape for m in masters]
     bufs = split_masters(masters, n)

@@ -207,9 +207,9 @@ def test_non_array_operands_behave_as_in_lax():
         assert jf.fp8_dot_general(np.ones((1, 2), np.float32), w, KN).shape == (1, 2)
 
 
-def test_recipe_quantized_tensors_satisfy_a_te_rule_quantizer():
+def test_recipe_quantized_tensors_satisfy_a_te_rule_scheme():
     """saturate_inf does not count when a gather asks whether a tensor already holds what it needs:
-    the recipe's activations gather as they are under a Quantizer built with TE's rule."""
+    the recipe's activations gather as they are under a Scheme built with TE's rule."""
     qz = jf.Scheme("blockwise", rowwise=True, colwise=True, layout="gemm_ready")
     lhs = jf.Float8BlockScaling().scheme("lhs")
     assert not lhs.saturate_inf and qz.satisfied_by(lhs) and lhs.satisfied_by(qz)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, stable_seed
 
 flax = pytest.importorskip("flax")
 from flax import linen as nn  # noqa: E402
@@ -19,8 +19,8 @@ from jax_fp8.flax_utils import fp8_dot_general_for, use_fp8_dot_general  # noqa:
 FPROP = (((2,), (0,)), ((), ()))  # x (B, S, K) . kernel (K, N), as flax calls it
 
 
-def _x(dtype=jnp.bfloat16, shape=(2, 64, 256)):
-    return jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+def _x(dtype=jnp.bfloat16, shape=(2, 64, 256), seed=1):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
 
 
 def _direct(x, kernel, bias, dtype):
@@ -31,8 +31,9 @@ def _direct(x, kernel, bias, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_nnx_linear_equals_direct_call(dtype):
-    layer = nnx.Linear(256, 384, dtype=dtype, dot_general=jf.fp8_dot_general, rngs=nnx.Rngs(0))
-    x = _x()
+    layer = nnx.Linear(256, 384, dtype=dtype, dot_general=jf.fp8_dot_general,
+                       rngs=nnx.Rngs(stable_seed("nnx linear params", dtype)))
+    x = _x(seed=stable_seed("nnx linear input", dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("error", jf.gemm.Fp8GemmFallbackWarning)  # the FP8 GEMM path, no fallback
         y = nnx.jit(lambda m, x: m(x))(layer, x)

@@ -12,15 +12,16 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax import shard_map
-from jax_fp8.distributed import Quantizer, all_gather_dequantized, all_gather_first_dim
-from helpers import assert_tensors_equal, random_input, replicated
+from jax_fp8 import Scheme
+from jax_fp8.distributed import all_gather_dequantized, all_gather_first_dim
+from helpers import assert_tensors_equal, random_input, replicated, stable_seed
 
 QUANTIZERS = {
-    "mx-row": Quantizer("mxfp8"),
-    "mx-rowcol": Quantizer("mxfp8", rowwise=True, colwise=True),
-    "mx-col-e5m2": Quantizer("mxfp8", jnp.float8_e5m2, rowwise=False, colwise=True),
-    "f8-1d": Quantizer("blockwise", rowwise=True, colwise=True),
-    "f8-2d": Quantizer("blockwise", block=(128, 128)),
+    "mx-row": Scheme("mxfp8"),
+    "mx-rowcol": Scheme("mxfp8", rowwise=True, colwise=True),
+    "mx-col-e5m2": Scheme("mxfp8", jnp.float8_e5m2, rowwise=False, colwise=True),
+    "f8-1d": Scheme("blockwise", rowwise=True, colwise=True),
+    "f8-2d": Scheme("blockwise", block=(128, 128)),
 }
 
 
@@ -46,7 +47,7 @@ def _all_gather_dtypes(f, x):
 @pytest.mark.parametrize("n,local_rows", [(8, 100), (8, 128), (3, 96), (3, 41), (2, 256), (4, 32)])
 def test_unquantized_input_equals_full_quantization(name, n, local_rows):
     qz = QUANTIZERS[name]
-    rng = np.random.default_rng(n * 1000 + local_rows)
+    rng = np.random.default_rng(stable_seed("unquantized input", name, n, local_rows))
     x = random_input(rng, (n * local_rows, 160), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
     assert_tensors_equal(got, qz.quantize(x))
@@ -65,7 +66,7 @@ def test_quantized_input(name, n, local_rows):
     """Already quantized: fast path gathers it as is (== quantizing the full tensor); the fallback
     dequantizes, gathers, requantizes (== quantizing the gathered dequantized values)."""
     qz = QUANTIZERS[name]
-    rng = np.random.default_rng(local_rows + n)
+    rng = np.random.default_rng(stable_seed("quantized input", name, n, local_rows))
     x = random_input(rng, (n, local_rows, 3, 64), jnp.float32).reshape(n * local_rows, 3, 64)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(qz.quantize(v), "sp", qz), x, n)
     if (local_rows * 3) % qz.block_rows == 0:
@@ -81,7 +82,7 @@ def test_quantized_input(name, n, local_rows):
 def test_missing_usage_is_requantized():
     n, rows = 4, 64
     x = random_input(np.random.default_rng(1), (n * rows, 96), jnp.bfloat16)
-    want_q = Quantizer("mxfp8", rowwise=True, colwise=True)
+    want_q = Scheme("mxfp8", rowwise=True, colwise=True)
     got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize_mxfp8(v), "sp", want_q), x, n)
     assert len(warns) == 1 and "second rounding" in warns[0], warns  # fast path; the conversion warns
     assert got.has_colwise and got.has_rowwise
@@ -92,10 +93,10 @@ def test_missing_usage_is_requantized():
 @pytest.mark.parametrize("local_rows", [64, 100])
 def test_gradients_match_unquantized_all_gather(local_rows):
     n = 4
-    rng = np.random.default_rng(local_rows)
+    rng = np.random.default_rng(stable_seed("gradients", local_rows))
     x = random_input(rng, (n * local_rows, 96), jnp.float32, specials=False)
     w = jnp.asarray(rng.standard_normal((n * local_rows, 96)).astype(np.float32))
-    qz = Quantizer("mxfp8", rowwise=True, colwise=True)
+    qz = Scheme("mxfp8", rowwise=True, colwise=True)
 
     def loss(fn):
         def per_rank(v, w):
@@ -113,24 +114,24 @@ def test_gradients_match_unquantized_all_gather(local_rows):
     np.testing.assert_allclose(np.asarray(g_ref), n * np.asarray(w), rtol=0)  # each rank's copy contributes
 
 
-def test_quantizer_errors():
+def test_scheme_errors():
     with pytest.raises(ValueError, match="fmt"):
-        Quantizer("nvfp4")
+        Scheme("nvfp4")
     with pytest.raises(ValueError, match="at least one"):
-        Quantizer(rowwise=False)
+        Scheme(rowwise=False)
     with pytest.raises(ValueError, match="block"):
-        Quantizer("blockwise", block=(32, 32))
+        Scheme("blockwise", block=(32, 32))
     with pytest.raises(TypeError, match="dtype"):
-        Quantizer(dtype=jnp.float16)
+        Scheme(dtype=jnp.float16)
 
 
-def test_quantized_input_without_quantizer_keeps_its_format():
+def test_quantized_input_without_scheme_keeps_its_format():
     n, rows = 4, 64
     x = random_input(np.random.default_rng(5), (n * rows, 256), jnp.bfloat16)
     for quantize in (lambda v: jf.quantize_mxfp8(v, jnp.float8_e5m2, True, True),
                      lambda v: jf.quantize_blockwise(v, block=(128, 128), pow2_scales=False)):
         got, _, warns = _gathered(lambda v: all_gather_first_dim(quantize(v), "sp"), x, n)
-        fast = rows % Quantizer.of(quantize(x)).block_rows == 0
+        fast = rows % quantize(x).scheme.block_rows == 0
         assert bool(warns) == (not fast)
         local = [jf.dequantize(quantize(x[r * rows:(r + 1) * rows])) for r in range(n)]
         assert_tensors_equal(got, quantize(x) if fast else quantize(jnp.concatenate(local)))
@@ -141,7 +142,7 @@ def test_fallback_conversion_rounds_once():
     locally first and then dequantized again (two roundings). The fallback dequantizes the original."""
     x = np.array([[1.0], [0.625 * 2.0**-15], [4.0], [0.0]], np.float32)
     got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize_mxfp8(v), "sp",
-                                                             Quantizer("mxfp8", rowwise=False, colwise=True)), x, 2)
+                                                             Scheme("mxfp8", rowwise=False, colwise=True)), x, 2)
     assert np.asarray(got.colwise_data).view(np.uint8).ravel().tolist() == [0x68, 0x01, 0x78, 0x00]
     assert any("second rounding" in w for w in warns) and any("high precision" in w for w in warns), warns
 
@@ -153,7 +154,8 @@ def test_conversion_equals_quantizing_the_gathered_dequantized_input(src, dst, l
     """Another format or a missing usage: on either path, the result is the target quantization of
     the gathered dequantized input (one conversion), and a warning says so."""
     n = 2
-    x = random_input(np.random.default_rng(local_rows + len(src + dst)), (n * local_rows, 160), jnp.bfloat16)
+    rng = np.random.default_rng(stable_seed("conversion", src, dst, local_rows))
+    x = random_input(rng, (n * local_rows, 160), jnp.bfloat16)
     qs, qd = QUANTIZERS[src], QUANTIZERS[dst]
     got, _, warns = _gathered(lambda v: all_gather_first_dim(qs.quantize(v), "sp", qd), x, n)
     local = [jf.dequantize(qs.quantize(x[r * local_rows:(r + 1) * local_rows])) for r in range(n)]
@@ -168,43 +170,44 @@ def test_bad_arguments_name_the_argument():
     def run(fn):
         return jax.jit(shard_map(fn, mesh=mesh, in_specs=P("sp"), out_specs=P()))(x)
 
-    with pytest.raises(TypeError, match="quantizer must be a jax_fp8.distributed.Quantizer"):
+    with pytest.raises(TypeError, match="scheme must be a jax_fp8.Scheme"):
         run(lambda v: all_gather_first_dim(v, "sp", "mxfp8"))
-    with pytest.raises(TypeError, match="all_gather_dequantized: quantizer"):
+    with pytest.raises(TypeError, match="all_gather_dequantized: scheme"):
         run(lambda v: all_gather_dequantized(v, "sp", None))
     with pytest.raises(ValueError, match="usage"):
-        run(lambda v: all_gather_dequantized(v, "sp", Quantizer("mxfp8"), "colwise"))
+        run(lambda v: all_gather_dequantized(v, "sp", Scheme("mxfp8"), "colwise"))
 
 
-def test_quantizer_validates_options():
+def test_scheme_validates_options():
     with pytest.raises(ValueError, match="amax_epsilon"):
-        Quantizer("blockwise", amax_epsilon=-1.0)
+        Scheme("blockwise", amax_epsilon=-1.0)
     with pytest.raises(ValueError, match="amax_epsilon"):
-        Quantizer("blockwise", amax_epsilon=float("nan"))
+        Scheme("blockwise", amax_epsilon=float("nan"))
     with pytest.raises(TypeError, match="rowwise must be a bool"):
-        Quantizer("mxfp8", rowwise="yes")
+        Scheme("mxfp8", rowwise="yes")
     with pytest.raises(TypeError, match="pow2_scales must be a bool"):
-        Quantizer("blockwise", pow2_scales=None)
+        Scheme("blockwise", pow2_scales=None)
     with pytest.raises(ValueError, match="block"):
-        Quantizer("blockwise", block=(1, 32))
-    assert Quantizer("blockwise", block=[128, 128]).block == (128, 128)
+        Scheme("blockwise", block=(1, 32))
+    assert Scheme("blockwise", block=[128, 128]).block == (128, 128)
 
 
 GEMM_READY = {
-    "f8-1d-gr": Quantizer("blockwise", rowwise=True, colwise=True, layout="gemm_ready"),
-    "f8-2d-gr": Quantizer("blockwise", block=(128, 128), rowwise=True, colwise=True, layout="gemm_ready"),
-    "f8-col-gr": Quantizer("blockwise", rowwise=False, colwise=True, layout="gemm_ready"),
-    "mx-gr": Quantizer("mxfp8", rowwise=True, colwise=True, layout="gemm_ready"),
+    "f8-1d-gr": Scheme("blockwise", rowwise=True, colwise=True, layout="gemm_ready"),
+    "f8-2d-gr": Scheme("blockwise", block=(128, 128), rowwise=True, colwise=True, layout="gemm_ready"),
+    "f8-col-gr": Scheme("blockwise", rowwise=False, colwise=True, layout="gemm_ready"),
+    "mx-gr": Scheme("mxfp8", rowwise=True, colwise=True, layout="gemm_ready"),
 }
 
 
 @pytest.mark.parametrize("name", list(GEMM_READY))
 @pytest.mark.parametrize("n,local_rows", [(2, 256), (4, 128), (3, 100)])
 def test_gemm_ready_gather_equals_full_quantization(name, n, local_rows):
-    """GEMM-ready quantizers: both paths give the GEMM-ready quantization of the gathered tensor
+    """GEMM-ready schemes: both paths give the GEMM-ready quantization of the gathered tensor
     (transposed columnwise data gathered along its second axis, scales re-padded)."""
     qz = GEMM_READY[name]
-    x = random_input(np.random.default_rng(n * 7 + local_rows), (n * local_rows, 200), jnp.bfloat16)
+    rng = np.random.default_rng(stable_seed("gemm_ready gather", name, n, local_rows))
+    x = random_input(rng, (n * local_rows, 200), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
     assert_tensors_equal(got, qz.quantize(x))
     assert bool(warns) == (local_rows % qz.block_rows != 0), warns
@@ -219,7 +222,7 @@ def test_gemm_ready_gather_equals_full_quantization(name, n, local_rows):
 
 def test_shared_tiles_travel_once():
     """Compact 128x128 tiles serve both usages: their data and scales are gathered once, not twice."""
-    qz = Quantizer("blockwise", block=(128, 128), rowwise=True, colwise=True)
+    qz = Scheme("blockwise", block=(128, 128), rowwise=True, colwise=True)
     x = random_input(np.random.default_rng(9), (2 * 128, 200), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, 2)
     assert not warns

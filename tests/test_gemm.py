@@ -16,10 +16,14 @@ GPU, FP8 tensor cores add products inside an MMA with fewer bits than fp32 (Deep
 about 14 on H800; cuBLASLt promotes the partial sums to fp32 registers): there the bound takes
 u = 2^-13, still ~2^-8 of S at K = 256, far below the O(1) error of a wrong scale or orientation.
 
-Gradients are checked against ``jax.vjp`` of the same product on the dequantized operands (fp32, HIGHEST)
-with the unquantized cotangent: the difference is bounded by the GEMM bound of each side plus the
-propagated quantization differences, computed exactly (|Q(dy) - dy|·|W̃| etc.), by the triangle
-inequality. The FP8 gradients also EQUAL the GEMMs of the saved residuals with the quantized cotangent.
+Gradients are checked two ways. Against fp64 products of operands quantized independently here (the
+jax.numpy reference, with the recipe's blocks and options: x 1x128 rowwise and 128x1 columnwise, W
+128x128 tiles, dy 1x128 rowwise and 128x1 columnwise) and dequantized in NumPy (helpers.deq): fprop,
+dgrad and wgrad each within the accumulation and output rounding of its own GEMM
+(:func:`accumulation_bound`). And against ``jax.vjp`` of the same product on the dequantized operands
+(fp32, HIGHEST) with the unquantized cotangent: the difference is bounded by the GEMM bound of each side
+plus the propagated quantization differences, computed exactly (|Q(dy) - dy|·|W̃| etc.), by the
+triangle inequality.
 """
 import warnings
 from functools import partial
@@ -34,8 +38,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8 import gemm as G
 from jax import shard_map
-from jax_fp8.primitives.gemm import fp8_gemm_bind, gemm_supported
-from helpers import assert_bits_equal, on_cpu, stable_seed
+from jax_fp8.gemm_plan import plan_gemm
+from jax_fp8.primitives import cublaslt
+from jax_fp8.primitives.cublaslt import CUBLASLT
+from jax_fp8.primitives.gemm import fp8_gemm_bind
+from helpers import assert_bits_equal, deq, on_cpu, stable_seed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
@@ -77,13 +84,6 @@ def check_gemm(out, a, b, out_dtype, c=None, what=""):
     assert_within(out, exact, bound, what)
 
 
-def deq(q, usage="rowwise"):
-    """fp64 values of a quantized tensor's usage, as its 2-D view (the NumPy reference's dequantize:
-    independent of the code under test, and no compile)."""
-    v = on_cpu(jf.reference.dequantize, q, dtype=np.float32, usage=usage).astype(np.float64)
-    return v.reshape(-1, v.shape[-1])
-
-
 def data(rng, shape, dtype, outliers=False, spread=12):
     """Normal values, rows scaled by 2**[-spread, spread); ``outliers``: ~0.5% of entries x 1e2..1e4."""
     x = rng.standard_normal(shape)
@@ -115,23 +115,23 @@ def one_warning(fn, match):
     return out, ours[0]
 
 
-# ---- gemm_supported and the primitive's contract --------------------------------------------------
-def test_gemm_supported_rules():
-    p = gemm_supported(4096, 4096, 4096)
-    assert p.ok and (p.M, p.N, p.K) == (4096, 4096, 4096)
-    p = gemm_supported(37, 50, 300, B1, B2)  # K -> 16, N -> 8, M -> 8 (1x128 a)
-    assert p.ok and (p.M, p.N, p.K) == (40, 56, 304)
-    p = gemm_supported(37, 50, 300, B2, B1)  # 128x128 a: M needs no alignment
-    assert p.ok and (p.M, p.N, p.K) == (37, 56, 304)
-    assert gemm_supported(1, 4096, 4096).ok  # decode: M 1 -> 8 is 8x the work of a tiny GEMM
-    assert "both operands" in gemm_supported(128, 128, 128, B2, B2).reason
-    assert "E5M2 on both" in gemm_supported(128, 128, 128, B1, B1, E5M2, E5M2).reason
-    assert gemm_supported(128, 128, 128, B1, B1, E5M2, E4M3).ok
-    assert "multiply the GEMM's work" in gemm_supported(1, 1, 100).reason
-    assert "empty" in gemm_supported(0, 8, 16).reason
-    assert "2**31" in gemm_supported(8, 8, 2**31).reason
+# ---- plan_gemm (cuBLASLt's rules) and the primitive's contract ----------------------------------------
+def test_plan_gemm_rules():
+    p = plan_gemm(4096, 4096, 4096)
+    assert p.ok and p.backend is CUBLASLT and p.padded == (4096, 4096, 4096)
+    p = plan_gemm(37, 50, 300, B1, B2)  # K -> 16, N -> 8, M -> 8 (1x128 a)
+    assert p.ok and p.padded == (40, 56, 304)
+    p = plan_gemm(37, 50, 300, B2, B1)  # 128x128 a: M needs no alignment
+    assert p.ok and p.padded == (37, 56, 304)
+    assert plan_gemm(1, 4096, 4096).ok  # decode: M 1 -> 8 is 8x the work of a tiny GEMM
+    assert "both operands" in plan_gemm(128, 128, 128, B2, B2).reason
+    assert "E5M2 on both" in plan_gemm(128, 128, 128, B1, B1, E5M2, E5M2).reason
+    assert plan_gemm(128, 128, 128, B1, B1, E5M2, E4M3).ok
+    assert "multiply the GEMM's work" in plan_gemm(1, 1, 100).reason
+    assert "empty" in plan_gemm(0, 8, 16).reason
+    assert "2**31" in plan_gemm(8, 8, 2**31).reason
     with pytest.raises(ValueError, match="a_block"):
-        gemm_supported(8, 8, 16, (32, 32))
+        plan_gemm(8, 8, 16, (32, 32))
 
 
 def _aligned(rng, M, N, K, a_block=B1, b_block=B2, a_dtype=E4M3, b_dtype=E4M3):
@@ -143,7 +143,7 @@ def _aligned(rng, M, N, K, a_block=B1, b_block=B2, a_dtype=E4M3, b_dtype=E4M3):
 def test_primitive_checks_its_contract():
     rng = np.random.default_rng(0)
     _, _, a, b = _aligned(rng, 16, 24, 256)
-    bind = lambda *ops, **kw: fp8_gemm_bind(*ops, **{**dict(a_block=B1, b_block=B2, out_dtype=BF16), **kw})  # noqa
+    bind = lambda *ops, **kw: fp8_gemm_bind(*ops, **{**dict(a_block=B1, b_block=B2, out_dtype=BF16, backend=CUBLASLT), **kw})  # noqa
     assert bind(a.data, a.scale, b.data, b.scale).shape == (16, 24)
     cases = [
         (ValueError, "not aligned", lambda: bind(a.data[:, :200], a.scale, b.data[:, :200], b.scale)),
@@ -164,7 +164,7 @@ def test_primitive_checks_its_contract():
             fn()
     e5 = _aligned(rng, 16, 24, 256, B1, B1, E5M2, E5M2)
     with pytest.raises(ValueError, match="E5M2 on both"):
-        fp8_gemm_bind(e5[2].data, e5[2].scale, e5[3].data, e5[3].scale, a_block=B1, b_block=B1, out_dtype=F32)
+        fp8_gemm_bind(e5[2].data, e5[2].scale, e5[3].data, e5[3].scale, a_block=B1, b_block=B1, out_dtype=F32, backend=CUBLASLT)
     with pytest.raises(TypeError, match="not differentiable"):
         jax.jvp(lambda d: bind(d, a.scale, b.data, b.scale), (a.data,), (a.data,))
 
@@ -224,12 +224,12 @@ def test_gemm_cuda_status_says_why():
     status is a reason in words, never an exception; on an H200 with the module it is None."""
     from jax_fp8 import _ffi
 
-    why = _ffi.gemm_cuda_unavailable()
-    version, where = _ffi.cublaslt()
+    why = cublaslt.unavailable()
+    version, where = cublaslt.cublaslt()
     hopper = jax.default_backend() == "gpu" and all(
         str(getattr(d, "compute_capability", "")).startswith("9.") for d in jax.devices())
     if hopper and _ffi.AVAILABLE["cuda"]:
-        assert why is None and version >= _ffi.CUBLASLT_MIN_VERSION, (why, version, where)
+        assert why is None and version >= cublaslt.CUBLASLT_MIN_VERSION, (why, version, where)
     else:
         assert isinstance(why, str) and why, why
 
@@ -251,7 +251,7 @@ def test_cuda_lowering_runs_cublaslt_or_falls_back():
         gemm = jax.jit(lambda a, b: G.fp8_gemm(a, b, F32))
         text = export.export(gemm, platforms=["cuda"], disabled_checks=ok)(qa, qb).mlir_module()
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, G.Fp8GemmFallbackWarning)]
-    why = _ffi.gemm_cuda_unavailable()
+    why = cublaslt.unavailable()
     called = "custom_call @jf_fp8_gemm" in text  # the call itself (source locations may name it too)
     if _ffi.AVAILABLE["cuda"] and why is None:
         assert called and not fallbacks, fallbacks
@@ -296,7 +296,7 @@ def test_gemm_vmap(case):
            "both": (stack(2, "data"), stack(2, "scale"), stack(3, "data"), stack(3, "scale")),
            "c_only": (a0.data, a0.scale, b0.data, b0.scale)}[case if case in ("a", "both", "c_only") else "b"]
     axes = tuple(0 if x.ndim == 3 else None for x in ops) + (0,)
-    f = partial(fp8_gemm_bind, a_block=B1, b_block=b_block, out_dtype=F32)
+    f = partial(fp8_gemm_bind, a_block=B1, b_block=b_block, out_dtype=F32, backend=CUBLASLT)
     out = jax.vmap(lambda a, sa, b, sb, c: f(a, sa, b, sb, c), in_axes=axes)(*ops, c)
     for i in range(S):
         a = qs[i][0] if axes[0] == 0 else qs[0][0]
@@ -418,26 +418,87 @@ def test_vjp_against_grad_of_dequantized(xshape, N, x_dtype, grad_dtype, kn, str
     assert_within(dw if not kn else dw.T, rdw if not kn else rdw.T, b_dw, "dW")
 
 
+def accumulation_bound(a, b, out_dtype, u=U_ACC):
+    """(exact a·bᵀ, elementwise bound on |GEMM - exact|) for fp64 a (R, n), b (C, n), contracted over n.
+
+    Accumulation: the GEMM multiplies the FP8 data (products of two 4-bit significands: exact in fp32),
+    sums them per 128-wide block of n, scales each block's partial sum (two roundings at most: the
+    product of the two scales and its product with the sum; none for the recipe's power-of-2 scales)
+    and adds the ceil(n / 128) partials, all in fp32 (zero padding adds exactly). That is at most
+    m = n - 1 + 2 ceil(n / 128) <= 2n roundings of unit roundoff u on the way to any output, each of a
+    partial sum or product bounded by S = |a|·|b|ᵀ, whatever the order of the sums (blocked, split-K,
+    FMA or not): |err| <= gamma_m · S, gamma_m = m u / (1 - m u) (Higham, Accuracy and Stability of
+    Numerical Algorithms, §3.1). The factor 2 in m = 2n is that safe upper count; the term m · 2^-126
+    covers partial sums flushed to zero below fp32's normal range (XLA's CPU runtime). u = 2^-24 (fp32)
+    on CPU; on a GPU the module's u for the FP8 tensor cores' narrower in-MMA sums.
+
+    Output: rounding the fp32 result to ``out_dtype`` (bf16) adds at most half an ulp, u_out relative
+    to |fl(r)| <= |r| + acc (u_out = 2^-8 for bf16; f32 needs none, the term 2^-24 (|r| + acc) only
+    loosens the bound by one more rounding), plus half the output's smallest spacing."""
+    n = a.shape[1]
+    exact, S = a @ b.T, np.abs(a) @ np.abs(b).T
+    m = 2 * max(n, 1)
+    acc = m * u / (1 - m * u) * S + m * TINY
+    out_dtype = jnp.dtype(out_dtype)
+    return exact, acc + U_OUT[out_dtype] * (np.abs(exact) + acc) + TINY_OUT[out_dtype]
+
+
+def _ref64(v, block, dtype, recipe, usage="rowwise"):
+    """fp64 (rows, cols) values of ``v``'s 2-D view quantized by the jax.numpy reference (evaluated in
+    NumPy) in ``block`` blocks with the recipe's options, its ``usage`` dequantized in NumPy. The
+    recipe's ``saturate_inf=False`` changes only blocks holding an infinity: the data here are finite."""
+    v = np.asarray(v).reshape(-1, v.shape[-1])
+    q = on_cpu(jf.reference.quantize_blockwise, v, block=block, dtype=dtype, pow2_scales=recipe.pow2_scales,
+               amax_epsilon=recipe.amax_epsilon, colwise=usage == "colwise")
+    return deq(q, usage)
+
+
+def _wide(rng, shape, dtype):
+    """Normal values with rows and columns each scaled by 2**[-6, 6): a block along either dim spans
+    ~2^12, so its small entries fall into FP8's subnormal range, where rowwise (1x128) and columnwise
+    (128x1) quantizations differ (with power-of-2 scales they agree on every normal value): a GEMM
+    reading the wrong usage falls outside the fp32 bounds."""
+    v = rng.standard_normal(shape) * 2.0 ** rng.integers(-6, 6, size=shape[:-1] + (1,))
+    v = v * 2.0 ** rng.integers(-6, 6, size=shape[-1])
+    return jnp.asarray(v.astype(np.float32)).astype(dtype)
+
+
+#: (x shape, N, operand and output dtype, grad_dtype): M, K and N off the 128 grid (partial blocks and
+#: tiles), an aligned case, and a (B, S, K) x with S % 128 == 0 (the stacked GEMMs on several devices)
+FP64_CASES = [((37, 300), 50, F32, E4M3), ((130, 257), 129, BF16, E5M2), ((2, 20, 130), 136, BF16, E4M3),
+              ((256, 384), 256, F32, E5M2), ((2, 128, 272), 48, BF16, E4M3)]
+
+
+@pytest.mark.parametrize("xshape,N,dtype,grad_dtype", FP64_CASES, ids=str)
 @pytest.mark.parametrize("kn", [True, False], ids=["KN", "NK"])
-def test_vjp_equals_gemms_of_saved_residuals(kn, strict):
-    """dgrad and wgrad are the FP8 GEMMs of the residuals saved by the forward (the operands quantized
-    there, not re-quantized) and of the cotangent quantized once; the residuals are the GEMM-ready
-    operands of one quantization pass per tensor."""
-    x, w, g, f, recipe, dn = _vjp_setup((40, 272), 56, kn, BF16, E5M2, stable_seed("residuals", kn))
-    _, dx, dw = jax.jit(_fwd_bwd(f))(x, w, g)
-    cfg = G._Linear(recipe, kn, jnp.dtype(F32))
-    _, (x_t, w_d, *_) = jax.jit(lambda x, w: G._linear_fwd(x, w, cfg))(x, w)
-    xq = jf.quantize_blockwise(x, colwise=True, layout="gemm_ready")
-    wq = jf.quantize_blockwise(w, block=B2, colwise=True, layout="gemm_ready")
-    for got, want in ((x_t, G.gemm_operand(xq, "first")), (w_d, G.gemm_operand(wq, "last" if kn else "first"))):
-        assert got.block == want.block
-        assert_bits_equal(got.data, want.data, "residual data")
-        assert_bits_equal(got.scale, want.scale, "residual scales")
-    gq = jf.quantize(g, recipe.scheme("grad"))
-    dy, dy_t = G.gemm_operand(gq, "last"), G.gemm_operand(gq, "first")
-    gemm = jax.jit(G.fp8_gemm, static_argnums=2)
-    assert_bits_equal(dx, gemm(dy, w_d, BF16), "dgrad")
-    assert_bits_equal(dw, gemm(x_t, dy_t, F32) if kn else gemm(dy_t, x_t, F32), "wgrad")
+def test_vjp_against_fp64_of_independent_quantizations(xshape, N, dtype, grad_dtype, kn, strict):
+    """y, dx and dW of fp8_dot_general (jax.vjp and jax.grad, jitted) against fp64 products of x, W and
+    dy quantized independently by the jax.numpy reference with the recipe's blocks (module docstring of
+    jax_fp8/gemm.py): fprop y = x̃ · W̃ᵀ (x 1x128 rowwise), dgrad dx = d̃y · W̃ (dy 1x128 rowwise, the same
+    128x128 tiles of W), wgrad dW = d̃yᵀ · x̃ (the 128x1 columnwise usages of dy and x), each within
+    :func:`accumulation_bound` of its contraction."""
+    rng = np.random.default_rng(stable_seed("vjp fp64", xshape, N, dtype, grad_dtype, kn))
+    K, M = xshape[-1], int(np.prod(xshape[:-1]))
+    x, w, g = (_wide(rng, s, dtype) for s in (xshape, (K, N) if kn else (N, K), (*xshape[:-1], N)))
+    recipe = jf.Float8BlockScaling(grad_dtype=grad_dtype)
+    dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
+    f = lambda x, w: jf.fp8_dot_general(x, w, dn, recipe=recipe)  # noqa: E731
+    y, dx, dw = jax.jit(_fwd_bwd(f))(x, w, g)
+    assert y.dtype == dx.dtype == dw.dtype == dtype and dx.shape == x.shape and dw.shape == w.shape
+    gx, gw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(F32) * g.astype(F32)), argnums=(0, 1)))(x, w)
+    assert_bits_equal(gx, dx, "jax.grad dx == jax.vjp dx")
+    assert_bits_equal(gw, dw, "jax.grad dW == jax.vjp dW")
+
+    Xr, Xc = _ref64(x, B1, E4M3, recipe), _ref64(x, B1, E4M3, recipe, "colwise")  # (M, K) each
+    Wt = _ref64(w, B2, E4M3, recipe)  # W's own shape: the tiles of both orientations
+    Wnk = Wt.T if kn else Wt  # (N, K)
+    Gr, Gc = _ref64(g, B1, grad_dtype, recipe), _ref64(g, B1, grad_dtype, recipe, "colwise")  # (M, N) each
+    exact, bound = accumulation_bound(Xr, Wnk, dtype)  # fprop (M, N), over K
+    assert_within(y.reshape(M, N), exact, bound, "fprop y")
+    exact, bound = accumulation_bound(Gr, Wnk.T, dtype)  # dgrad (M, K), over N
+    assert_within(dx.reshape(M, K), exact, bound, "dgrad dx")
+    exact, bound = accumulation_bound(Gc.T, Xc.T, dtype)  # wgrad (N, K), over M
+    assert_within(dw.T if kn else dw, exact, bound, "wgrad dW")
 
 
 def test_each_tensor_quantized_once():

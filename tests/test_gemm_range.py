@@ -17,12 +17,14 @@ import pytest
 
 import jax_fp8 as jf
 from jax_fp8 import _ffi, gemm as G
+from jax_fp8.gemm_plan import plan_gemm
+from jax_fp8.primitives import cublaslt
 from jax_fp8.primitives.gemm import dense_gemm
 from helpers import stable_seed
 from test_gemm import B1, B2, BF16, F32, NK, assert_within, gemm_bound, one_warning, strict  # noqa: F401
 
 #: the FP8 GEMM runs on cuBLASLt here (else on its reference lowering)
-CUBLASLT = jax.default_backend() == "gpu" and _ffi.AVAILABLE["cuda"] and _ffi.gemm_cuda_unavailable() is None
+CUBLASLT = jax.default_backend() == "gpu" and _ffi.AVAILABLE["cuda"] and cublaslt.unavailable() is None
 #: w of the small side: 1 + w and -w are exact in E4M3 at scale 2**-7 (multiples of 16 up to 256)
 W_CHOICES = np.array([0.125, 0.25, 0.5, 0.75, 1.0])
 PIN = 3.5  # 448 * 2**-7: pins the small side's block amax, so its scale is 2**-7 (pow2 or not)
@@ -94,7 +96,7 @@ def test_fp8_gemm_near_max_is_finite(dtype, out_dtype, huge, blocks, strict, req
     M, N, K = 40, 56, 300
     rng = np.random.default_rng(stable_seed("range-gemm", dtype, huge, blocks))
     qa, qb = _quantize(*planted(rng, M, N, K, dtype, huge), blocks, huge)
-    assert G.gemm_supported(M, N, K, *blocks).ok
+    assert plan_gemm(M, N, K, *blocks).ok
     check_range(G.fp8_gemm(qa, qb, out_dtype), qa, qb, out_dtype, f"fp8_gemm huge {huge}")
 
 

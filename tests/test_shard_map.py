@@ -16,7 +16,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.distributed import (Quantizer, all_gather_dequantized, all_gather_first_dim, gather_master_weights,
+from jax_fp8 import Scheme
+from jax_fp8.distributed import (all_gather_dequantized, all_gather_first_dim, gather_master_weights,
                                  local_shards, quantize_master_weights, split_masters)
 from helpers import assert_bits_equal, stable_seed
 
@@ -68,9 +69,9 @@ def test_data_parallel_weight_gradient(fmt):
 
 # ---- sequence parallel: the gathers' gradients are reduce-scattered, as lax.all_gather's -----------
 GATHERS = {
-    "all_gather_dequantized-mxfp8": lambda v: all_gather_dequantized(v, "data", Quantizer("mxfp8")),
+    "all_gather_dequantized-mxfp8": lambda v: all_gather_dequantized(v, "data", Scheme("mxfp8")),
     "all_gather_dequantized-blockwise-col": lambda v: all_gather_dequantized(
-        v, "data", Quantizer("blockwise", rowwise=False, colwise=True), "colwise"),
+        v, "data", Scheme("blockwise", rowwise=False, colwise=True), "colwise"),
     "all_gather_first_dim": lambda v: all_gather_first_dim(v, "data"),
 }
 
@@ -144,7 +145,7 @@ def test_fp8_dot_general_sequence_sharded():
     rank's loss over its rows: the same gradients as the same code gathering with lax.all_gather."""
     local = 128
     x, w = _data("dg-seq", (N * local, 256), (256, 128))
-    qz = Quantizer("blockwise", rowwise=True, colwise=True)
+    qz = Scheme("blockwise", rowwise=True, colwise=True)
 
     def loss(gather):
         def f(x, w):
@@ -234,8 +235,8 @@ def test_out_specs_checks_behave_as_for_jnp(name):
 COLLECTIVES = {
     "quantize_master_weights": lambda b: quantize_master_weights([b.reshape(-1)], [(16, 16)], "data"),
     "gather_master_weights": lambda b: gather_master_weights([], "data"),
-    "all_gather_first_dim": lambda b: all_gather_first_dim(b, "data", Quantizer("mxfp8")),
-    "all_gather_dequantized": lambda b: all_gather_dequantized(b, "data", Quantizer("mxfp8")),
+    "all_gather_first_dim": lambda b: all_gather_first_dim(b, "data", Scheme("mxfp8")),
+    "all_gather_dequantized": lambda b: all_gather_dequantized(b, "data", Scheme("mxfp8")),
     "local_shards": lambda b: local_shards([b[0]], [(2, 16)], "data"),
 }
 

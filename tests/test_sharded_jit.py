@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8.gemm import Fp8GemmFallbackWarning
 from jax_fp8.primitives.partitioning import ShardingWarning
-from helpers import assert_bits_equal, assert_tensors_equal, random_input
+from helpers import assert_bits_equal, assert_tensors_equal, random_input, stable_seed
 
 _CPU = jax.devices("cpu")[0]  # the meshes are CPU devices: the unsharded references run there too
 KN = (((1,), (0,)), ((), ()))  # x (M, K) @ W (K, N)
@@ -126,7 +126,7 @@ def test_collectives_parser():
     assert [c.nbytes for c in collectives(hlo)] == [204800, 4, 2 << 20, 1 << 20, 1024, 4096]
 
     mesh = _mesh((8,), ("data",), "auto")
-    rng = np.random.default_rng(3500)
+    rng = np.random.default_rng(stable_seed("collectives parser"))
     x = _put(rng.standard_normal((256, 1024)).astype(np.float32), mesh, P("data", None))
     w = _put(rng.standard_normal((1024, 384)).astype(np.float32), mesh, P("data", None))
     colls = collectives(jax.jit(lambda a, b: jnp.sum(a @ b)).lower(x, w).compile().as_text())
@@ -182,7 +182,8 @@ def _scale_bytes(q):
 def test_quantize_and_dequantize_stay_split(name, layout, split, mode):
     mesh_shape, names, spec, shape = SPLITS[split]
     mesh = _mesh(mesh_shape, names, mode)
-    x = random_input(np.random.default_rng(3501), shape, jnp.bfloat16)
+    rng = np.random.default_rng(stable_seed("stay split", name, layout, split, mode))
+    x = random_input(rng, shape, jnp.bfloat16)
     xs = _put(x, mesh, spec)
     quant = jax.jit(lambda v: QUANTIZERS[name](v, layout))
     with warnings.catch_warnings():
@@ -216,7 +217,7 @@ QDQ = {
 def test_quantize_dequantize_stays_split(name, split, mode):
     mesh_shape, names, spec, shape = SPLITS[split]
     mesh = _mesh(mesh_shape, names, mode)
-    x = random_input(np.random.default_rng(3502), shape, jnp.bfloat16)
+    x = random_input(np.random.default_rng(stable_seed("qdq split", name, split, mode)), shape, jnp.bfloat16)
     xs = _put(x, mesh, spec)
     f = jax.jit(lambda v: tuple(jf.quantize_dequantize(v, usage=u, **QDQ[name]) for u in ("rowwise", "colwise")))
     with warnings.catch_warnings():
@@ -231,7 +232,7 @@ def test_quantize_dequantize_stays_split(name, split, mode):
 
 
 # ---- 2. shards that split a block: the dim is gathered, one warning names it -----------------------------
-#: name: (mesh shape, axis names, spec, shape, quantizer, words in the warning, {dim: local size} kept split)
+#: name: (mesh shape, axis names, spec, shape, scheme, words in the warning, {dim: local size} kept split)
 MISALIGNED = {
     "last dim 200 over 2 (1x128)": ((4, 2), ("data", "model"), P(None, "model"), (256, 200),
                                     lambda v: jf.quantize_blockwise(v, colwise=True), "last dim", {}),
@@ -256,7 +257,7 @@ MISALIGNED = {
 def test_misaligned_shards_gather_that_dim_with_one_warning(case, mode):
     mesh_shape, names, spec, shape, quant, words, kept = MISALIGNED[case]
     mesh = _mesh(mesh_shape, names, mode)
-    x = random_input(np.random.default_rng(3503), shape, jnp.bfloat16)
+    x = random_input(np.random.default_rng(stable_seed("misaligned", case, mode)), shape, jnp.bfloat16)
     f = jax.jit(quant)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -313,7 +314,9 @@ def _train_step(dot, x_ndim, fixed_cotangent):
 
 @lru_cache(maxsize=None)
 def _gemm_data(x_shape):
-    rng = np.random.default_rng(3504)
+    """One set of operands per x shape, shared by the cases and modes of that shape: the unsharded
+    reference (``_gemm_reference``) is computed once per shape."""
+    rng = np.random.default_rng(stable_seed("gemm data", x_shape))
     x = rng.standard_normal(x_shape).astype(jnp.bfloat16)
     w = (rng.standard_normal((K, N)) / 32).astype(jnp.bfloat16)
     c = rng.standard_normal((*x_shape[:-1], N)).astype(np.float32)
@@ -426,7 +429,7 @@ VMAPPED = {
 def test_vmap_inside_jit_on_sharded_input(case, mode):
     mesh_shape, names, spec, shape, quant = VMAPPED[case]
     mesh = _mesh(mesh_shape, names, mode)
-    x = random_input(np.random.default_rng(3505), shape, jnp.bfloat16)
+    x = random_input(np.random.default_rng(stable_seed("vmap in jit", case, mode)), shape, jnp.bfloat16)
     xs = _put(x, mesh, spec)
     f = jax.jit(jax.vmap(lambda v: (quant(v), jf.dequantize(quant(v), usage="colwise"))))
     with warnings.catch_warnings():
@@ -449,7 +452,7 @@ def test_tile_shards_whose_padding_would_sit_mid_grid():
     fp8_dot_general, dW is the unsharded one's, and dx (on that weight's other orientation, its
     contraction over N split) too, within reassociation."""
     mesh = _mesh((2,), ("fsdp",), "auto")
-    rng = np.random.default_rng(3501)
+    rng = np.random.default_rng(stable_seed("tile shards padding mid grid"))
     w = rng.standard_normal((256, 768)).astype(np.float32)
     scheme = jf.Float8BlockScaling().scheme("rhs")
     want = jax.jit(partial(jf.quantize, scheme=scheme))(jax.device_put(w, _CPU))
@@ -467,7 +470,7 @@ def test_tile_shards_whose_padding_would_sit_mid_grid():
 def test_one_block_wide_operands(mode):
     """K = 128, one block: a scale grid of one column (no compound Shardy factor of size 1) on a mesh."""
     mesh = _mesh((8,), ("data",), mode)
-    rng = np.random.default_rng(3502)
+    rng = np.random.default_rng(stable_seed("one block wide", mode))
     x, w = rng.standard_normal((1024, 128)).astype(np.float32), rng.standard_normal((128, 256)).astype(np.float32)
     f = jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))
     got = f(_put(x, mesh, P("data", None)), _put(w, mesh, P()))
@@ -481,7 +484,8 @@ def test_a_split_over_two_axes_that_no_spec_can_name(mode):
     give the block grid a piece of "b" (a sub-axis no PartitionSpec names). The rule reads such a split
     as replicated: compiles, bits equal, the rows kept split over "a" alone, one warning saying why."""
     mesh = _mesh((2, 4), ("a", "b"), mode)
-    x = np.random.default_rng(3503).standard_normal((512, 256)).astype(np.float32)
+    rng = np.random.default_rng(stable_seed("split over two axes", mode))
+    x = rng.standard_normal((512, 256)).astype(np.float32)
     f = jax.jit(lambda v: jf.quantize_blockwise(v, rowwise=True, colwise=True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -490,7 +494,7 @@ def test_a_split_over_two_axes_that_no_spec_can_name(mode):
     assert any(issubclass(w.category, ShardingWarning) and "rows" in str(w.message) for w in caught)
     dims = (((1,), (0,)), ((), ()))
     grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jf.fp8_dot_general(x, w, dims) ** 2), argnums=(0, 1)))
-    w = np.random.default_rng(3504).standard_normal((256, 256)).astype(np.float32) / 16
+    w = rng.standard_normal((256, 256)).astype(np.float32) / 16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingWarning)
         got = grad(_put(x, mesh, P(("a", "b"), None)), _put(w, mesh, P(("a", "b"), None)))

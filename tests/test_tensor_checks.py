@@ -34,10 +34,14 @@ def test_e8m0_scales_are_accepted():
 
 def test_fp8_dtype_must_match_the_data():
     q = jf.quantize_mxfp8(X)
-    with pytest.raises(TypeError, match=r"rowwise_data has dtype float8_e4m3fn but fp8_dtype is float8_e5m2"):
-        jf.dequantize(dataclasses.replace(q, fp8_dtype=jnp.dtype(jnp.float8_e5m2)))
-    with pytest.raises(TypeError, match="fp8_dtype must be float8_e4m3fn or float8_e5m2"):
-        jf.dequantize(dataclasses.replace(q, fp8_dtype=jnp.dtype(jnp.float16)))
+    e5m2 = dataclasses.replace(q.scheme, dtype=jnp.float8_e5m2)
+    with pytest.raises(TypeError, match=r"rowwise_data has dtype float8_e4m3fn but the scheme's FP8 dtype is "
+                                        r"float8_e5m2"):
+        jf.dequantize(q.with_scheme(e5m2))
+    with pytest.raises(TypeError, match="dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2"):
+        dataclasses.replace(q.scheme, dtype=jnp.float16)  # a scheme is validated where it is built
+    with pytest.raises(TypeError, match="MXFP8Tensor: scheme must be a jax_fp8.Scheme with fmt='mxfp8'"):
+        dataclasses.replace(q, scheme=jf.Scheme("blockwise"))
 
 
 def test_leaves_stacked_outside_the_transform():

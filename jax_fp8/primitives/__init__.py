@@ -1,4 +1,5 @@
-"""JAX primitives backed by the FFI kernels: abstract eval, batching and per-platform lowering."""
-from .quantize import KERNELS, dequantize_p, quantize_p
+"""JAX primitives backed by the FFI kernels: abstract eval, batching, partitioning and per-platform
+lowering, each defined through :func:`.registration.define_primitive`."""
+from .quantize import dequantize_p, quantize_p
 
-__all__ = ["quantize_p", "dequantize_p", "KERNELS"]
+__all__ = ["quantize_p", "dequantize_p"]

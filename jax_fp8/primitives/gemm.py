@@ -1,7 +1,8 @@
 """``jf_fp8_gemm``: ``out = A · Bᵀ (+ C)`` on FP8 operands with Float8 block scales, the "TN" GEMM of
 Hopper's FP8 tensor cores (cuBLASLt ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` / ``BLK128x128_32F``).
 
-Contract, the same for every lowering (the jax.numpy reference below, and a cuBLASLt one on CUDA):
+Contract, the same for every lowering (the jax.numpy reference below, and each backend's kernel:
+:class:`GemmBackend`, e.g. cuBLASLt on CUDA, :mod:`.cublaslt`):
 
 - operands ``a, a_scale, b, b_scale[, c]``:
 
@@ -15,12 +16,12 @@ Contract, the same for every lowering (the jax.numpy reference below, and a cuBL
   - ``c`` (only with ``accumulate=True``): (M, N) of ``out_dtype``; ``out = A·Bᵀ + C``. A lowering may
     alias it with the output.
 
-- params: ``a_block``, ``b_block`` each ``(1, 128)`` or ``(128, 128)``, not both (128, 128);
-  ``out_dtype`` ``float32`` or ``bfloat16``; ``accumulate`` (bool).
-- shapes satisfy :func:`gemm_supported` with no padding left to do (cuBLASLt's rules): M, N, K >= 1,
-  K % 16 == 0, N % 8 == 0, M % 8 == 0 when ``a`` has 1x128 blocks; every dim < 2**31. The abstract
-  eval rejects anything else, on every platform, so the reference path enforces what cuBLASLt needs.
-  (With these rules the 1x128 scale grids never carry padding columns.)
+- params: ``a_block``, ``b_block`` each ``(1, 128)`` or ``(128, 128)``; ``out_dtype`` ``float32`` or
+  ``bfloat16``; ``accumulate`` (bool); ``backend``, the :class:`GemmBackend` that runs it.
+- shapes the backend takes with no padding left to do (its ``sizes`` returns them unchanged; for
+  cuBLASLt: M, N, K >= 1, K % 16 == 0, N % 8 == 0, M % 8 == 0 when ``a`` has 1x128 blocks, not both
+  operands 128x128 or E5M2). The abstract eval rejects anything else, on every platform, so the
+  reference path enforces what the backend needs.
 - result: (M, N) ``out_dtype``. The reference (:func:`blocked_gemm`) forms it as the tensor cores do:
   for each 128-wide K block, the fp32 product (``Precision.HIGHEST``) of the FP8 data, times that
   block's ``a`` row scale times its ``b`` row scale, summed over the blocks in fp32; ``+ C`` in fp32;
@@ -29,61 +30,31 @@ Contract, the same for every lowering (the jax.numpy reference below, and a cuBL
   dequantized operand times another exceeds fp32. A tensor-core lowering differs from it only by
   accumulation order and precision.
 
-With these cuBLASLt column-major arguments the CUDA lowering computes it: cuBLAS ``A`` = our ``b``
-(transa = T, m = N), cuBLAS ``B`` = our ``a`` (transb = N, n = M), k = K, lda = ldb = K, D (and C)
-column-major (N, M) with ldd = N, i.e. our row-major (M, N) output; the scale pointer and mode of
-cuBLAS ``A`` are ``b_scale`` / ``b_block``, those of cuBLAS ``B`` are ``a_scale`` / ``a_block``.
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import _ffi, reference
-from .._compat import ShapedArray, ad, batching, ffi, mlir
+from .._compat import ShapedArray, ad
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
-from ..layout import scales_to_layout
-from ..scheme import GEMM_SCALE_PAD, Scheme
+from .. import contracts
+from ..scheme import GEMM_SCALE_PAD, Scheme, check_block
 from ..vma import out_aval
-from ..warn import warn
-from .partitioning import Dim, Rule, partitioned_primitive
+from .partitioning import Dim, Rule
+from .registration import define_primitive
 
 BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
 #: Output dtypes of the primitive (others: compute in fp32 and cast).
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-#: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
-#: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
-#: 2-byte output); M a multiple of 8 when the (M, K) operand has 1x128 blocks.
-K_ALIGN, MN_ALIGN = 16, 8
-MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
-#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
-#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
-#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
-#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
-#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
-#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
-MAX_PAD_GROWTH = 16
-
-
-def _round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
-
-
-def _block(block, name: str) -> tuple[int, int]:
-    block = tuple(int(b) for b in block)
-    if block not in (BLOCK_1D, BLOCK_2D):
-        raise ValueError(f"jf_fp8_gemm: {name} must be (1, 128) or (128, 128), got {block}")
-    return block
-
-
 def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
     """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
     return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
@@ -94,66 +65,39 @@ def operand_scale_shape(rows: int, k: int, block) -> tuple[int, int]:
     return operand_scheme(block).scale_shape(rows, k, "rowwise")
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmPlan:
-    """What :func:`gemm_supported` decided: the (M, N, K) to run the GEMM at (>= the problem's; larger
-    means pad with zeros: K columns of both operands, rows of ``a`` or ``b``, then slice the output),
-    or ``reason`` (why the FP8 GEMM cannot take it: compute it by the reference math instead)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmBackend:
+    """A library that runs ``jf_fp8_gemm``, passed to the primitive as its ``backend`` param (one
+    module per backend; :mod:`jax_fp8.gemm_plan` lists them and picks one per GEMM):
 
-    M: int
-    N: int
-    K: int
-    reason: Optional[str] = None
+    - ``sizes(M, N, K, a_block, b_block, a_dtype, b_dtype)``: ``((M, N, K) to run at, None)`` (zero
+      padding up to those sizes changes no product), or ``(None, why it cannot take the problem)``;
+    - ``unavailable(platform)``: asked when lowering: None where it runs, else why not (the
+      reference then lowers the call, with one :class:`Fp8GemmFallbackWarning`);
+    - ``lowerings``: platform -> MLIR lowering rule of its kernel, with the primitive's operands and
+      params (``backend`` excepted)."""
 
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
+    name: str
+    sizes: Callable
+    unavailable: Callable
+    lowerings: dict
 
-
-def gemm_supported(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=jnp.float8_e4m3fn,
-                   b_dtype=jnp.float8_e4m3fn) -> GemmPlan:
-    """cuBLASLt's block-scaled FP8 GEMM rules, in one place: can ``a`` (M, K) x ``b`` (N, K)ᵀ with these
-    blocks and dtypes run as ``jf_fp8_gemm``, and at which padded sizes.
-
-    Rules (TE ``cublaslt_gemm.cu``; cuBLAS >= 12.9 on sm_90): pairs 1D x 1D, 1D x 2D, 2D x 1D (not
-    2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
-    output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
-    are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
-    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work; else ``reason`` says why not. Empty
-    problems (a zero dim) have a ``reason`` too: there is nothing to multiply.
-    """
-    a_block, b_block = _block(a_block, "a_block"), _block(b_block, "b_block")
-    dims = dict(M=int(M), N=int(N), K=int(K))
-    if min(dims.values()) <= 0:
-        return GemmPlan(M, N, K, f"an empty GEMM ({M}x{N}x{K})")
-    if max(dims.values()) > MAX_DIM:
-        return GemmPlan(M, N, K, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})")
-    if a_block == b_block == BLOCK_2D:
-        return GemmPlan(M, N, K, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)")
-    e5m2 = jnp.dtype(jnp.float8_e5m2)
-    if jnp.dtype(a_dtype) == e5m2 and jnp.dtype(b_dtype) == e5m2:
-        return GemmPlan(M, N, K, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)")
-    Mp = _round_up(M, MN_ALIGN) if a_block == BLOCK_1D else M
-    Np, Kp = _round_up(N, MN_ALIGN), _round_up(K, K_ALIGN)
-    growth = (Mp * Np * Kp) / (M * N * K)
-    if growth > MAX_PAD_GROWTH:
-        return GemmPlan(M, N, K, f"padding {M}x{N}x{K} to cuBLASLt's alignment ({Mp}x{Np}x{Kp}) would multiply "
-                                 f"the GEMM's work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
-    return GemmPlan(Mp, Np, Kp)
+    def __repr__(self) -> str:  # the backend as the jaxpr prints it
+        return self.name
 
 
 # ---- reference math: the one definition of the GEMM's numbers -----------------------------------
 def _compact_scales(data, scale, block):
     """An operand's GEMM-ready ``scale`` as its compact grid (ceil(rows/bm), ceil(K/128))."""
     rows, k = data.shape
-    return scales_to_layout(xp_of(data, scale), scale, operand_scheme(block, data.dtype), rows, k, "rowwise",
-                            "compact")
+    return operand_scheme(block, data.dtype).scales_to_layout(xp_of(data, scale), scale, rows, k, "rowwise",
+                                                               "compact")
 
 
 def operand_values(data, scale, block):
     """fp32 values (rows, K) of a GEMM operand: FP8 ``data`` times its GEMM-ready block ``scale``."""
     scheme = operand_scheme(block, data.dtype)
-    return reference.dequantize_blocks(bitcast(data, np.uint8), _compact_scales(data, scale, block),
+    return contracts.dequantize_blocks(bitcast(data, np.uint8), _compact_scales(data, scale, block),
                                        scheme=scheme.only("rowwise"), out_dtype=np.float32)
 
 
@@ -200,16 +144,17 @@ def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype)
     return acc.astype(out_dtype)
 
 
-def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
-    """The reference lowering of ``jf_fp8_gemm`` (see the module docstring)."""
-    del accumulate  # implied by ``c``
+def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, backend=None):
+    """The reference lowering of ``jf_fp8_gemm`` (see the module docstring), whatever the backend."""
+    del accumulate, backend  # accumulate is implied by ``c``
     return blocked_gemm(a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
 
 
 # ---- the primitive ------------------------------------------------------------------------------
 
-def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
+def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, backend):
     where = "jf_fp8_gemm"
+    a_block, b_block = check_block(a_block, f"{where}: a_block"), check_block(b_block, f"{where}: b_block")
     for name, x in (("a", a), ("b", b)):
         if x.ndim != 2:
             raise ValueError(f"{where}: {name} must be 2-D (rows, K), got shape {x.shape}")
@@ -218,11 +163,11 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
     (M, K), (N, Kb) = a.shape, b.shape
     if K != Kb:
         raise ValueError(f"{where}: a {a.shape} and b {b.shape} must share K, their last dim")
-    plan = gemm_supported(M, N, K, a_block, b_block, a.dtype, b.dtype)
-    if not plan.ok:
-        raise ValueError(f"{where}: cannot take {plan.reason}")
-    if (plan.M, plan.N, plan.K) != (M, N, K):
-        raise ValueError(f"{where}: {M}x{N}x{K} is not aligned for cuBLASLt (needs {plan.M}x{plan.N}x{plan.K}): "
+    padded, why = backend.sizes(M, N, K, a_block, b_block, a.dtype, b.dtype)
+    if why is not None:
+        raise ValueError(f"{where}: {backend.name} cannot take {why}")
+    if padded != (M, N, K):
+        raise ValueError(f"{where}: {M}x{N}x{K} is not aligned for {backend.name} (needs {'x'.join(map(str, padded))}): "
                          "pad with zeros first (jax_fp8.gemm.fp8_gemm does)")
     for name, s, rows, block in (("a_scale", a_scale, M, a_block), ("b_scale", b_scale, N, b_block)):
         want = operand_scale_shape(rows, K, block)
@@ -243,10 +188,11 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
 def _operand_dims(label: str, rows: int, K: int, block) -> tuple:
     """An operand's (rows, K) data and its GEMM-ready scale grid (operand_scale_shape) as op dims."""
     r, c = operand_scale_shape(rows, K, block)
-    if block == BLOCK_1D:  # (K blocks, rows padded to 4)
-        scale = (Dim("k", r, FLOAT8_BLOCK), Dim(label, c, 1, pad=4))
-    else:  # (row tiles, K tiles padded to 4)
-        scale = (Dim(label, r, FLOAT8_BLOCK), Dim("k", c, FLOAT8_BLOCK, pad=4))
+    pad = operand_scheme(block).scale_row_align
+    if block == BLOCK_1D:  # (K blocks, rows padded)
+        scale = (Dim("k", r, FLOAT8_BLOCK), Dim(label, c, 1, pad=pad))
+    else:  # (row tiles, K tiles padded)
+        scale = (Dim(label, r, FLOAT8_BLOCK), Dim("k", c, FLOAT8_BLOCK, pad=pad))
     return (Dim(label, rows), Dim("k", K)), scale
 
 
@@ -277,12 +223,16 @@ def _gemm_arrays(sizes, params):
 
 
 def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
-    """cuBLASLt's alignment for a shard: what gemm_supported would otherwise pad."""
-    if label == "k" and local % K_ALIGN:
-        return f"each shard's K ({local}) is not a multiple of {K_ALIGN}"
-    if (label == "n" or (label == "m" and tuple(params["a_block"]) == BLOCK_1D)) and local % MN_ALIGN:
-        return f"each shard's {local} rows are not a multiple of {MN_ALIGN}"
-    return None
+    """The backend's alignment for a shard (what it would otherwise need padded)."""
+    if label not in ("m", "n", "k"):
+        return None
+    local_sizes = {**sizes, label: local}
+    backend, mnk = params["backend"], tuple(local_sizes[d] for d in "mnk")
+    padded, why = backend.sizes(*mnk, tuple(params["a_block"]), tuple(params["b_block"]), params["a_dtype"],
+                                params["b_dtype"])
+    if why is None and padded == mnk:
+        return None
+    return f"each shard's {label.upper()} ({local}) is not aligned for {backend.name} ({why or f'needs {padded}'})"
 
 
 def _gemm_on_shard(bind, reduce_axes, params):
@@ -333,8 +283,8 @@ def _gemm_bytes_abstract(a, a_scale, b, b_scale, *c, a_dtype, b_dtype, **params)
 #: "rows": a (B, S, K) with per-sequence 1x128 scales (B, ceil(K/128), roundup(S, 4)) and a 2-D b;
 #: out (and c) (B, S, N): the GEMM of a's B*S rows. "contraction": a (B, R, S) and b (B, C, S), 1x128
 #: blocks along S, per-sequence scales (B, S/128, roundup(R, 4)) and (B, S/128, roundup(C, 4)); out
-#: (and c) (R, C): the GEMM contracting over all B*S. S % 8 == 0 ("rows"), S % 128 == 0
-#: ("contraction": every block inside one sequence, so the fold is the merged tensor's blocking).
+#: (and c) (R, C): the GEMM contracting over all B*S. S % 128 == 0: every block lies inside one
+#: sequence, so the fold is the merged tensor's blocking (and no scale grid carries padding).
 def _stacked_mode(a, b, params) -> Optional[str]:
     if a.ndim == 3 and b.ndim == 2:
         mode = "rows"
@@ -343,7 +293,7 @@ def _stacked_mode(a, b, params) -> Optional[str]:
     else:
         return None
     blocks = {tuple(params["a_block"])} | ({tuple(params["b_block"])} if mode == "contraction" else set())
-    S, need = a.shape[1 if mode == "rows" else 2], MN_ALIGN if mode == "rows" else FLOAT8_BLOCK
+    S, need = a.shape[1 if mode == "rows" else 2], FLOAT8_BLOCK
     if blocks != {BLOCK_1D} or S % need or (mode == "contraction" and (a.shape[0], a.shape[2]) != (b.shape[0], b.shape[2])):
         raise ValueError(f"jf_fp8_gemm: stacked operands ({mode}) take 1x128 blocks and a stack dim S a multiple "
                          f"of {need}, one S for both; got a {a.shape}, b {b.shape}, blocks {sorted(blocks)}")
@@ -372,19 +322,11 @@ def _fold(mode, a, a_scale, b, b_scale, *c):
     return (*rows(a, a_scale), *rows(b, b_scale), *c)
 
 
-_GEMM_RULE = Rule(("s", "m", "n", "j", "k"),
-                  dict(s="the sequences of a", m="M (the rows of a)", n="N (the rows of b)",
-                       j="the contracted sequences", k="K (the contraction)"),
-                  _gemm_sizes, _gemm_arrays, _gemm_why_not, contracted=("j", "k"), local=_gemm_on_shard,
-                  pad_value=GEMM_SCALE_PAD)
-gemm_p, _gemm_local = partitioned_primitive("jf_fp8_gemm", _gemm_bytes_abstract, _GEMM_RULE,
-                                            local_abstract=_gemm_abstract)
-
-
-def fp8_gemm_bind(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
-    """Bind ``jf_fp8_gemm`` (aligned operands; :func:`jax_fp8.gemm.fp8_gemm` pads and checks)."""
+def fp8_gemm_bind(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype, backend: GemmBackend):
+    """Bind ``jf_fp8_gemm`` on ``backend`` (operands it takes as they are; :func:`jax_fp8.gemm.fp8_gemm`
+    pads and checks)."""
     params = dict(a_block=tuple(a_block), b_block=tuple(b_block), out_dtype=np.dtype(out_dtype),
-                  accumulate=c is not None, a_dtype=np.dtype(a.dtype), b_dtype=np.dtype(b.dtype))
+                  accumulate=c is not None, a_dtype=np.dtype(a.dtype), b_dtype=np.dtype(b.dtype), backend=backend)
     a, b = (_as_bytes(x) if np.dtype(x.dtype) in FP8_DTYPES else x for x in (a, b))
     return gemm_p.bind(a, a_scale, b, b_scale, *([] if c is None else [c]), **params)
 
@@ -440,24 +382,13 @@ def _gemm_batch(args, dims, **params):
     return lax.map(one, [stack[i] for i in which]), 0
 
 
-batching.primitive_batchers[gemm_p] = _gemm_batch
-
-
-def _no_jvp(primals, tangents, **params):
-    raise TypeError("jf_fp8_gemm is not differentiable: FP8 data cannot carry a gradient. Use "
-                    "jax_fp8.fp8_dot_general, whose custom VJP runs the backward GEMMs in FP8.")
-
-
-ad.primitive_jvps[gemm_p] = _no_jvp
-
-
 @jax.custom_jvp
 def _as_bytes(x):
     """FP8 data as the bytes ``jf_fp8_gemm`` takes; a tangent of them raises as the GEMM's own does."""
     return bitcast(x, np.uint8)
 
 
-_as_bytes.defjvp(_no_jvp)
+_as_bytes.defjvp(lambda primals, tangents: ad.primitive_jvps[gemm_p](primals, tangents))
 
 
 class Fp8GemmFallbackWarning(UserWarning):
@@ -465,20 +396,27 @@ class Fp8GemmFallbackWarning(UserWarning):
     (correct, not fast); the message says why."""
 
 
-# ---- lowering: the reference everywhere, cuBLASLt on Hopper -------------------------------------
-_reference_rule = mlir.lower_fun(gemm_reference, multiple_results=False)
-mlir.register_lowering(_gemm_local, _reference_rule)
+# ---- lowering: the reference everywhere, the backend's kernel where it runs --------------------------
+def _backend_lowering(platform: str):
+    def lower(ctx, *args, backend, **params):
+        return backend.lowerings[platform](ctx, *args, **params)
+    return lower
 
 
-def _gemm_cuda_lowering(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
-    why = _ffi.gemm_cuda_unavailable()
-    if why is not None:  # an old cuBLASLt, or not a Hopper: the same numbers, from the reference
-        warn(f"jax_fp8: jf_fp8_gemm runs as its reference (fp32 math) on this GPU: {why}", Fp8GemmFallbackWarning)
-        return _reference_rule(ctx, a, a_scale, b, b_scale, *c, a_block=a_block, b_block=b_block,
-                               out_dtype=out_dtype, accumulate=accumulate)
-    return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c, a_rows=np.int64(a_block[0]),
-                                           b_rows=np.int64(b_block[0]))
+def _backend_unavailable(platform: str, params) -> Optional[str]:
+    backend = params["backend"]
+    if platform not in backend.lowerings:
+        return f"{backend.name} has no {platform} kernel"
+    return backend.unavailable(platform)
 
 
-if _ffi.AVAILABLE["cuda"]:
-    mlir.register_lowering(_gemm_local, _gemm_cuda_lowering, platform="cuda")
+gemm_p = define_primitive(
+    "jf_fp8_gemm", abstract=_gemm_bytes_abstract, local_abstract=_gemm_abstract, reference=gemm_reference,
+    ffi_rules={"cuda": _backend_lowering("cuda")}, unavailable=_backend_unavailable,
+    fallback_warning=Fp8GemmFallbackWarning, batch=_gemm_batch,
+    rule=Rule(("s", "m", "n", "j", "k"),
+              dict(s="the sequences of a", m="M (the rows of a)", n="N (the rows of b)",
+                   j="the contracted sequences", k="K (the contraction)"),
+              _gemm_sizes, _gemm_arrays, _gemm_why_not, contracted=("j", "k"), local=_gemm_on_shard,
+              pad_value=GEMM_SCALE_PAD),
+    no_jvp_hint="Use jax_fp8.fp8_dot_general, whose custom VJP runs the backward GEMMs in FP8.")

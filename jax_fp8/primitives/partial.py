@@ -9,21 +9,13 @@ values that ``jf_partial_cast`` takes, and the fp32 scale_inv that it returns fo
 """
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 
-from .. import _ffi, reference
-from .._compat import Primitive, ShapedArray, apply_primitive, ffi, mlir
+from .._compat import ShapedArray, ffi
+from .. import contracts
 from ..scheme import packed_size
 from ..vma import out_aval
-
-partial_amax_p = Primitive("jf_partial_amax")
-partial_amax_p.multiple_results = True
-partial_amax_p.def_impl(partial(apply_primitive, partial_amax_p))
-partial_cast_p = Primitive("jf_partial_cast")
-partial_cast_p.multiple_results = True
-partial_cast_p.def_impl(partial(apply_primitive, partial_cast_p))
+from .registration import define_primitive
 
 
 def _packed(shapes, scheme, *inputs, dtype=None):
@@ -63,10 +55,6 @@ def _cast_abstract(windows, glob, *shards, shapes, scheme):
     return datas + ([] if scheme.e8m0 else [_packed(shapes, scheme, glob, dtype=np.float32)])
 
 
-partial_amax_p.def_abstract_eval(_amax_abstract)
-partial_cast_p.def_abstract_eval(_cast_abstract)
-
-
 def _attrs(shapes, scheme):
     return dict(Ms=np.array([m for m, _ in shapes], np.int64), Ks=np.array([k for _, k in shapes], np.int64),
                 scheme=scheme.ffi_attrs())
@@ -86,9 +74,10 @@ def _cast_ffi(ctx, windows, glob, *shards, shapes, scheme):
     return list(outs[1:]) + ([outs[0]] if fp32 else [])
 
 
-for _prim, _ffi_rule, _ref in ((partial_amax_p, _amax_ffi, reference.partial_amax_group),
-                               (partial_cast_p, _cast_ffi, reference.partial_cast_group)):
-    _ref_rule = mlir.lower_fun(_ref, multiple_results=True)
-    mlir.register_lowering(_prim, _ref_rule)
-    for _platform, _ok in _ffi.AVAILABLE.items():
-        mlir.register_lowering(_prim, _ffi_rule if _ok else _ref_rule, platform=_platform)
+_HINT = "The master-weight cast is not differentiable; gradients go to the fp32 master weights."
+partial_amax_p = define_primitive("jf_partial_amax", abstract=_amax_abstract, reference=contracts.partial_amax_group,
+                                  ffi_rules=dict(cpu=_amax_ffi, cuda=_amax_ffi), multiple_results=True,
+                                  no_jvp_hint=_HINT)
+partial_cast_p = define_primitive("jf_partial_cast", abstract=_cast_abstract, reference=contracts.partial_cast_group,
+                                  ffi_rules=dict(cpu=_cast_ffi, cuda=_cast_ffi), multiple_results=True,
+                                  no_jvp_hint=_HINT)

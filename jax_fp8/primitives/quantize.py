@@ -1,7 +1,7 @@
 """``jf_quantize`` and ``jf_dequantize`` primitives over (B, M, K) arrays, parameterised by a Scheme.
 
-Lowering: our FFI kernels on ``cpu`` and ``cuda`` when their module is built, else (and on every
-other platform) the jax.numpy reference, which defines the same numbers. The scheme reaches the FFI
+Lowering (:func:`.registration.define_primitive`): our FFI kernels on ``cpu`` and ``cuda`` when their
+module is built, else (and on every other platform) the jax.numpy contract, the same numbers. The scheme reaches the FFI
 handlers as one dictionary attribute, ``scheme`` (ffi_common.h's ``Scheme``). Under ``jax.jit`` on a
 mesh each splits over its batch, rows and last dim (:mod:`.partitioning`): the lowerings above belong
 to the local twins, which run on each device's shard.
@@ -11,13 +11,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _ffi, reference
-from .._compat import ShapedArray, ad, batching, ffi, mlir
+from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
-from ..layout import Kernels
+from .. import contracts
 from ..scheme import GEMM_SCALE_PAD
 from ..vma import out_aval
-from .partitioning import Dim, Rule, partitioned_primitive
+from .partitioning import Dim, Rule
+from .registration import define_primitive
 
 # ---- quantize ----------------------------------------------------------------------------------
 _FFI_RESULTS = 4  # the FFI target always has two (data, scale) result slots; unused ones are empty
@@ -41,7 +41,7 @@ def _scale_dims(scheme, M: int, K: int, usage: str):
     """A usage's scale grid as op dims: (rows, cols) entries, transposed where the layout says."""
     rows, cols = scheme.scale_shape(M, K, usage)
     bm, bk = scheme.usage_block(usage)
-    pad = 4 if scheme.gemm_ready and not scheme.e8m0 else 1  # Scheme.scale_shape pads the columns
+    pad = scheme.scale_row_align  # Scheme.scale_shape pads the columns
     if scheme.transposed_scales(usage):
         return Dim("k", rows, bk), Dim("m", cols, bm, pad)
     return Dim("m", rows, bm), Dim("k", cols, bk, pad)
@@ -60,9 +60,6 @@ def _quantize_arrays(sizes, params):
 
 _SIZES = lambda shapes, params: dict(zip("bmk", shapes[0]))  # noqa: E731  (data / x: (B, M, K))
 _NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim")
-quantize_p, _quantize_local = partitioned_primitive(
-    "jf_quantize", _quantize_abstract, Rule(("b", "m", "k"), _NAMES, _SIZES, _quantize_arrays, pad_value=GEMM_SCALE_PAD),
-    multiple_results=True)
 
 
 def _quantize_ffi_lowering(ctx, x, *, scheme):
@@ -80,7 +77,13 @@ def _quantize_batch(args, dims, *, scheme):
     return [o.reshape(b, B, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-batching.primitive_batchers[quantize_p] = _quantize_batch
+_HINT = ("For a straight-through estimator use jax_fp8.quantize_dequantize (dequantize(quantize(x)) with an "
+         "identity derivative).")
+quantize_p = define_primitive(
+    "jf_quantize", abstract=_quantize_abstract, reference=contracts.quantize_usages,
+    ffi_rules=dict(cpu=_quantize_ffi_lowering, cuda=_quantize_ffi_lowering), batch=_quantize_batch,
+    rule=Rule(("b", "m", "k"), _NAMES, _SIZES, _quantize_arrays, pad_value=GEMM_SCALE_PAD), multiple_results=True,
+    no_jvp_hint=_HINT)
 
 # ---- dequantize --------------------------------------------------------------------------------
 
@@ -102,10 +105,6 @@ def _dequantize_arrays(sizes, params):
     return [x, (x[0], *_scale_dims(scheme, x[1].size, x[2].size, usage))], [x]
 
 
-dequantize_p, _dequantize_local = partitioned_primitive(
-    "jf_dequantize", _dequantize_abstract, Rule(("b", "m", "k"), _NAMES, _SIZES, _dequantize_arrays))
-
-
 def _dequantize_ffi_lowering(ctx, data, scale, *, scheme, out_dtype):
     return ffi.ffi_lowering("jf_dequantize")(ctx, data, scale, scheme=scheme.ffi_attrs())
 
@@ -119,28 +118,7 @@ def _dequantize_batch(args, dims, **params):
     return y.reshape(b, B, *y.shape[1:]), 0
 
 
-batching.primitive_batchers[dequantize_p] = _dequantize_batch
-
-
-# ---- differentiation: not defined on the quantized representation -------------------------------
-def _no_jvp(name):
-    def rule(primals, tangents, **params):
-        raise TypeError(f"{name} is not differentiable: FP8 data cannot carry a gradient. For a straight-through "
-                        "estimator use jax_fp8.quantize_dequantize (dequantize(quantize(x)) with an identity "
-                        "derivative).")
-    return rule
-
-
-ad.primitive_jvps[quantize_p] = _no_jvp("quantize")
-ad.primitive_jvps[dequantize_p] = _no_jvp("dequantize")
-
-# ---- lowering registration ---------------------------------------------------------------------
-for _prim, _ffi_rule, _ref in ((_quantize_local, _quantize_ffi_lowering, reference.quantize_usages),
-                               (_dequantize_local, _dequantize_ffi_lowering, reference.dequantize_blocks)):
-    _ref_rule = mlir.lower_fun(_ref, multiple_results=_prim.multiple_results)
-    mlir.register_lowering(_prim, _ref_rule)  # any platform without our kernels
-    for _platform, _ok in _ffi.AVAILABLE.items():
-        mlir.register_lowering(_prim, _ffi_rule if _ok else _ref_rule, platform=_platform)
-
-#: The kernel set the public API runs on.
-KERNELS = Kernels(quantize=quantize_p.bind, dequantize=dequantize_p.bind)
+dequantize_p = define_primitive(
+    "jf_dequantize", abstract=_dequantize_abstract, reference=contracts.dequantize_blocks,
+    ffi_rules=dict(cpu=_dequantize_ffi_lowering, cuda=_dequantize_ffi_lowering), batch=_dequantize_batch,
+    rule=Rule(("b", "m", "k"), _NAMES, _SIZES, _dequantize_arrays), no_jvp_hint=_HINT)

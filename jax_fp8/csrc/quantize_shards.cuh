@@ -12,7 +12,7 @@ namespace jf {
 namespace {
 
 // A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs
-// about 3.4 us of GPU time over its HBM time, RESULTS.md run 15). Each job's CTAs are `n_fill` CTAs
+// about 3.4 us of GPU time over its HBM time, as measured on the H200: bench/RESULTS.md). Each job's CTAs are `n_fill` CTAs
 // that write what the tiles do not, then its tiles. The fill covers the blocks of the tile rows outside
 // the walk (partial value 0; when casting, the fp32 scale_inv from the global amax) and, when casting,
 // zeros in the data past the shard's elements; it goes first so that its writes overlap the tiles'
@@ -83,7 +83,7 @@ __device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typ
 // One CTA of a group launch: the job it belongs to, then its fill or tile work. ONE: a single job (a
 // large weight launched alone): its fields sit at fixed parameter offsets, which the instructions read
 // directly; a job picked at run time costs a register and a load per field (a half-weight 32768x16384
-// shard: amax tiles 173.9 us picked at run time, 165.7 us as ONE; runs 17-18). The fill CTAs come
+// shard: amax tiles 173.9 us picked at run time, 165.7 us as ONE; bench/RESULTS.md). The fill CTAs come
 // first, so that their writes overlap the tiles' reads.
 template <class L, class Cfg, int MODE, bool ONE>
 __device__ __forceinline__ void shard_cta(const ShardGroup<typename Cfg::S>& grp, const typename Cfg::Rule& rule,
@@ -108,8 +108,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks_for<L, typename Cfg::Rul
 }
 
 // One weight of a group: its flat shard x of L elements holds elements [offset, offset + length) of
-// the row-major (M, K) weight, (offset, length) = window[0..1] in device memory. Per usage (row, col,
-// tile order): data (kCast), the partial values (kAmax) or fp32 scale_inv (kCast), the global values.
+// the row-major (M, K) weight, (offset, length) = window[0..1] in device memory. Per output (the call's
+// order, rowwise first): data (kCast), the partial values (kAmax) or fp32 scale_inv (kCast), the global
+// values.
 struct ShardIO {
   const void* x;
   int64_t L, M, K;
@@ -126,7 +127,7 @@ ffi::Error shard_job(const ShardIO& io, ShardJob<typename Cfg::S>* jb) {
   using S = typename Cfg::S;
   jb->x = io.x;
   jb->sp = shard_span(io.M, io.K, io.L, io.window, io.window + 1);
-  const auto slot = [&](int k) -> Outs<S> {  // the usage-ordered output k (the kernel's row or col slot)
+  const auto slot = [&](int k) -> Outs<S> {  // the call's output k (the kernel's row or col slot)
     if (k < 0) return {};
     return {io.data[k], static_cast<S*>(io.scale[k]), static_cast<const S*>(io.global[k])};
   };
@@ -136,8 +137,8 @@ ffi::Error shard_job(const ShardIO& io, ShardJob<typename Cfg::S>* jb) {
   // fill work, at most: every block of the written grids, and the data padding; ~256 bytes a thread
   int64_t bytes = 0;
   if (MODE == kAmax || io.scale[0]) {
-    if (Cfg::ROW_SLOT >= 0) bytes += Usage{Cfg::ROW_BM, Cfg::ROW_BK}.blocks(io.M, io.K) * int64_t(sizeof(S));
-    if (Cfg::COL_SLOT >= 0) bytes += Usage{Cfg::TM, 1}.blocks(io.M, io.K) * int64_t(sizeof(S));
+    if (Cfg::ROW_SLOT >= 0) bytes += n_blocks(io.M, io.K, Cfg::ROW_BM, Cfg::ROW_BK) * int64_t(sizeof(S));
+    if (Cfg::COL_SLOT >= 0) bytes += n_blocks(io.M, io.K, Cfg::TM, 1) * int64_t(sizeof(S));
   }
   if (MODE == kCast) bytes += ((Cfg::ROW_SLOT >= 0) + (Cfg::COL_SLOT >= 0)) * io.L;
   const int64_t fill = std::min<int64_t>(cdiv(bytes, kThreads * 256), 1024);

@@ -64,7 +64,7 @@ __device__ __forceinline__ uint2 load_fp8(const uint8_t* p) {
 // P = VEC / N pieces of N (one 16-byte store each), interleaved across its warp (piece q of lane l at
 // column q * 32N + lN), so that every store instruction writes 512 contiguous bytes: a thread's VEC
 // contiguous columns half-fill each store instruction's sectors, which cost about 10% of memcpy
-// bandwidth (bench/RESULTS.md, run 50). Rows and columns are 32-bit (dequantize_fits), so that a
+// bandwidth (bench/RESULTS.md). Rows and columns are 32-bit (dequantize_fits), so that a
 // row's addresses are one wide multiply each. Block sizes are powers of two, so block indices are
 // shifts. A piece shares one scale unless blocks are narrower than it (PER_ELEM: columnwise scales, one
 // per column). Pieces that are not aligned (K not a multiple of N) or cross the row's end go element
@@ -150,19 +150,29 @@ inline bool dequantize_fits(int64_t B, int64_t M, int64_t K) {
   return B * M < (int64_t(1) << 30) && K < (int64_t(1) << 30);
 }
 
-// Enough CTAs to fill the chip several times over; each thread then walks many rows, UNROLL rows' loads
-// in flight at once. Defaults measured fastest (bench/kernel_bench.cu, bench/RESULTS.md, run 57): 8
-// columns per thread (one piece), 4 rows in flight, 64 CTAs' worth of rows per SM.
-template <class Rule, class St, int VEC = 8, int UNROLL = 4>
-void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
-                       int bm, int bk, int fp8, int ctas_per_sm = 64) {
+// The launch configuration, measured fastest on the H200 (bench/kernel_bench.cu sweeps it;
+// bench/RESULTS.md): 8 columns per thread (one piece), 4 rows in flight, 64 CTAs' worth of rows per SM.
+constexpr int kDeqVec = 8, kDeqUnroll = 4, kDeqCtasPerSm = 64;
+
+// The grid of a dequantize_kernel with `vec` columns per thread over B*M rows of K columns: enough CTAs
+// to fill the chip ctas_per_sm times over; each thread then walks many rows, UNROLL rows' loads in
+// flight at once.
+inline dim3 dequantize_grid(int64_t B, int64_t M, int64_t K, int vec, int ctas_per_sm) {
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int64_t gx = cdiv(cdiv(K, VEC), kDeqThreads);
+  const int64_t gx = cdiv(cdiv(K, vec), kDeqThreads);
   const int64_t gy = std::min<int64_t>(B * M, std::max<int64_t>(1, int64_t(sms) * ctas_per_sm / gx));
+  return dim3(unsigned(gx), unsigned(gy));
+}
+
+// Dequantizes (B, M, K) FP8 data `d` with the compact scale grid `s` of bm x bk blocks into `out`.
+template <class Rule, class St>
+void launch_dequantize(cudaStream_t st, const void* d, const void* s, void* out, int64_t B, int64_t M, int64_t K,
+                       int bm, int bk, int fp8) {
+  const dim3 grid = dequantize_grid(B, M, K, kDeqVec, kDeqCtasPerSm);
   const bool aligned = K % St::N == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0;
-  dequantize_kernel<Rule, St, VEC, UNROLL><<<dim3(unsigned(gx), unsigned(gy)), kDeqThreads, 0, st>>>(
+  dequantize_kernel<Rule, St, kDeqVec, kDeqUnroll><<<grid, kDeqThreads, 0, st>>>(
       static_cast<const uint8_t*>(d), static_cast<const typename Rule::ScaleT*>(s), int(B), int(M), int(K),
       __builtin_ctz(bm), __builtin_ctz(bk), fp8, aligned, static_cast<typename St::T*>(out));
 }

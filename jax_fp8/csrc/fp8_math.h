@@ -7,9 +7,9 @@
 // Build without fast math or flush-to-zero: subnormal amaxes and elements are part of the contract.
 //
 // GPU fast paths that compute the same bits with other instructions:
-// - here, under __CUDA_ARCH__: the hardware satfinite casts (fp8_from_float, fp8x2_from_float), the
-//   paired bf16/fp16 rounding (cvt_pack2: cvt.rn.{bf16x2,f16x2}.f32) and f16_from_float's
-//   __float2half_rn;
+// - here, under __CUDA_ARCH__: the hardware satfinite cast of element pairs (fp8x2_from_float; the CPU
+//   kernels cast with fp8_from_float_sw), the paired bf16/fp16 rounding (cvt_pack2:
+//   cvt.rn.{bf16x2,f16x2}.f32) and f16_from_float's __float2half_rn;
 // - outside this file: the packed amax of bf16/fp16 pairs (cuda_common.cuh, Load16::max_abs2:
 //   max.xorsign.abs.{bf16x2,f16x2}) and the paired FP8 decode (dequantize.cuh, fp8x2_to_float2).
 // On a GPU backend tests/test_mxfp8.py and tests/test_blockwise.py run them against the reference on
@@ -106,14 +106,6 @@ __device__ __forceinline__ uint16_t fp8x2_from_float(float lo, float hi, int kin
                                   kind == kE4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 #endif
-
-JF_HD uint8_t fp8_from_float(float v, int kind) {
-#if defined(__CUDA_ARCH__)
-  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind == kE4M3 ? __NV_E4M3 : __NV_E5M2));
-#else
-  return fp8_from_float_sw(v, kind);
-#endif
-}
 
 // Exact decode of an FP8 byte.
 JF_HD float fp8_to_float(uint8_t b, int kind) {

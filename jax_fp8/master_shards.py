@@ -1,14 +1,18 @@
-"""Where each data-parallel rank's flat master-weight shard lies, for the two standard ZeRO layouts.
+"""Where each data-parallel rank's flat master-weight shard lies, for the two standard ZeRO splits.
 
-A shard window is ``(offset, length)``: the rank holds elements ``[offset, offset + length)`` of the
-row-major flattened weight. The windows of one weight over all ranks must tile it exactly once; these
-helpers compute them so that nobody does it by hand:
+A split (the keyword ``split`` of :func:`split_masters`, :func:`local_shards` and :func:`shard_windows`)
+says how the fp32 master weights are divided over the ranks; it is not a tensor layout (``layout``,
+``'compact'`` or ``'gemm_ready'``: how a quantized tensor's arrays are arranged):
 
 - ``"per_weight"``: every weight is flattened, zero-padded to a multiple of the ranks and split evenly
   (rank r holds ``[r * L, (r + 1) * L)`` with ``L = ceil(size / ranks)``).
 - ``"flat"``: all weights are concatenated, in order, into one flat buffer that is zero-padded and split
   evenly over the ranks (Megatron's and TransformerEngine's distributed optimizer). A weight may then
   start and end anywhere inside a rank's buffer, and a rank may hold none of it.
+
+A shard window is ``(offset, length)``: the rank holds elements ``[offset, offset + length)`` of the
+row-major flattened weight. The windows of one weight over all ranks must tile it exactly once; these
+helpers compute them for either split so that nobody does it by hand.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from jax import lax
 from . import vma
 from .arrays import cdiv
 
-LAYOUTS = ("per_weight", "flat")
+SPLITS = ("per_weight", "flat")
 
 
 def check_shapes(shapes, where: str) -> list[tuple[int, ...]]:
@@ -43,15 +47,15 @@ def check_shapes(shapes, where: str) -> list[tuple[int, ...]]:
     return out
 
 
-def _check_layout(layout, where):
-    if layout not in LAYOUTS:
-        raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+def _check_split(split, where):
+    if split not in SPLITS:
+        raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
 
 
-def _spans(shapes, ranks: int, layout: str):
-    """Per weight: (first element in the layout's buffer, size, elements per rank of that buffer)."""
+def _spans(shapes, ranks: int, split: str):
+    """Per weight: (first element in the split's buffer, size, elements per rank of that buffer)."""
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    if layout == "per_weight":
+    if split == "per_weight":
         return [(0, n, max(1, cdiv(n, ranks))) for n in sizes]
     per_rank = max(1, cdiv(sum(sizes), ranks))
     starts = np.cumsum([0] + sizes[:-1]).tolist()
@@ -72,30 +76,30 @@ def _check_ranks(ranks, where):
     return int(ranks)
 
 
-def shard_windows(shapes, ranks: int, layout: str = "per_weight") -> np.ndarray:
+def shard_windows(shapes, ranks: int, split: str = "per_weight") -> np.ndarray:
     """Every rank's window of every weight: int32 ``(ranks, len(shapes), 2)`` of (offset, length)."""
     shapes = check_shapes(shapes, "shard_windows")
     ranks = _check_ranks(ranks, "shard_windows")
-    _check_layout(layout, "shard_windows")
+    _check_split(split, "shard_windows")
     r = np.arange(ranks, dtype=np.int64)
     out = np.zeros((ranks, len(shapes), 2), np.int64)
-    for i, span in enumerate(_spans(shapes, ranks, layout)):
+    for i, span in enumerate(_spans(shapes, ranks, split)):
         off, n, _ = _window(np, r, *span)
         out[:, i, 0], out[:, i, 1] = off, n
     return out.astype(np.int32)
 
 
-def split_masters(weights, ranks: int, layout: str = "per_weight"):
+def split_masters(weights, ranks: int, split: str = "per_weight"):
     """Host side: the sharded master buffers of full weights, ready to place with ``P(axis)``.
 
     ``"per_weight"``: a list with one ``(ranks, ceil(size / ranks))`` array per weight; ``"flat"``: one
     ``(ranks, ceil(total / ranks))`` array. Padding is zeros. Row r is rank r's buffer.
     """
     ranks = _check_ranks(ranks, "split_masters")
-    _check_layout(layout, "split_masters")
+    _check_split(split, "split_masters")
     flats = [np.asarray(w).reshape(-1) for w in weights]
-    spans = _spans([f.shape for f in flats], ranks, layout)
-    if layout == "per_weight":
+    spans = _spans([f.shape for f in flats], ranks, split)
+    if split == "per_weight":
         return [np.pad(f, (0, ranks * L - f.size)).reshape(ranks, L) for f, (_, _, L) in zip(flats, spans)]
     dtype = np.result_type(*flats) if flats else np.float32
     buf = np.concatenate(flats).astype(dtype) if flats else np.zeros(0, dtype)
@@ -103,34 +107,34 @@ def split_masters(weights, ranks: int, layout: str = "per_weight"):
     return np.pad(buf, (0, ranks * L - buf.size)).reshape(ranks, L)
 
 
-def local_shards(local, shapes, axis_name, layout: str = "per_weight"):
+def local_shards(local, shapes, axis_name, split: str = "per_weight"):
     """Inside ``shard_map``: this rank's shard of every weight and its window, ready for
     :func:`jax_fp8.distributed.quantize_master_weights` (``shards, offsets=..., lengths=...``).
 
     ``local`` is this rank's part of what :func:`split_masters` made: ``"per_weight"``: a list of flat
     (L_i,) buffers (a leading axis of 1, as shard_map hands a ``(ranks, L_i)`` array, is dropped);
-    ``"flat"``: the rank's one flat buffer. Returns ``(shards, offsets, lengths)``; a flat-layout
+    ``"flat"``: the rank's one flat buffer. Returns ``(shards, offsets, lengths)``; a flat-split
     shard is the rank's piece of the weight, zero-padded to the longest piece any rank holds.
     """
     shapes = check_shapes(shapes, "local_shards")
-    _check_layout(layout, "local_shards")
+    _check_split(split, "local_shards")
     ranks = vma.axis_size(axis_name, "local_shards")
     rank = lax.axis_index(axis_name)
-    spans = _spans(shapes, ranks, layout)
-    if layout == "per_weight":
+    spans = _spans(shapes, ranks, split)
+    if split == "per_weight":
         if len(local) != len(shapes):
             raise ValueError(f"local_shards: {len(local)} local buffers but {len(shapes)} shapes")
         bufs = [jnp.reshape(b, (-1,)) for b in local]
         for i, (b, (_, _, L)) in enumerate(zip(bufs, spans)):
             if b.shape[0] != L:
-                raise ValueError(f"local_shards: local[{i}] holds {b.shape[0]} elements, the per_weight layout of "
+                raise ValueError(f"local_shards: local[{i}] holds {b.shape[0]} elements, the per_weight split of "
                                  f"shape {shapes[i]} over {ranks} ranks gives {L}")
         wins = [_window(jnp, rank, *span)[:2] for span in spans]
         return bufs, [o.astype(jnp.int32) for o, _ in wins], [n.astype(jnp.int32) for _, n in wins]
     buf = jnp.reshape(local, (-1,))
     per_rank = spans[0][2] if spans else 1
     if buf.shape[0] != per_rank:
-        raise ValueError(f"local_shards: the flat local buffer holds {buf.shape[0]} elements, the flat layout of "
+        raise ValueError(f"local_shards: the flat local buffer holds {buf.shape[0]} elements, the flat split of "
                          f"these shapes over {ranks} ranks gives {per_rank}")
     longest = max([min(n, per_rank) for _, n, _ in spans], default=0)
     padded = jnp.pad(buf, (0, longest))

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ffi_bindings.h"
 #include "ffi_common.h"
 #include "fp8_math.h"
 
@@ -88,7 +89,8 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
 }
 
 // Quantize one output: blocks of o.bm rows x o.bk cols of every (M, K) matrix in the batch, its data
-// and scales where the output's layout puts them (OutLayout: transposed data, strided padded scales).
+// and scales where the output's layout puts them (OutLayout: data (M, K) or transposed (K, M); scales
+// in the grid's order or transposed, each stored row padded to the scale buffer's row length).
 // Walks one block-row at a time (block-rows spread over the cores); each row is widened to fp32 once,
 // and the inner loops are plain contiguous loops (no per-element division) that the compiler can
 // vectorize.
@@ -99,7 +101,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, co
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
   parallel_for(B * sm, B * M * K, [&](int64_t t0, int64_t t1) {
     std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
-    std::vector<uint8_t> bytes(o.transposed ? K : 0);
+    std::vector<uint8_t> bytes(o.data_transposed ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / sm, i = t % sm;
       const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
@@ -123,7 +125,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, co
       for (int64_t r = r0; r < r1; ++r) {
         const typename L::T* xr = x + (b * M + r) * K;
         for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
-        if (!o.transposed) {
+        if (!o.data_transposed) {
           cast_span<1>(row.data(), mk, data + (b * M + r) * K, K, fp8);
         } else {  // (B, K, M): the row's bytes go down column r of the transpose
           cast_span<1>(row.data(), mk, bytes.data(), K, fp8);
@@ -142,10 +144,8 @@ template <class L, class Rule>
 void quantize_all(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_t* const* data,
                   void* const* scale) {
   using S = typename Rule::ScaleT;
-  OutLayout o[2];
-  const int n = outputs_of(a, o);
-  for (int k = 0; k < n; ++k)
-    quantize_blocks<L>(static_cast<const typename L::T*>(x), a.B, a.M, a.K, o[k], rule, a.fp8, data[k],
+  for (int k = 0; k < a.n_out; ++k)
+    quantize_blocks<L>(static_cast<const typename L::T*>(x), a.B, a.M, a.K, a.out[k], rule, a.fp8, data[k],
                        static_cast<S*>(scale[k]));
 }
 
@@ -159,13 +159,16 @@ void with_loader(InType t, F f) {
   }
 }
 
-// x: (B, M, K) float32 / bfloat16 / float16. Per usage of the scheme, in the order row, col, tile:
-// its FP8 data (B, M, K) uint8 and its scales (B, ceil(M/bm), ceil(K/bk)), uint8 E8M0 or fp32
-// scale_inv; the second pair is empty when the scheme has one usage.
+// x: (B, M, K) float32 / bfloat16 / float16. Per output of the scheme (Scheme::outputs, rowwise
+// first): its FP8 data, uint8 (B, M, K), or (B, K, M) for transposed (GEMM-ready columnwise) data,
+// and its scales, uint8 E8M0 or fp32 scale_inv: the (B, ceil(M/bm), ceil(K/bk)) grid, or for GEMM-ready
+// Float8 scales the grid or its transpose with each stored row padded as the scale buffer is wide. The
+// second pair is empty when the scheme has one output.
 ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0, ffi::Result<ffi::AnyBuffer> scale0,
                        ffi::Result<ffi::AnyBuffer> data1, ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, scheme, &a); e.failure()) return e;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_quantize_args(x, res, scheme, &a); e.failure()) return e;
   IeeeFpEnv env;
   uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
@@ -220,11 +223,11 @@ ffi::Error dequantize_typed(const uint8_t* d, const void* s, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
-// data: (B, M, K) uint8 FP8 bytes; scale: the scale grid of the scheme's one usage. out: (B, M, K)
-// float32 / bfloat16 / float16.
+// data: (B, M, K) uint8 FP8 bytes; scale: the compact scale grid of the scheme's one output (GEMM-ready
+// tensors are compacted before they are dequantized). out: (B, M, K) float32 / bfloat16 / float16.
 ffi::Error DequantizeCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, Scheme scheme) {
   int64_t B, M, K;
-  Usage u;
+  Output u;
   if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   IeeeFpEnv env;
   const auto* d = static_cast<const uint8_t*>(data.untyped_data());
@@ -248,9 +251,9 @@ void for_shard_rows(const QuantizeArgs& a, int64_t off, int64_t n, F f) {
 }
 
 template <class L>
-void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t n, Usage u, void* out) {
+void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t n, const Output& u, void* out) {
   const auto* x = static_cast<const typename L::T*>(shard);
-  const int64_t sk = cdiv(a.K, u.bk), nb = u.blocks(a);
+  const int64_t sk = cdiv(a.K, u.bk), nb = n_blocks(a.M, a.K, u.bm, u.bk);
   std::vector<float> amax(nb, 0.0f), row(a.K);
   for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
     float* arow = amax.data() + (r / u.bm) * sk;
@@ -269,13 +272,13 @@ void partial_amax(const QuantizeArgs& a, const void* shard, int64_t off, int64_t
   });
 }
 
-// grid: the global scales (E8M0 bytes) or amaxes (fp32). Writes the shard's FP8 bytes (0 past n) and,
-// for fp32 scales, the scale_inv grid.
+// grid: the global scales (E8M0 bytes) or amaxes (fp32). Writes the shard's shard_len FP8 bytes (0 past
+// n) and, for fp32 scales, the scale_inv grid.
 template <class L>
-void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t off, int64_t n, Usage u,
-                  const void* grid, uint8_t* data, float* scale_inv) {
+void partial_cast(const QuantizeArgs& a, const void* shard, int64_t shard_len, int64_t off, int64_t n,
+                  const Output& u, const void* grid, uint8_t* data, float* scale_inv) {
   const auto* x = static_cast<const typename L::T*>(shard);
-  const int64_t sk = cdiv(a.K, u.bk), nb = u.blocks(a);
+  const int64_t sk = cdiv(a.K, u.bk), nb = n_blocks(a.M, a.K, u.bm, u.bk);
   std::vector<float> mult(nb);
   with_rule(a, [&](auto rule) {
     using S = typename decltype(rule)::ScaleT;
@@ -285,7 +288,7 @@ void partial_cast(const QuantizeArgs& a, const void* shard, int64_t L_, int64_t 
       if (scale_inv) scale_inv[i] = float(stored);
     }
   });
-  std::fill(data, data + L_, uint8_t(0));
+  std::fill(data, data + shard_len, uint8_t(0));
   std::vector<float> row(a.K);
   for_shard_rows(a, off, n, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
     const float* mrow = mult.data() + (r / u.bm) * sk;
@@ -333,19 +336,17 @@ ffi::Error PartialAmaxCpu(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   auto* out = static_cast<char*>(packed->untyped_data());
   const size_t item = a.e8m0 ? 1 : 4;
-  Usage u[2];
-  const int nu = usages_of(a, u);
   for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
-    for (int k = 0; k < nu; ++k)
-      with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(aw, g[i].x, off, n, u[k], out + g[i].at[k] * item); });
+    for (int k = 0; k < a.n_out; ++k)
+      with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(aw, g[i].x, off, n, a.out[k], out + g[i].at[k] * item); });
   });
   return ffi::Error::Success();
 }
 
 // windows, shards: as above; global: the packed reduced values. scale_inv: the packed fp32 scale_inv
-// (empty for E8M0 scales); datas: each shard's FP8 bytes per usage (zeros past its elements).
+// (empty for E8M0 scales); datas: each shard's FP8 bytes per output (zeros past its elements).
 ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::RemainingArgs shards,
                           ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas, ffi::Span<const int64_t> Ms,
                           ffi::Span<const int64_t> Ks, Scheme scheme) {
@@ -355,8 +356,7 @@ ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::Re
   if (auto e = make_cast_group(windows, global, shards, *scale_inv, datas, Ms, Ks, scheme, &a, &g, &data);
       e.failure())
     return e;
-  Usage u[2];
-  const int nu = usages_of(a, u);
+  const int nu = a.n_out;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   const auto* glob = static_cast<const char*>(global.untyped_data());
   auto* sinv = static_cast<float*>(scale_inv->untyped_data());
@@ -366,7 +366,7 @@ ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::Re
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < nu; ++k)
       with_loader(a.in, [&](auto ld) {
-        partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, u[k], glob + g[i].at[k] * item, data[i * nu + k],
+        partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, a.out[k], glob + g[i].at[k] * item, data[i * nu + k],
                                    a.e8m0 ? nullptr : sinv + g[i].at[k]);
       });
   });
@@ -378,38 +378,10 @@ ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::Re
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x (B, M, K)
-                                  .Ret<ffi::AnyBuffer>()  // first usage: data
-                                  .Ret<ffi::AnyBuffer>()  // first usage: scales
-                                  .Ret<ffi::AnyBuffer>()  // second usage: data (empty if none)
-                                  .Ret<ffi::AnyBuffer>()  // second usage: scales (empty if none)
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // data (B, M, K) uint8
-                                  .Arg<ffi::AnyBuffer>()  // scales of the scheme's one usage
-                                  .Ret<ffi::AnyBuffer>()  // out (B, M, K)
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
-                                  .RemainingArgs()        // N flat shards
-                                  .Ret<ffi::AnyBuffer>()  // packed partial values
-                                  .Attr<ffi::Span<const int64_t>>("Ms")
-                                  .Attr<ffi::Span<const int64_t>>("Ks")
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
-                                  .Arg<ffi::AnyBuffer>()  // packed global values
-                                  .RemainingArgs()        // N flat shards
-                                  .Ret<ffi::AnyBuffer>()  // packed scale_inv (fp32 scales; else empty)
-                                  .RemainingRets()        // per shard and usage: its FP8 bytes
-                                  .Attr<ffi::Span<const int64_t>>("Ms")
-                                  .Attr<ffi::Span<const int64_t>>("Ks")
-                                  .Attr<jf::Scheme>("scheme"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpu, jf::bind_quantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpu, jf::bind_dequantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpu, jf::bind_partial_amax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpu, jf::bind_partial_cast(ffi::Ffi::Bind()));
 
 NB_MODULE(_jax_fp8_cpu, m) {
   m.def("registrations", []() {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dequantize.cuh"
+#include "ffi_bindings.h"
 #include "ffi_common.h"
 #include "fp8_gemm.h"
 #include "quantize_dense.cuh"
@@ -19,14 +20,17 @@
 namespace jf {
 namespace {
 
-// x: (B, M, K) float32 / bfloat16 / float16. Per usage of the scheme, in the order row, col, tile:
-// its FP8 data (B, M, K) uint8 and its scales, uint8 E8M0 or fp32 scale_inv; the second pair is empty
-// when the scheme has one usage.
+// x: (B, M, K) float32 / bfloat16 / float16. Per output of the scheme (Scheme::outputs, rowwise
+// first): its FP8 data, uint8 (B, M, K), or (B, K, M) for transposed (GEMM-ready columnwise) data,
+// and its scales, uint8 E8M0 or fp32 scale_inv: the (B, ceil(M/bm), ceil(K/bk)) grid, or for GEMM-ready
+// Float8 scales the grid or its transpose with each stored row padded as the scale buffer is wide. The
+// second pair is empty when the scheme has one output.
 ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0,
                         ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
                         ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, scheme, &a); e.failure()) return e;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_quantize_args(x, res, scheme, &a); e.failure()) return e;
   if (a.B * a.M * a.K == 0) return ffi::Error::Success();
   uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
@@ -39,8 +43,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
 std::vector<ShardIO> shard_io(const QuantizeArgs& a, const std::vector<GroupWeight>& g, const void* windows,
                               void* scales, const void* global, const std::vector<uint8_t*>& data) {
   const size_t item = a.e8m0 ? 1 : 4;
-  Usage u[2];
-  const int nu = usages_of(a, u);
+  const int nu = a.n_out;
   const auto at = [&](const void* base, int64_t k) -> const void* {
     return base ? static_cast<const char*>(base) + k * item : nullptr;
   };
@@ -71,7 +74,7 @@ ffi::Error PartialAmaxCuda(cudaStream_t stream, ffi::AnyBuffer windows, ffi::Rem
 }
 
 // windows, shards: as above; global: the packed reduced values. scale_inv: the packed fp32 scale_inv
-// (empty for E8M0 scales); datas: each shard's FP8 bytes per usage (zeros past its elements).
+// (empty for E8M0 scales); datas: each shard's FP8 bytes per output (zeros past its elements).
 ffi::Error PartialCastCuda(cudaStream_t stream, ffi::AnyBuffer windows, ffi::AnyBuffer global,
                            ffi::RemainingArgs shards, ffi::Result<ffi::AnyBuffer> scale_inv, ffi::RemainingRets datas,
                            ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, Scheme scheme) {
@@ -100,12 +103,12 @@ ffi::Error dequantize_rule(cudaStream_t st, const void* d, const void* s, ffi::R
   return check_launch();
 }
 
-// data: (B, M, K) uint8 FP8 bytes; scale: the scale grid of the scheme's one usage. out: (B, M, K)
-// float32 / bfloat16 / float16.
+// data: (B, M, K) uint8 FP8 bytes; scale: the compact scale grid of the scheme's one output (GEMM-ready
+// tensors are compacted before they are dequantized). out: (B, M, K) float32 / bfloat16 / float16.
 ffi::Error DequantizeCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
                           ffi::Result<ffi::AnyBuffer> out, Scheme scheme) {
   int64_t B, M, K;
-  Usage u;
+  Output u;
   if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   if (B * M * K == 0) return ffi::Error::Success();
   if (!dequantize_fits(B, M, K)) return bad("dequantize: 2**30 or more rows or columns");
@@ -121,56 +124,14 @@ ffi::Error DequantizeCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x (B, M, K)
-                                  .Ret<ffi::AnyBuffer>()  // first usage: data
-                                  .Ret<ffi::AnyBuffer>()  // first usage: scales
-                                  .Ret<ffi::AnyBuffer>()  // second usage: data (empty if none)
-                                  .Ret<ffi::AnyBuffer>()  // second usage: scales (empty if none)
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // data (B, M, K) uint8
-                                  .Arg<ffi::AnyBuffer>()  // scales of the scheme's one usage
-                                  .Ret<ffi::AnyBuffer>()  // out (B, M, K)
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
-                                  .RemainingArgs()        // N flat shards
-                                  .Ret<ffi::AnyBuffer>()  // packed partial values
-                                  .Attr<ffi::Span<const int64_t>>("Ms")
-                                  .Attr<ffi::Span<const int64_t>>("Ks")
-                                  .Attr<jf::Scheme>("scheme"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // windows (N, 2) int32
-                                  .Arg<ffi::AnyBuffer>()  // packed global values
-                                  .RemainingArgs()        // N flat shards
-                                  .Ret<ffi::AnyBuffer>()  // packed scale_inv (fp32 scales; else empty)
-                                  .RemainingRets()        // per shard and usage: its FP8 bytes
-                                  .Attr<ffi::Span<const int64_t>>("Ms")
-                                  .Attr<ffi::Span<const int64_t>>("Ks")
-                                  .Attr<jf::Scheme>("scheme"));
+// The CUDA handlers' binding: XLA's stream first, then the handler's own (ffi_bindings.h).
+static auto cuda_binding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()  // the cuBLASLt workspace
-                                  .Ctx<ffi::DeviceOrdinal>()     // keys the handle and algorithm caches
-                                  .Arg<ffi::AnyBuffer>()         // a (M, K) fp8
-                                  .Arg<ffi::AnyBuffer>()         // a_scale, GEMM-ready fp32
-                                  .Arg<ffi::AnyBuffer>()         // b (N, K) fp8
-                                  .Arg<ffi::AnyBuffer>()         // b_scale, GEMM-ready fp32
-                                  .RemainingArgs()               // c (M, N), only when accumulating
-                                  .Ret<ffi::AnyBuffer>()         // out (M, N) bfloat16 / float32
-                                  .Attr<int64_t>("a_rows")       // a's scale blocks: 1 (1x128) or 128
-                                  .Attr<int64_t>("b_rows"));     // b's likewise
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda, jf::bind_quantize(cuda_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda, jf::bind_dequantize(cuda_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda, jf::bind_partial_amax(cuda_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda, jf::bind_partial_cast(cuda_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda, jf::bind_fp8_gemm(cuda_binding()));
 
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {

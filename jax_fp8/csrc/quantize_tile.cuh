@@ -32,14 +32,16 @@ struct Span {
   const int32_t* dev_offset;     // null for dense
   const int32_t* dev_length;
   bool aligned_base;             // input pointer 16-byte aligned and K a multiple of VEC
-  int64_t group = 1;             // the walk's tile order: groups of `group` tile rows, rows fastest inside
+  int64_t group;                 // the walk's tile order: groups of `group` tile rows, rows fastest inside
 };
-inline Span dense_span(int64_t M, int64_t K, int64_t group = 1) {
+// A dense (M, K) matrix walked in groups of `group` tile rows (TileCfg::GROUP).
+inline Span dense_span(int64_t M, int64_t K, int64_t group) {
   return Span{M, K, 0, 0, 0, M * K, nullptr, nullptr, false, group};
 }
+// A master-weight shard, walked tile row by tile row.
 inline Span shard_span(int64_t M, int64_t K, int64_t L, const void* dev_offset, const void* dev_length) {
   return Span{M, K, 0, 0, 0, L, static_cast<const int32_t*>(dev_offset), static_cast<const int32_t*>(dev_length),
-              false};
+              false, 1};
 }
 
 enum Mode { kQuantize = 0, kAmax = 1, kCast = 2 };
@@ -480,28 +482,32 @@ struct TileCfg {
   static constexpr int ROW_BM = TILE ? TM : 1, ROW_BK = TILE ? TK : RBK;
 };
 
-// Calls f(cfg, rule) with the tile configuration and scale rule for the usages of `a` (SATURATE_ONLY:
+// Calls f(cfg, rule) with the tile configuration and scale rule for the outputs of `a` (SATURATE_ONLY:
 // as with_rule's).
 template <bool SATURATE_ONLY = false, class F>
 ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
   return with_rule<SATURATE_ONLY>(a, [&](auto rule) -> ffi::Error {
     using R = decltype(rule);
-    const bool T = a.gemm_ready;  // GEMM-ready: columnwise data transposed
+    const Output& first = a.out[0];
+    const bool has_row = !first.colwise(), has_col = a.n_out == 2 || first.colwise();
     if constexpr (std::is_same_v<R, MxRule>) {
-      if (a.row_block && a.col_block)
-        return T ? f(TileCfg<R, 32, 256, 32, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
-      if (a.row_block) return f(TileCfg<R, 32, 256, 32, false, false>{}, rule);
-      return T ? f(TileCfg<R, 32, 256, 0, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
-    } else {  // GEMM-ready Float8: the scales too
-      if (a.tile_block) {
+      const bool col_t = a.out[a.n_out - 1].data_transposed;  // GEMM-ready: columnwise data transposed
+      if (has_row && has_col)
+        return col_t ? f(TileCfg<R, 32, 256, 32, true, false, true>{}, rule)
+                     : f(TileCfg<R, 32, 256, 32, true, false>{}, rule);
+      if (has_row) return f(TileCfg<R, 32, 256, 32, false, false>{}, rule);
+      return col_t ? f(TileCfg<R, 32, 256, 0, true, false, true>{}, rule) : f(TileCfg<R, 32, 256, 0, true, false>{}, rule);
+    } else {  // GEMM-ready Float8: the scales in GEMM order, the columnwise data transposed
+      const bool T = a.gemm_scales;
+      if (first.bm == first.bk) {  // 128x128 tiles
         if (!T) return f(TileCfg<R, 128, 128, 0, false, true>{}, rule);
-        return a.tile_cols ? f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule)
-                           : f(TileCfg<R, 128, 128, 0, false, true, false, true>{}, rule);
+        return has_col ? f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule)
+                       : f(TileCfg<R, 128, 128, 0, false, true, false, true>{}, rule);
       }
-      if (a.row_block && a.col_block)
+      if (has_row && has_col)
         return T ? f(TileCfg<R, 128, 128, 128, true, false, true, true>{}, rule)
                  : f(TileCfg<R, 128, 128, 128, true, false>{}, rule);
-      if (a.row_block)
+      if (has_row)
         return T ? f(TileCfg<R, 128, 128, 128, false, false, false, true>{}, rule)
                  : f(TileCfg<R, 128, 128, 128, false, false>{}, rule);
       return T ? f(TileCfg<R, 128, 128, 0, true, false, true, true>{}, rule)
@@ -509,7 +515,6 @@ ffi::Error with_cfg(const QuantizeArgs& a, F&& f) {
     }
   });
 }
-
 
 // Fills in the tile counts and the alignment of a span; returns the number of tiles to launch.
 template <class L, int TM, int TK>

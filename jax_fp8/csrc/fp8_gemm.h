@@ -85,10 +85,11 @@ inline ffi::Error cuda_type_of(ffi::DataType t, cudaDataType_t* out) {
 }
 
 // a: (M, K), b: (N, K) FP8; a_scale, b_scale: their GEMM-ready fp32 scales; c: none, or (M, N) of the
-// output's type (out = a·bᵀ + c). a_rows, b_rows: rows per scale block, 1 (1x128) or 128 (128x128).
+// output's type (out = a·bᵀ + c). a_block_rows, b_block_rows: rows per scale block of a and b, 1 (1x128
+// blocks) or 128 (128x128 blocks).
 ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer a,
                        ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::RemainingArgs c,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t a_rows, int64_t b_rows) {
+                       ffi::Result<ffi::AnyBuffer> out, int64_t a_block_rows, int64_t b_block_rows) {
   const lt::Api* api = lt::api();
   if (!api) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_fp8: " + lt::error());
   if (api->version < lt::kMinVersion)
@@ -98,9 +99,10 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
   const auto ad = a.dimensions(), bd = b.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) return bad("fp8 gemm: a (M, K) and b (N, K)");
   const int64_t M = ad[0], N = bd[0], K = ad[1];
-  if ((a_rows != 1 && a_rows != 128) || (b_rows != 1 && b_rows != 128) || (a_rows == 128 && b_rows == 128))
-    return bad("fp8 gemm: a_rows, b_rows must be 1 or 128, not both 128; got " + std::to_string(a_rows) + ", " +
-               std::to_string(b_rows));
+  if ((a_block_rows != 1 && a_block_rows != 128) || (b_block_rows != 1 && b_block_rows != 128) ||
+      (a_block_rows == 128 && b_block_rows == 128))
+    return bad("fp8 gemm: a_block_rows, b_block_rows must be 1 or 128, not both 128; got " +
+               std::to_string(a_block_rows) + ", " + std::to_string(b_block_rows));
   if (a_scale.element_type() != ffi::DataType::F32 || b_scale.element_type() != ffi::DataType::F32)
     return bad("fp8 gemm: a_scale and b_scale must be float32");
   const void* c_ptr = nullptr;
@@ -130,8 +132,8 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
 
   GemmDescs g{*api};
   const int32_t op_t = lt::kOpT, op_n = lt::kOpN;
-  const int32_t mode_a = b_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS A = our b
-  const int32_t mode_b = a_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS B = our a
+  const int32_t mode_a = b_block_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS A = our b
+  const int32_t mode_b = a_block_rows == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128;  // cuBLAS B = our a
   const void* scale_a = b_scale.untyped_data();
   const void* scale_b = a_scale.untyped_data();
   JF_LT(api->MatmulDescCreate(&g.op, lt::kCompute32F, CUDA_R_32F), "MatmulDescCreate");
@@ -181,7 +183,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
 
   void* workspace = nullptr;
   if (algo.workspace_size > 0) {
-    // XLA's FFI allocator takes alignments up to 16 (run 25: 256 was refused); its BFC allocator hands
+    // XLA's FFI allocator takes alignments up to 16 (256 was refused on the H200); its BFC allocator hands
     // out 256-byte aligned buffers, which cuBLASLt wants for the workspace: check, do not assume.
     auto w = scratch.Allocate(algo.workspace_size, 16);
     if (!w.has_value())

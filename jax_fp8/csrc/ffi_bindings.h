@@ -1,0 +1,78 @@
+// The XLA FFI signature of every handler, written once for both platforms: bind_X(binding) appends
+// handler X's arguments, results and attributes to `binding`, which is ffi::Ffi::Bind() on the CPU and
+// ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA (cpu_kernels.cc, cuda_kernels.cu).
+// The handlers take them in this order, after the binding's own contexts.
+#pragma once
+
+#include <utility>
+
+#include "ffi_common.h"
+
+namespace jf {
+
+// jf_quantize: x, then per output of the scheme (Scheme::outputs) its data and its scales; the results
+// of a second output are empty when the scheme has one.
+template <class Binding>
+auto bind_quantize(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // x (B, M, K) float32 / bfloat16 / float16
+      .template Ret<ffi::AnyBuffer>()  // first output: data, uint8 (B, M, K), or (B, K, M) transposed
+      .template Ret<ffi::AnyBuffer>()  // first output: scales (B, rows, ld): E8M0 bytes or fp32 scale_inv
+      .template Ret<ffi::AnyBuffer>()  // second output: data (empty if none)
+      .template Ret<ffi::AnyBuffer>()  // second output: scales (empty if none)
+      .template Attr<Scheme>("scheme");
+}
+
+// jf_dequantize: one compact output of the scheme back to high precision.
+template <class Binding>
+auto bind_dequantize(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // data (B, M, K) uint8
+      .template Arg<ffi::AnyBuffer>()  // its compact scale grid (B, ceil(M/bm), ceil(K/bk))
+      .template Ret<ffi::AnyBuffer>()  // out (B, M, K) float32 / bfloat16 / float16
+      .template Attr<Scheme>("scheme");
+}
+
+// jf_partial_amax: a group of master-weight shards' partial values (ffi_common.h, master-weight groups).
+template <class Binding>
+auto bind_partial_amax(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // windows (N, 2) int32: (offset, length) per shard
+      .RemainingArgs()                 // N flat shards of one dtype
+      .template Ret<ffi::AnyBuffer>()  // packed partial values (E8M0 bytes or fp32 amaxes)
+      .template Attr<ffi::Span<const int64_t>>("Ms")  // the weights' rows
+      .template Attr<ffi::Span<const int64_t>>("Ks")  // the weights' columns
+      .template Attr<Scheme>("scheme");
+}
+
+// jf_partial_cast: the shards cast with the reduced (global) values.
+template <class Binding>
+auto bind_partial_cast(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // windows (N, 2) int32: (offset, length) per shard
+      .template Arg<ffi::AnyBuffer>()  // packed global values
+      .RemainingArgs()                 // N flat shards of one dtype
+      .template Ret<ffi::AnyBuffer>()  // packed scale_inv (fp32 scales; else empty)
+      .RemainingRets()                 // per shard and output: its FP8 bytes
+      .template Attr<ffi::Span<const int64_t>>("Ms")  // the weights' rows
+      .template Attr<ffi::Span<const int64_t>>("Ks")  // the weights' columns
+      .template Attr<Scheme>("scheme");
+}
+
+// jf_fp8_gemm (CUDA only): out = a · bᵀ [+ c] on cuBLASLt (fp8_gemm.h).
+template <class Binding>
+auto bind_fp8_gemm(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::ScratchAllocator>()  // the cuBLASLt workspace
+      .template Ctx<ffi::DeviceOrdinal>()     // keys the handle and algorithm caches
+      .template Arg<ffi::AnyBuffer>()         // a (M, K) fp8
+      .template Arg<ffi::AnyBuffer>()         // a_scale, GEMM-ready fp32
+      .template Arg<ffi::AnyBuffer>()         // b (N, K) fp8
+      .template Arg<ffi::AnyBuffer>()         // b_scale, GEMM-ready fp32
+      .RemainingArgs()                        // c (M, N), only when accumulating
+      .template Ret<ffi::AnyBuffer>()         // out (M, N) bfloat16 / float32
+      .template Attr<int64_t>("a_block_rows")  // rows per scale block of a: 1 (1x128 blocks) or 128 (128x128)
+      .template Attr<int64_t>("b_block_rows"); // of b likewise
+}
+
+}  // namespace jf

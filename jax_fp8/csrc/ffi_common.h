@@ -1,0 +1,329 @@
+// Argument decoding shared by the CPU and CUDA FFI handlers: the call's Scheme, decoded once by XLA,
+// and the buffers checked against it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fp8_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jf {
+namespace ffi = xla::ffi;
+
+enum class InType { kF32, kBF16, kF16 };
+
+// The quantization scheme of a call: jax_fp8/scheme.py's Scheme.ffi_attrs(), passed as one dictionary
+// attribute, "scheme", that XLA decodes into this struct (registered at the end of this file).
+struct Scheme {
+  int32_t fp8;         // Fp8Kind (fp8_math.h): 0 = E4M3, 1 = E5M2
+  bool e8m0;           // E8M0 scales (MXFP8); else fp32 scale_inv (Float8 blockwise)
+  bool pow2;           // blockwise: scales rounded down to powers of two
+  float eps;           // blockwise: lower bound of every block amax
+  bool saturate_inf;   // blockwise: TE's rule; false: an infinite amax stores scale_inv inf
+  // The kernels' outputs in result order (Scheme.kernel_usages), four int32 each: bm, bk (the block),
+  // data transposed (stored (B, K, M)), scales transposed (a stored scale row is a block column).
+  // Every size (a stored scale row's length included) comes from the buffers of the call.
+  ffi::Span<const int32_t> outputs;
+};
+
+// One output of a call, as Scheme::outputs describes it.
+struct Output {
+  int bm, bk;
+  bool data_transposed;    // data stored (B, K, M): GEMM-ready columnwise data
+  bool scales_transposed;  // stored scale row = block column j (else block row i)
+  // The columnwise output (the kernels' `col` slot): columns of bm x 1 blocks, or transposed tiles;
+  // compact 128x128 tiles, which serve both usages, are laid out as the rowwise output.
+  bool colwise() const { return bk == 1 || data_transposed; }
+};
+inline int64_t n_blocks(int64_t M, int64_t K, int bm, int bk) { return cdiv(M, bm) * cdiv(K, bk); }
+
+// Where one output of a quantize call puts its data and scales: data (B, M, K), or (B, K, M) when
+// transposed; the scale of block (i, j) of matrix b at scale[b * s_batch + i * s_row + j * s_col].
+// The scale buffer (B, rows, ld) holds the grid, or its transpose, one stored row per grid row (or
+// column); each stored row's entries [pad_from, ld), past the grid, hold kGemmScalePad (pad_rows: the
+// stored rows, 0 when no row is padded).
+constexpr float kGemmScalePad = 1.0f;  // the scale_inv of an all-zero block (scheme.py's GEMM_SCALE_PAD)
+struct OutLayout : Output {
+  int64_t s_batch, s_row, s_col;
+  int64_t pad_rows, pad_from, ld;
+};
+// The layout of output o of an (M, K) matrix whose scale buffer has stored rows of ld entries.
+inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld) {
+  const int64_t sm = cdiv(M, o.bm), sk = cdiv(K, o.bk);
+  const int64_t rows = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
+  OutLayout l;
+  static_cast<Output&>(l) = o;
+  l.s_batch = rows * ld;
+  l.s_row = o.scales_transposed ? 1 : ld;
+  l.s_col = o.scales_transposed ? ld : 1;
+  l.pad_rows = ld > row_len ? rows : 0;
+  l.pad_from = row_len;
+  l.ld = ld;
+  return l;
+}
+
+// A quantize-style call: its scheme, outputs and an input of shape (B, M, K) and type `in`.
+struct QuantizeArgs : Scheme {
+  int n_out;
+  OutLayout out[2];  // quantize: the layouts read from the result buffers; shards: the blocks alone
+  // Float8 scales in GEMM-ready order (transposed or padded rows): the kernels that store them, which
+  // also store Float8 columnwise data transposed
+  bool gemm_scales;
+  InType in;
+  int64_t B, M, K;
+  float inf_value;  // the input dtype's largest finite value (TE's scale for an infinite quotient)
+};
+
+inline ffi::Error bad(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: " + msg);
+}
+
+inline ffi::Error in_type_of(ffi::DataType t, InType* out, float* max_finite) {
+  switch (t) {
+    case ffi::DataType::F32: *out = InType::kF32; *max_finite = 3.40282347e38f; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = InType::kBF16; *max_finite = 3.38953139e38f; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = InType::kF16; *max_finite = 65504.0f; return ffi::Error::Success();
+    default: return bad("input must be float32, bfloat16 or float16");
+  }
+}
+
+// (B, M, K) of a rank-3 buffer.
+inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t* K) {
+  auto d = x.dimensions();
+  if (d.size() != 3) return bad("kernels take rank-3 (batch, rows, cols) buffers");
+  *B = d[0];
+  *M = d[1];
+  *K = d[2];
+  return ffi::Error::Success();
+}
+
+// The outputs of a scheme (Scheme::outputs), checked against the kernels that exist: MXFP8 1x32 and/or
+// 32x1 blocks; Float8 1x128 and/or 128x1 blocks, or 128x128 tiles (one output, or a rowwise output and
+// a transposed columnwise one), rowwise first. Rowwise data is never stored transposed, columnwise
+// scales never; MXFP8 scales never.
+inline ffi::Error check_scheme(const Scheme& s, Output* out, int* n) {
+  if (s.fp8 != kE4M3 && s.fp8 != kE5M2) return bad("scheme.fp8 must be 0 (e4m3) or 1 (e5m2)");
+  const size_t size = s.outputs.size();
+  if (size != 4 && size != 8) return bad("scheme.outputs must hold one or two outputs of four int32 each");
+  *n = int(size / 4);
+  for (int k = 0; k < *n; ++k) {
+    const int32_t* e = &s.outputs[4 * k];
+    if ((e[2] != 0 && e[2] != 1) || (e[3] != 0 && e[3] != 1)) return bad("scheme.outputs: flags must be 0 or 1");
+    out[k] = Output{e[0], e[1], e[2] == 1, e[3] == 1};
+  }
+  const int b = s.e8m0 ? 32 : 128;
+  const auto row = [&](const Output& o) {
+    return o.bm == 1 && o.bk == b && !o.data_transposed && !(s.e8m0 && o.scales_transposed);
+  };
+  const auto col = [&](const Output& o) { return o.bm == b && o.bk == 1 && !o.scales_transposed; };
+  const auto tile = [&](const Output& o, bool cols) {
+    return !s.e8m0 && o.bm == 128 && o.bk == 128 && o.data_transposed == cols && o.scales_transposed == cols;
+  };
+  const Output& o0 = out[0];
+  const bool ok = *n == 1 ? row(o0) || col(o0) || tile(o0, false) || tile(o0, true)
+                          : (row(o0) && col(out[1])) || (tile(o0, false) && tile(out[1], true));
+  if (!ok) return bad("unsupported block configuration");
+  return ffi::Error::Success();
+}
+
+// Validates and fills the arguments shared by every quantize-style target (the layouts' strides are
+// the quantize call's: make_quantize_args).
+inline ffi::Error fill_quantize_args(ffi::DataType in, int64_t B, int64_t M, int64_t K, const Scheme& s,
+                                     QuantizeArgs* a) {
+  Output out[2];
+  if (auto e = check_scheme(s, out, &a->n_out); e.failure()) return e;
+  if (B < 0 || M < 0 || K < 0) return bad("negative dimension");
+  static_cast<Scheme&>(*a) = s;
+  for (int k = 0; k < a->n_out; ++k) a->out[k] = out_layout(out[k], M, K, 0);
+  a->gemm_scales = false;
+  a->B = B;
+  a->M = M;
+  a->K = K;
+  return in_type_of(in, &a->in, &a->inf_value);
+}
+
+// The type of stored scales, partial and global values: E8M0 bytes or fp32.
+inline ffi::DataType scale_type(const Scheme& s) { return s.e8m0 ? ffi::DataType::U8 : ffi::DataType::F32; }
+
+// The CUDA tile writes a stored scale row's padding with one CTA, one entry per thread.
+constexpr int64_t kMaxScalePad = 256;
+
+// Output o of a quantize call against its buffers: uint8 data (B, M, K), or (B, K, M) transposed;
+// scales (B, rows, ld), one stored row per block row (per block column when transposed), each at least
+// as long as the grid's row (MXFP8: exactly). Returns the output's layout.
+inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi::AnyBuffer& data,
+                               const ffi::AnyBuffer& scale, OutLayout* l) {
+  const auto d = data.dimensions(), s = scale.dimensions();
+  const int64_t rows = o.data_transposed ? a.K : a.M, cols = o.data_transposed ? a.M : a.K;
+  if (data.element_type() != ffi::DataType::U8 || d.size() != 3 || d[0] != a.B || d[1] != rows || d[2] != cols)
+    return bad(std::string("quantize: the data output must be uint8 of shape ") +
+               (o.data_transposed ? "(B, K, M)" : "(B, M, K)"));
+  const int64_t sm = cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
+  const int64_t stored = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
+  if (scale.element_type() != scale_type(a) || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
+      s[2] - row_len >= kMaxScalePad || (a.e8m0 && s[2] != row_len))
+    return bad("quantize: the scales of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) + " blocks" +
+               (o.scales_transposed ? " (transposed)" : "") + " must be " + (a.e8m0 ? "uint8" : "float32") + " (" +
+               std::to_string(a.B) + ", " + std::to_string(stored) + ", " +
+               (a.e8m0 ? std::to_string(row_len) + ")"
+                       : "L), L - " + std::to_string(row_len) + " from 0 to " + std::to_string(kMaxScalePad - 1) +
+                             " padding entries per stored row"));
+  *l = out_layout(o, a.M, a.K, s[2]);
+  return ffi::Error::Success();
+}
+
+// The result buffers of one output of a quantize call.
+struct QuantizeResult {
+  const ffi::AnyBuffer* data;
+  const ffi::AnyBuffer* scale;
+};
+
+// A quantize call: x (B, M, K) and, per output of the scheme, its result buffers (res[k]).
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResult* res, const Scheme& s,
+                                     QuantizeArgs* a) {
+  int64_t B, M, K;
+  if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
+  if (auto e = fill_quantize_args(x.element_type(), B, M, K, s, a); e.failure()) return e;
+  for (int k = 0; k < a->n_out; ++k) {
+    if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k]); e.failure()) return e;
+    const OutLayout& o = a->out[k];
+    a->gemm_scales |= !a->e8m0 && (o.data_transposed || o.scales_transposed || o.pad_rows > 0);
+  }
+  // Float8 kernels store the columnwise data transposed exactly when the scales are in GEMM order
+  for (int k = 0; k < a->n_out; ++k)
+    if (!a->e8m0 && a->out[k].bk == 1 && a->out[k].data_transposed != a->gemm_scales)
+      return bad("unsupported block configuration: Float8 columnwise data is stored transposed exactly when the "
+                 "scales are transposed or padded");
+  return ffi::Error::Success();
+}
+
+// Calls f(rule) with the scheme's scale rule (fp8_math.h): the one place that dispatches on it.
+// SATURATE_ONLY: for callers that take TE's rule alone and checked saturate_inf (the master-weight
+// shards), which then build no kernels for the other rule.
+template <bool SATURATE_ONLY = false, class F>
+auto with_rule(const QuantizeArgs& a, F&& f) {
+  if (a.e8m0) return f(MxRule{a.fp8});
+  if constexpr (!SATURATE_ONLY) {
+    if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
+  }
+  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
+}
+
+// ---- master-weight groups ------------------------------------------------------------------------
+// A partial-amax or partial-cast call covers N weights. Weight i's flat shard of L elements holds
+// elements [offset, offset + length) of its row-major (M, K) weight; (offset, length) are
+// windows[2i], windows[2i + 1] (int32, in the platform's memory); M, K come as array attributes. Every
+// weight's grids, in usage order, are packed one after another in one buffer of partial values,
+// global values or scale_inv.
+struct GroupWeight {
+  const void* x;
+  int64_t L, M, K;
+  int64_t at[2];  // each usage grid's first element in the packed buffer
+};
+
+inline ffi::Error make_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
+                             ffi::Span<const int64_t> Ms, ffi::Span<const int64_t> Ks, const Scheme& s,
+                             QuantizeArgs* a, std::vector<GroupWeight>* g, int64_t* n_packed) {
+  const size_t n = shards.size();
+  if (Ms.size() != n || Ks.size() != n) return bad("one shape per master-weight shard");
+  if (windows.element_type() != ffi::DataType::S32 || windows.element_count() != 2 * n)
+    return bad("shard windows must be int32 (offset, length) pairs, one per shard");
+  ffi::DataType in = ffi::DataType::F32;
+  g->clear();
+  *n_packed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto x = shards.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return bad("master-weight shards must be buffers");
+    if (x->dimensions().size() != 1) return bad("a master-weight shard must be a flat (rank-1) buffer");
+    if (i == 0) in = x->element_type();
+    if (x->element_type() != in) return bad("the shards of one call must share a dtype");
+    if (Ms[i] < 0 || Ks[i] < 0) return bad("negative dimension");
+    g->push_back(GroupWeight{x->untyped_data(), x->dimensions()[0], Ms[i], Ks[i], {0, 0}});
+  }
+  if (auto e = fill_quantize_args(in, 1, 0, 0, s, a); e.failure()) return e;
+  for (int k = 0; k < a->n_out; ++k)
+    if (a->out[k].data_transposed || a->out[k].scales_transposed) return bad("master-weight shards are compact");
+  for (GroupWeight& w : *g)
+    for (int k = 0; k < a->n_out; ++k) {
+      w.at[k] = *n_packed;
+      *n_packed += n_blocks(w.M, w.K, a->out[k].bm, a->out[k].bk);
+    }
+  return ffi::Error::Success();
+}
+
+// Checks a packed buffer: n_packed elements of type `want`.
+inline ffi::Error check_packed(ffi::DataType t, size_t count, ffi::DataType want, int64_t n_packed, const char* what) {
+  if (t != want || int64_t(count) != n_packed)
+    return bad(std::string(what) + " does not match the weights' packed scale grids");
+  return ffi::Error::Success();
+}
+
+// A partial-amax call: the group and its packed partial-value output.
+inline ffi::Error make_amax_group(const ffi::AnyBuffer& windows, const ffi::RemainingArgs& shards,
+                                  const ffi::AnyBuffer& packed, ffi::Span<const int64_t> Ms,
+                                  ffi::Span<const int64_t> Ks, const Scheme& s, QuantizeArgs* a,
+                                  std::vector<GroupWeight>* g) {
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, s, a, g, &n_packed); e.failure()) return e;
+  return check_packed(packed.element_type(), packed.element_count(), scale_type(*a), n_packed,
+                      "the partial-value output");
+}
+
+// A partial-cast call: the group, its packed global values, the packed scale_inv output (fp32 scales;
+// empty for E8M0) and the data outputs, per weight and usage (its L FP8 bytes each).
+inline ffi::Error make_cast_group(const ffi::AnyBuffer& windows, const ffi::AnyBuffer& global,
+                                  const ffi::RemainingArgs& shards, const ffi::AnyBuffer& scale_inv,
+                                  const ffi::RemainingRets& datas, ffi::Span<const int64_t> Ms,
+                                  ffi::Span<const int64_t> Ks, const Scheme& s, QuantizeArgs* a,
+                                  std::vector<GroupWeight>* g, std::vector<uint8_t*>* data) {
+  int64_t n_packed;
+  if (auto e = make_group(windows, shards, Ms, Ks, s, a, g, &n_packed); e.failure()) return e;
+  if (auto e = check_packed(global.element_type(), global.element_count(), scale_type(*a), n_packed,
+                            "the global scale input");
+      e.failure())
+    return e;
+  if (auto e = check_packed(scale_inv.element_type(), scale_inv.element_count(), ffi::DataType::F32,
+                            a->e8m0 ? 0 : n_packed, "the scale_inv output");
+      e.failure())
+    return e;
+  const size_t nu = size_t(a->n_out);
+  if (datas.size() != g->size() * nu) return bad("one data output per shard and usage");
+  data->clear();
+  for (size_t i = 0; i < datas.size(); ++i) {
+    auto r = datas.get<ffi::AnyBuffer>(i);
+    if (!r.has_value() || (*r)->element_type() != ffi::DataType::U8 ||
+        int64_t((*r)->element_count()) != (*g)[i / nu].L)
+      return bad("each data output must be uint8 of the shard's length");
+    data->push_back(static_cast<uint8_t*>((*r)->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
+// A dequantize call: compact uint8 data (B, M, K) and the compact scale grid (B, rows, cols) of the
+// scheme's one output, whose blocks it returns; the scale type must match the scheme's.
+inline ffi::Error make_dequantize_args(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale, const Scheme& s,
+                                       int64_t* B, int64_t* M, int64_t* K, Output* o) {
+  Output out[2];
+  int n;
+  if (auto e = check_scheme(s, out, &n); e.failure()) return e;
+  if (n != 1) return bad("dequantize takes a scheme of one output");
+  *o = out[0];
+  if (o->data_transposed || o->scales_transposed) return bad("dequantize takes compact data and scales");
+  if (auto e = dims3(data, B, M, K); e.failure()) return e;
+  if (data.element_type() != ffi::DataType::U8) return bad("dequantize data must be uint8 FP8 bytes");
+  if (scale.element_type() != scale_type(s)) return bad("dequantize scales must be uint8 (E8M0) or float32, as the scheme says");
+  const auto sd = scale.dimensions();
+  if (sd.size() != 3 || sd[0] != *B || sd[1] != cdiv(*M, o->bm) || sd[2] != cdiv(*K, o->bk))
+    return bad("dequantize scales do not match the data's blocks: want (B, ceil(M/bm), ceil(K/bk))");
+  return ffi::Error::Success();
+}
+
+}  // namespace jf
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jf::Scheme, ::xla::ffi::StructMember<int32_t>("fp8"),
+                                      ::xla::ffi::StructMember<bool>("e8m0"), ::xla::ffi::StructMember<bool>("pow2"),
+                                      ::xla::ffi::StructMember<float>("eps"),
+                                      ::xla::ffi::StructMember<bool>("saturate_inf"),
+                                      ::xla::ffi::StructMember<::xla::ffi::Span<const int32_t>>("outputs"));

@@ -1,0 +1,179 @@
+"""GEMM operands and the execution of one planned GEMM: :class:`GemmOperand` (FP8 data and its
+GEMM-ready scales), :func:`gemm_operand` (the operand of a quantized tensor, either contraction),
+:func:`fp8_gemm` (``a · bᵀ`` of quantized operands), and the operands of ``jax.nn.scaled_matmul``
+for MXFP8 tensors."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._compat import E8M0_DTYPE
+from .api import to_layout
+from .arrays import bitcast, cdiv, view_2d
+from .formats import MX_BLOCK
+from .gemm_plan import GemmPlan, plan_gemm
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm, fp8_gemm_bind,
+                              operand_scale_shape, operand_values)
+from .scheme import GEMM_SCALE_PAD
+from .tensors import BlockwiseTensor, MXFP8Tensor
+from .warn import warn
+
+Array = Any
+
+
+# ---- operands -----------------------------------------------------------------------------------
+@partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"], meta_fields=["block"])
+@dataclasses.dataclass(frozen=True)
+class GemmOperand:
+    """One operand of the TN GEMM: FP8 ``data`` (rows, K), contraction over its last dim, and its fp32
+    GEMM-ready ``scale`` for ``block`` ((1, 128) or (128, 128)) blocks (``jf_fp8_gemm``'s contract)."""
+
+    data: Array
+    scale: Array
+    block: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    def values(self):
+        """fp32 values (rows, K): the dequantized operand."""
+        return operand_values(self.data, self.scale, self.block)
+
+    def padded(self, rows: int, k: int) -> "GemmOperand":
+        """Zero rows / columns appended (scale padding 1.0): the same product, aligned shapes."""
+        r, c = self.shape
+        if (rows, k) == (r, c):
+            return self
+        data = jnp.pad(self.data, ((0, rows - r), (0, k - c)))
+        want = operand_scale_shape(rows, k, self.block)
+        pads = [(0, w - s) for w, s in zip(want, self.scale.shape)]
+        return GemmOperand(data, jnp.pad(self.scale, pads, constant_values=np.float32(GEMM_SCALE_PAD)), self.block)
+
+
+def _share_tiles(q: BlockwiseTensor) -> BlockwiseTensor:
+    """128x128 tiles serve both usages: fill the missing one from the other (exact)."""
+    q = to_layout(q, "compact")
+    src = "rowwise" if q.has_rowwise else "colwise"
+    d, s = getattr(q, f"{src}_data"), getattr(q, f"{src}_scale_inv")
+    return dataclasses.replace(q, rowwise_data=d, rowwise_scale_inv=s, colwise_data=d, colwise_scale_inv=s)
+
+
+def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOperand]:
+    """The GEMM operand of a Float8 blockwise tensor, viewed as 2-D (R, C): contracted over C
+    (``contract='last'``: its rowwise usage, (R, C)) or over R (``'first'``: its columnwise usage, the
+    transposed (C, R)). Any layout is accepted (converted exactly); 128x128 tiles serve both. Returns
+    None when the tensor does not hold the usage (1x128 blocks without it)."""
+    if not isinstance(q, BlockwiseTensor):
+        raise TypeError(f"gemm_operand: q must be a jax_fp8.BlockwiseTensor, got {type(q).__name__}")
+    if contract not in ("last", "first"):
+        raise ValueError(f"gemm_operand: contract must be 'last' or 'first', got {contract!r}")
+    tiles = tuple(q.block) == BLOCK_2D
+    usage = "rowwise" if contract == "last" else "colwise"
+    if usage not in q.usage_blocks():
+        if not tiles:
+            return None
+        q = _share_tiles(q)
+    q = to_layout(q, "gemm_ready")
+    data, scale = q.usage_fields(usage, "gemm_operand")
+    R, C = view_2d(q.shape)
+    return GemmOperand(data.reshape(R, C) if usage == "rowwise" else data, scale, BLOCK_2D if tiles else BLOCK_1D)
+
+
+def plan_of(a: GemmOperand, b: GemmOperand) -> GemmPlan:
+    """The plan of ``a · bᵀ`` for these operands."""
+    (M, K), (N, _) = a.shape, b.shape
+    return plan_gemm(M, N, K, a.block, b.block, a.data.dtype, b.data.dtype)
+
+
+def _gemm_dtype(out_dtype) -> np.dtype:
+    out_dtype = jnp.dtype(out_dtype)
+    return out_dtype if out_dtype in OUT_DTYPES else jnp.dtype(jnp.float32)
+
+
+def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
+    """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend (padded to its sizes), else
+    the reference math; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the plan
+    checked), or fp32 values (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
+    if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
+        vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
+        return dense_gemm(*vals, c, out_dtype=out_dtype)
+    if not plan.ok:  # the primitive's reference numbers: no overflow the GEMM lacks
+        return blocked_gemm(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                            out_dtype=out_dtype)
+    dtype = _gemm_dtype(out_dtype)
+    if a.data.ndim == 3:  # stacked sequences
+        out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
+                            backend=plan.backend)
+        return out.astype(out_dtype)
+    (M, N), (Mp, Np, Kp) = (plan.M, plan.N), plan.padded
+    if c is not None:
+        c = jnp.pad(c.astype(dtype), ((0, Mp - M), (0, Np - N)))
+    a, b = a.padded(Mp, Kp), b.padded(Np, Kp)
+    out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
+                        backend=plan.backend)
+    return out[:M, :N].astype(out_dtype)
+
+
+def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
+    """``a · bᵀ (+ c)`` on the FP8 GEMM, for already-quantized operands.
+
+    ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand` or :class:`~jax_fp8.BlockwiseTensor` (2-D view,
+    contracted over its last dim, see :func:`gemm_operand`). Misaligned shapes are padded
+    (:func:`~jax_fp8.gemm_plan.plan_gemm`); what no GEMM backend takes is computed by the reference math,
+    with a :class:`Fp8GemmFallbackWarning`. ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or
+    float16 (computed in fp32). Not differentiable (use :func:`jax_fp8.fp8_dot_general`).
+    """
+    ops = []
+    for name, x in (("a", a), ("b", b)):
+        if isinstance(x, BlockwiseTensor):
+            op = gemm_operand(x, "last")
+            if op is None:
+                raise ValueError(f"fp8_gemm: {name} has no rowwise usage (its 1x128 blocks along the last dim)")
+            x = op
+        if not isinstance(x, GemmOperand):
+            raise TypeError(f"fp8_gemm: {name} must be a GemmOperand or BlockwiseTensor, got {type(x).__name__}")
+        ops.append(x)
+    if ops[0].shape[1] != ops[1].shape[1]:
+        raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")
+    plan = plan_of(*ops)
+    if not plan.ok and plan.M * plan.N * plan.K:
+        warn(f"fp8_gemm: computed by the reference math: the FP8 GEMM cannot take {plan.reason}",
+             Fp8GemmFallbackWarning)
+    return run_gemm(*ops, jnp.dtype(out_dtype), plan, c)
+
+
+# ---- MXFP8 interop (Blackwell: cuDNN through jax.nn.scaled_matmul) ---------------------------------
+def mxfp8_scaled_matmul_operands(q: MXFP8Tensor, usage: str = "rowwise"):
+    """An MXFP8 tensor as one operand of ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM on
+    Blackwell): ``(data, scales)`` of shapes (1, rows, Kp) FP8 and (1, rows, Kp/32) ``float8_e8m0fnu``.
+
+    ``usage='rowwise'``: the (M, K) 2-D view contracted over K (1x32 blocks); ``'colwise'``: the (K, M)
+    transpose contracted over M (32x1 blocks). The contraction dim is zero-padded to a multiple of 32
+    (``scaled_matmul`` infers the block size as K // K_scales), which changes no product. With
+    ``a, sa = mxfp8_scaled_matmul_operands(qx)`` and ``b, sb = mxfp8_scaled_matmul_operands(qw)`` for x
+    (M, K) and W (N, K), ``jax.nn.scaled_matmul(a, b, sa, sb)[0]`` is ``x̃ · W̃ᵀ`` of the dequantized
+    operands. (jax 0.10 lowers ``scaled_matmul`` on CUDA and ROCm only; its ROCm rule is
+    ``lax.scaled_dot`` with dimension numbers (((2,), (2,)), ((0,), (0,))), which runs anywhere.)
+    """
+    if not isinstance(q, MXFP8Tensor):
+        raise TypeError(f"mxfp8_scaled_matmul_operands: q must be a jax_fp8.MXFP8Tensor, got {type(q).__name__}")
+    if E8M0_DTYPE is None:
+        raise NotImplementedError("mxfp8_scaled_matmul_operands: this jax has no float8_e8m0fnu dtype")
+    if usage not in ("rowwise", "colwise"):
+        raise ValueError(f"mxfp8_scaled_matmul_operands: usage must be 'rowwise' or 'colwise', got {usage!r}")
+    data, scale = q.usage_fields(usage, "mxfp8_scaled_matmul_operands")
+    M, K = view_2d(q.shape)
+    if usage == "rowwise":
+        data = data.reshape(M, K)
+    else:  # columnwise: (K, M) data, contraction over M; compact scales (ceil(M/32), K) transposed
+        data = data if q.layout == "gemm_ready" else data.reshape(M, K).T
+        scale = scale.T
+    k = data.shape[1]
+    data = jnp.pad(data, ((0, 0), (0, cdiv(k, MX_BLOCK) * MX_BLOCK - k)))
+    return data[None], bitcast(jnp.asarray(scale), E8M0_DTYPE)[None]

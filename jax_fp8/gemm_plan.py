@@ -1,0 +1,219 @@
+"""The GEMM plan: what an FP8 product runs, decided once from static facts (shapes, dimension
+numbers, operand kinds, recipe) before anything is traced.
+
+- :func:`plan_gemm`: one GEMM ``a · bᵀ`` (a (M, K), b (N, K)): the backend that runs it (the first of
+  :data:`BACKENDS` that takes it) and the padded sizes, or why none does (then the reference math
+  computes it, on the same quantized operands).
+- :func:`plan_dot_general`: one ``fp8_dot_general`` call: either why it runs as ``lax.dot_general``
+  of quantize-dequantized operands, or its three GEMMs (fprop; dgrad where x gets a gradient; wgrad
+  where W does), each with its operands' orientation and its :class:`GemmPlan`. The VJP executes it;
+  the warnings read it; the primitive's lowering asks the planned backend whether it runs there.
+
+A second backend is one module (a :class:`~jax_fp8.primitives.gemm.GemmBackend`) plus its line in
+:data:`BACKENDS`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .formats import FLOAT8_BLOCK, HIGH_DTYPES
+from .primitives.cublaslt import CUBLASLT
+from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from .scheme import check_block
+from .tensors import BlockwiseTensor, MXFP8Tensor
+
+#: The GEMM backends, in order of preference: the first that takes a GEMM runs it.
+BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT,)
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM ``a · bᵀ`` with a (M, K) and b (N, K), both contracted over K: its blocks and FP8
+    dtypes, the ``backend`` that runs it at ``padded`` sizes (>= M, N, K: zero rows / columns
+    appended, the output sliced), or ``reason``: why no backend takes it (then ``backend`` is None and
+    the reference math computes it, fp32 per K block, on the same quantized operands)."""
+
+    M: int
+    N: int
+    K: int
+    a_block: tuple = BLOCK_1D
+    b_block: tuple = BLOCK_2D
+    a_dtype: Any = E4M3
+    b_dtype: Any = E4M3
+    backend: Optional[GemmBackend] = None
+    padded: Optional[tuple] = None
+    reason: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    @property
+    def aligned(self) -> bool:
+        """The backend takes the problem with no padding."""
+        return self.padded == (self.M, self.N, self.K)
+
+
+def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=E4M3, b_dtype=E4M3,
+              reason: Optional[str] = None) -> GemmPlan:
+    """The plan of ``a`` (M, K) x ``b`` (N, K)ᵀ with these blocks ((1, 128) or (128, 128)) and FP8
+    dtypes: the first backend of :data:`BACKENDS` that takes it, or why none does (``reason`` given:
+    no backend is asked, e.g. an operand exists only as values)."""
+    a_block, b_block = check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
+    args = dict(M=int(M), N=int(N), K=int(K), a_block=a_block, b_block=b_block, a_dtype=jnp.dtype(a_dtype),
+                b_dtype=jnp.dtype(b_dtype))
+    if reason is not None:
+        return GemmPlan(**args, reason=reason)
+    why = []
+    for backend in BACKENDS:
+        padded, no = backend.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"],
+                                   args["b_dtype"])
+        if no is None:
+            return GemmPlan(**args, backend=backend, padded=tuple(padded))
+        why.append(no if len(BACKENDS) == 1 else f"{backend.name}: {no}")
+    return GemmPlan(**args, reason="; ".join(why))
+
+
+# ---- fp8_dot_general ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One side of a GEMM: ``tensor`` ('x', 'w' or 'dy') contracted over the ``contract`` ('last' or
+    'first') dim of its 2-D view (for W: its (N, K) or (K, N) array as given)."""
+
+    tensor: str
+    contract: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One of the GEMMs of a linear layer: ``name`` ('fprop', 'dgrad' or 'wgrad'), ``a · bᵀ``."""
+
+    name: str
+    a: Operand
+    b: Operand
+    gemm: GemmPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """What the plan knows of an operand: its block and FP8 dtype, and for a pre-quantized tensor
+    the usages it holds (None: quantized by the call, every usage)."""
+
+    block: tuple
+    dtype: Any
+    usages: Optional[frozenset] = None
+
+    def lacks(self, contract: str) -> bool:
+        """A pre-quantized tensor without the usage this contraction reads (128x128 tiles serve both)."""
+        usage = "rowwise" if contract == "last" else "colwise"
+        return self.usages is not None and self.block != BLOCK_2D and usage not in self.usages
+
+
+@dataclasses.dataclass(frozen=True)
+class DotPlan:
+    """What one ``fp8_dot_general`` call runs. ``fallback``: why it runs as ``lax.dot_general`` of
+    quantize-dequantized operands (no steps then); else its ``steps`` (fprop, dgrad where the lhs gets
+    a gradient, wgrad where the rhs does) for the 2-D problem x (M, K) · W, W (K, N) when ``rhs_kn``
+    else (N, K). ``stacked``: the lhs runs as (B, S, K) sequences (see ``fp8_dot_general``)."""
+
+    fallback: Optional[str] = None
+    M: int = 0
+    N: int = 0
+    K: int = 0
+    rhs_kn: bool = False
+    steps: tuple = ()
+    stacked: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to multiply (a zero dim): ``lax.dot_general`` gives the zeros, no warning."""
+        return self.fallback is None and self.M * self.N * self.K == 0
+
+    def step(self, name: str) -> Optional[Step]:
+        return next((s for s in self.steps if s.name == name), None)
+
+    def reasons(self) -> list[str]:
+        """Each GEMM the reference math computes, and why."""
+        return [f"{s.name}: {s.gemm.reason}" for s in self.steps if not s.gemm.ok]
+
+
+def _contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[bool, Optional[str]]:
+    """``(rhs_kn, None)``: the recipe's GEMM takes these dimension numbers, the rhs being (K, N) when
+    ``rhs_kn`` else (N, K); ``(False, why not)`` otherwise."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in np.atleast_1d(v)) for v in (lc, rc, lb, rb))  # ints or sequences
+    if lb or rb:
+        return False, "batch dimensions in dimension_numbers"
+    if rhs_ndim != 2:
+        return False, f"an rhs of rank {rhs_ndim} (the GEMM takes a 2-D weight)"
+    if len(lc) != 1 or len(rc) != 1:
+        return False, f"a contraction over {len(lc)} dimensions (the GEMM contracts one)"
+    if lc[0] != lhs_ndim - 1:
+        return False, "a contraction over an lhs dimension other than the last"
+    return rc[0] == 0, None
+
+
+def _why_not_fp8(lhs, rhs, out_dtype, out_sharding) -> Optional[str]:
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if isinstance(x, MXFP8Tensor):
+            return f"an MXFP8 {name} (no Hopper GEMM; on Blackwell see mxfp8_scaled_matmul_operands)"
+        if not isinstance(x, BlockwiseTensor) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
+            return f"an {name} of dtype {x.dtype} (FP8 quantizes float32, bfloat16, float16)"
+    if out_sharding is not None:
+        return "out_sharding (not supported by the FP8 GEMM)"
+    if out_dtype not in HIGH_DTYPES:  # its gradient could not be quantized either
+        return f"preferred_element_type {out_dtype} (the GEMM gives float32, bfloat16 or float16)"
+    return None
+
+
+def _kind(x, block, dtype) -> _Kind:
+    if isinstance(x, BlockwiseTensor):
+        return _Kind(tuple(x.block), x.fp8_dtype, frozenset(x.usage_blocks()))
+    return _Kind(block, jnp.dtype(dtype))
+
+
+def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
+    ka, kb = kinds[a.tensor], kinds[b.tensor]
+    lacks = ka.lacks(a.contract) or kb.lacks(b.contract)
+    reason = ("a pre-quantized operand lacks the usage this GEMM contracts (1x128 blocks along the other dim)"
+              if lacks else None)
+    return Step(name, a, b, plan_gemm(*mnk, ka.block, kb.block, ka.dtype, kb.dtype, reason=reason))
+
+
+def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding=None,
+                     sequences_may_split: bool = False) -> DotPlan:
+    """The plan of ``fp8_dot_general(lhs, rhs, dimension_numbers, ...)`` with ``recipe`` (a
+    ``Float8BlockScaling``): lhs and rhs arrays (or their abstract values) or BlockwiseTensors, whose
+    shapes, dtypes and (pre-quantized) usages decide. ``sequences_may_split``: the lhs's sequences may
+    be split over devices (stack them when every GEMM takes them unpadded)."""
+    lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
+    rhs_kn, why = _contraction(len(lshape), len(rshape), dimension_numbers)
+    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding)
+    if why is not None:
+        return DotPlan(fallback=why)
+    K = lshape[-1]
+    M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
+    kinds = {"x": _kind(lhs, BLOCK_1D, jnp.float8_e4m3fn), "w": _kind(rhs, BLOCK_2D, jnp.float8_e4m3fn),
+             "dy": _Kind(BLOCK_1D, recipe.grad_dtype)}
+    w_fprop, w_dgrad = ("first", "last") if rhs_kn else ("last", "first")  # W's K, then its N
+    if kinds["x"].lacks("last") or kinds["w"].lacks(w_fprop):
+        return DotPlan(fallback="a pre-quantized operand lacks the usage the forward GEMM contracts (1x128 "
+                                "blocks along it)")
+    if M * N * K == 0:
+        return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn)
+    x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
+    steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]
+    if not isinstance(lhs, BlockwiseTensor):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
+        steps.append(_step("dgrad", Operand("dy", "last"), Operand("w", w_dgrad), (M, K, N), kinds))
+    if not isinstance(rhs, BlockwiseTensor):  # dW = dyᵀ · x over M, in W's orientation
+        steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds) if rhs_kn
+                     else _step("wgrad", dy_first, x_first, (N, K, M), kinds))
+    # stacked sequences take no padding: every GEMM must take them as they are
+    stacked = (sequences_may_split and len(lshape) >= 3 and not isinstance(lhs, BlockwiseTensor)
+               and lshape[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
+    return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn, steps=tuple(steps), stacked=stacked)

@@ -1,0 +1,143 @@
+"""The cuBLASLt backend of ``jf_fp8_gemm`` (Hopper, sm_90): the shapes its block-scaled FP8 GEMM
+takes, and its CUDA lowering to our handler (csrc/fp8_gemm.h), which calls cuBLASLt loaded at run
+time (:func:`cublaslt`)."""
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import re
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi
+from .._compat import ffi
+from ..arrays import cdiv
+from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+
+#: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
+#: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
+#: 2-byte output); M a multiple of 8 when the (M, K) operand has 1x128 blocks.
+K_ALIGN, MN_ALIGN = 16, 8
+MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
+#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
+#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
+#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
+#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
+#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
+#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
+MAX_PAD_GROWTH = 16
+
+
+def _round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[Optional[tuple], Optional[str]]:
+    """cuBLASLt's block-scaled FP8 GEMM rules: the (M, N, K) to run ``a`` (M, K) x ``b`` (N, K)ᵀ at
+    (zero-padded, >= the problem's), or why it cannot take it.
+
+    Rules (TE ``cublaslt_gemm.cu``; cuBLAS >= 12.9 on sm_90): pairs 1D x 1D, 1D x 2D, 2D x 1D (not
+    2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
+    output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
+    are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
+    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work. Empty problems (a zero dim) are
+    refused too: there is nothing to multiply.
+    """
+    if min(M, N, K) <= 0:
+        return None, f"an empty GEMM ({M}x{N}x{K})"
+    if max(M, N, K) > MAX_DIM:
+        return None, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
+    if a_block == b_block == BLOCK_2D:
+        return None, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)"
+    e5m2 = jnp.dtype(jnp.float8_e5m2)
+    if jnp.dtype(a_dtype) == e5m2 and jnp.dtype(b_dtype) == e5m2:
+        return None, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
+    Mp = _round_up(M, MN_ALIGN) if a_block == BLOCK_1D else M
+    Np, Kp = _round_up(N, MN_ALIGN), _round_up(K, K_ALIGN)
+    growth = (Mp * Np * Kp) / (M * N * K)
+    if growth > MAX_PAD_GROWTH:
+        return None, (f"padding {M}x{N}x{K} to cuBLASLt's alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
+                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
+    return (Mp, Np, Kp), None
+
+
+def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
+    return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c,
+                                           a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]))
+
+
+# ---- loading cuBLASLt -------------------------------------------------------------------------------
+_CUBLASLT: Optional[tuple[int, str]] = None
+#: cuBLASLt's first version with Hopper block scaling (cublasLtGetVersion's major*10000 + minor*100).
+CUBLASLT_MIN_VERSION = 120900  # the handler checks it too (cublaslt.h, kMinVersion)
+
+
+def _soname_major(path: str) -> int:
+    m = re.search(r"\.so\.(\d+)", path)
+    return int(m.group(1)) if m else 0
+
+
+def _cublaslt_candidates() -> list[str]:
+    """Where to look for libcublasLt when the process has none loaded yet: the nvidia wheels (where
+    JAX's CUDA plugin finds it), highest major version first, then the bare sonames for the system's
+    library path."""
+    paths: list[str] = []
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+
+        for root in nvidia.__path__:
+            paths += glob.glob(os.path.join(root, "*", "lib", "libcublasLt.so*"))
+    except ImportError:
+        pass
+    return sorted(paths, key=_soname_major, reverse=True) + ["libcublasLt.so.13", "libcublasLt.so.12",
+                                                              "libcublasLt.so"]
+
+
+def cublaslt() -> tuple[int, str]:
+    """Loads cuBLASLt for the FP8 GEMM, once (the copy XLA already loaded is preferred):
+    ``(version, path)``, or ``(0, why not)``. Never raises; initialises jax's backends (as
+    ``cuda_device_present`` does) when the CUDA module is built."""
+    global _CUBLASLT
+    if _CUBLASLT is None:
+        _CUBLASLT = _load_cublaslt()
+    return _CUBLASLT
+
+
+def _load_cublaslt() -> tuple[int, str]:
+    if not _ffi.AVAILABLE["cuda"]:
+        return 0, "the jax_fp8 CUDA module is not built"
+    load = getattr(importlib.import_module("jax_fp8._jax_fp8_cuda"), "cublaslt_load", None)
+    if load is None:
+        return 0, "the installed jax_fp8 CUDA module predates the FP8 GEMM: rebuild it (pip install -e .)"
+    # start jax's CUDA backend first: it loads XLA's cuBLASLt, which the loader then prefers (by
+    # soname) to any other copy on disk, so that the process holds one cuBLASLt
+    _ffi.cuda_device_present()
+    version, message = load(_cublaslt_candidates())
+    return int(version), str(message)
+
+
+def unavailable(platform: str = "cuda") -> Optional[str]:
+    """None when ``jf_fp8_gemm`` runs on cuBLASLt here (the CUDA module built, cuBLASLt >= 12.9 loaded,
+    every CUDA device a Hopper, sm_90); else why not, in words. Never raises."""
+    if not _ffi.AVAILABLE["cuda"]:
+        return cublaslt()[1]
+    try:
+        import jax
+
+        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
+    except Exception as e:  # no CUDA backend
+        return f"no CUDA device ({e})"
+    if not caps or any(not c.startswith("9.") for c in caps):
+        return f"cuBLASLt's FP8 block scaling needs Hopper (sm_90); the CUDA devices are sm {sorted(caps)}"
+    version, message = cublaslt()
+    if not version:
+        return message
+    if version < CUBLASLT_MIN_VERSION:
+        return f"cuBLASLt {version} at {message} predates block scaling (needs >= {CUBLASLT_MIN_VERSION})"
+    return None
+
+
+CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, {"cuda": _lower})
