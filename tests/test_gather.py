@@ -50,7 +50,7 @@ def test_unquantized_input_equals_full_quantization(name, n, local_rows):
     rng = np.random.default_rng(stable_seed("unquantized input", name, n, local_rows))
     x = random_input(rng, (n * local_rows, 160), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
-    assert_tensors_equal(got, qz.quantize(x))
+    assert_tensors_equal(got, jf.quantize(x, qz))
     fast = local_rows % qz.block_rows == 0
     assert bool(warns) == (not fast), warns
     dtypes = _all_gather_dtypes(f, x)
@@ -68,14 +68,14 @@ def test_quantized_input(name, n, local_rows):
     qz = QUANTIZERS[name]
     rng = np.random.default_rng(stable_seed("quantized input", name, n, local_rows))
     x = random_input(rng, (n, local_rows, 3, 64), jnp.float32).reshape(n * local_rows, 3, 64)
-    got, f, warns = _gathered(lambda v: all_gather_first_dim(qz.quantize(v), "sp", qz), x, n)
+    got, f, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize(v, qz), "sp", qz), x, n)
     if (local_rows * 3) % qz.block_rows == 0:
         assert not warns
-        assert_tensors_equal(got, qz.quantize(x))
+        assert_tensors_equal(got, jf.quantize(x, qz))
     else:
         assert warns
-        local = [jf.dequantize(qz.quantize(x[r * local_rows:(r + 1) * local_rows])) for r in range(n)]
-        assert_tensors_equal(got, qz.quantize(jnp.concatenate(local)))
+        local = [jf.dequantize(jf.quantize(x[r * local_rows:(r + 1) * local_rows], qz)) for r in range(n)]
+        assert_tensors_equal(got, jf.quantize(jnp.concatenate(local), qz))
         assert _all_gather_dtypes(f, x) == {"f32"}
 
 
@@ -87,7 +87,7 @@ def test_missing_usage_is_requantized():
     assert len(warns) == 1 and "second rounding" in warns[0], warns  # fast path; the conversion warns
     assert got.has_colwise and got.has_rowwise
     local = [jf.dequantize(jf.quantize_mxfp8(x[r * rows:(r + 1) * rows])) for r in range(n)]
-    assert_tensors_equal(got, want_q.quantize(jnp.concatenate(local)))
+    assert_tensors_equal(got, jf.quantize(jnp.concatenate(local), want_q))
 
 
 @pytest.mark.parametrize("local_rows", [64, 100])
@@ -157,9 +157,9 @@ def test_conversion_equals_quantizing_the_gathered_dequantized_input(src, dst, l
     rng = np.random.default_rng(stable_seed("conversion", src, dst, local_rows))
     x = random_input(rng, (n * local_rows, 160), jnp.bfloat16)
     qs, qd = QUANTIZERS[src], QUANTIZERS[dst]
-    got, _, warns = _gathered(lambda v: all_gather_first_dim(qs.quantize(v), "sp", qd), x, n)
-    local = [jf.dequantize(qs.quantize(x[r * local_rows:(r + 1) * local_rows])) for r in range(n)]
-    assert_tensors_equal(got, qd.quantize(jnp.concatenate(local)))
+    got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize(v, qs), "sp", qd), x, n)
+    local = [jf.dequantize(jf.quantize(x[r * local_rows:(r + 1) * local_rows], qs)) for r in range(n)]
+    assert_tensors_equal(got, jf.quantize(jnp.concatenate(local), qd))
     assert any("second rounding" in w for w in warns), warns
     assert any("high precision" in w for w in warns) == (local_rows % qd.block_rows != 0), warns
 
@@ -209,14 +209,14 @@ def test_gemm_ready_gather_equals_full_quantization(name, n, local_rows):
     rng = np.random.default_rng(stable_seed("gemm_ready gather", name, n, local_rows))
     x = random_input(rng, (n * local_rows, 200), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, n)
-    assert_tensors_equal(got, qz.quantize(x))
+    assert_tensors_equal(got, jf.quantize(x, qz))
     assert bool(warns) == (local_rows % qz.block_rows != 0), warns
     # an input already quantized, compact or GEMM-ready, converts its layout exactly (no warning)
     compact = dataclasses.replace(qz, layout="compact")
     for src in (qz, compact):
-        got, _, warns = _gathered(lambda v: all_gather_first_dim(src.quantize(v), "sp", qz), x, n)  # noqa: B023
+        got, _, warns = _gathered(lambda v: all_gather_first_dim(jf.quantize(v, src), "sp", qz), x, n)  # noqa: B023
         if local_rows % qz.block_rows == 0:
-            assert_tensors_equal(got, qz.quantize(x))
+            assert_tensors_equal(got, jf.quantize(x, qz))
             assert not warns, warns
 
 
@@ -226,5 +226,5 @@ def test_shared_tiles_travel_once():
     x = random_input(np.random.default_rng(9), (2 * 128, 200), jnp.bfloat16)
     got, f, warns = _gathered(lambda v: all_gather_first_dim(v, "sp", qz), x, 2)
     assert not warns
-    assert_tensors_equal(got, qz.quantize(x))
+    assert_tensors_equal(got, jf.quantize(x, qz))
     assert len(re.findall(r'"stablehlo.all_gather"', f.lower(x).as_text())) == 2  # data + scales
