@@ -8,8 +8,8 @@ For MXFP8 the packed buffer is uint8 E8M0 bytes (E8M0 is monotonic in the amax, 
 bytes is the byte of the max amax: half the bytes of a bf16 amax all-reduce). Float8 blockwise scales
 are not monotonic bytes, so that variant reduces the fp32 amaxes, as their uint32 bit patterns.
 ``local_shards`` / ``shard_windows`` / ``split_masters`` give the shards and windows of the standard
-ZeRO layouts. Gathering the FP8 shards
-(``gather_master_weights``) gives exactly ``quantize_*(full_master.astype(model_dtype))``.
+ZeRO splits. Gathering the FP8 shards (``gather_master_weights``) gives exactly
+``quantize_*(full_master.astype(model_dtype))``.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         jax raises it again at its next effects barrier and at exit.
 
     The windows are the caller's contract: every element of every weight held by exactly one rank.
-    :func:`jax_fp8.distributed.local_shards` computes shards and windows for the standard ZeRO layouts
+    :func:`jax_fp8.distributed.local_shards` computes shards and windows for the standard ZeRO splits
     (each weight split evenly, or all weights in one flat buffer split evenly).
 
     Returns: a :class:`QuantizedShard` per weight. Exactly one all-reduce (a pmax) is issued for all

@@ -87,7 +87,8 @@ def _gather_quantized(q, axis_name, ranks: int):
 
 def _keep(q, scheme: Scheme):
     """Drop the usages ``scheme`` does not ask for."""
-    dropped = {f"{u}_{f}": None for u in ("rowwise", "colwise") if not getattr(scheme, u) for f in ("data", "scale_inv")}
+    dropped = {f"{u}_{f}": None for u in ("rowwise", "colwise") if not getattr(scheme, u)
+               for f in ("data", "scale_inv")}
     kept = dataclasses.replace(q.scheme, rowwise=scheme.rowwise, colwise=scheme.colwise)
     return q.with_scheme(kept, **dropped)
 

@@ -270,9 +270,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     Taken by the GEMM: contraction over ``lhs``'s last dim and one dim of a 2-D ``rhs`` ((K, N), as
     flax's kernel, or (N, K)), no batch dims; ``lhs``'s leading dims flatten into M (an lhs (..., S, K)
     with S % 128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding
-    its own: the same bits, and a split S stays split under ``jit``). Shapes are padded
-    to the GEMM backend's alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else is computed as ``lax.dot_general``
-    of quantize-dequantized operands (dequantized ones for quantized inputs; unquantized for non-float
+    its own: the same bits, and a split S stays split under ``jit``). Shapes are padded to the GEMM
+    backend's alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else is computed as
+    ``lax.dot_general`` of quantize-dequantized operands (dequantized ones for quantized inputs; unquantized for non-float
     ones), with one :class:`Fp8GemmFallbackWarning` per call saying why: always a correct answer. A
     single GEMM of the three that cannot run in FP8 (shapes too small to pad cheaply, 2D x 2D or
     E5M2 x E5M2 pre-quantized pairs, a pre-quantized operand without the usage it needs) is computed

@@ -17,8 +17,8 @@ from .api import to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
 from .gemm_plan import GemmPlan, plan_gemm
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm, fp8_gemm_bind,
-                              operand_scale_shape, operand_values)
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
+                              fp8_gemm_bind, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .warn import warn
@@ -61,7 +61,8 @@ def _share_tiles(q: BlockwiseTensor) -> BlockwiseTensor:
     q = to_layout(q, "compact")
     src = "rowwise" if q.has_rowwise else "colwise"
     d, s = getattr(q, f"{src}_data"), getattr(q, f"{src}_scale_inv")
-    return dataclasses.replace(q, rowwise_data=d, rowwise_scale_inv=s, colwise_data=d, colwise_scale_inv=s)
+    both = dataclasses.replace(q.scheme, rowwise=True, colwise=True)
+    return q.with_scheme(both, rowwise_data=d, rowwise_scale_inv=s, colwise_data=d, colwise_scale_inv=s)
 
 
 def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOperand]:

@@ -2,8 +2,9 @@
 an input into a tensor, and a tensor into high-precision values.
 
 Written once and run over two kernel sets (:class:`Kernels`): ``PRIMITIVES`` (our FFI kernels) for
-the public API (``api.py``) and ``CONTRACTS`` (their jax.numpy contracts) for ``jax_fp8.reference``. Kernels see (B, M, K) arrays; tensors
-keep the input's N-D shape with 2-D scales of the (prod(shape[:-1]), shape[-1]) view.
+the public API (``api.py``) and ``CONTRACTS`` (their jax.numpy contracts) for ``jax_fp8.reference``.
+Kernels see (B, M, K) arrays; tensors keep the input's N-D shape with 2-D scales of the
+(prod(shape[:-1]), shape[-1]) view.
 """
 from __future__ import annotations
 

@@ -167,8 +167,9 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
     if why is not None:
         raise ValueError(f"{where}: {backend.name} cannot take {why}")
     if padded != (M, N, K):
-        raise ValueError(f"{where}: {M}x{N}x{K} is not aligned for {backend.name} (needs {'x'.join(map(str, padded))}): "
-                         "pad with zeros first (jax_fp8.gemm.fp8_gemm does)")
+        need = "x".join(map(str, padded))
+        raise ValueError(f"{where}: {M}x{N}x{K} is not aligned for {backend.name} (needs {need}): pad with zeros "
+                         "first (jax_fp8.gemm.fp8_gemm does)")
     for name, s, rows, block in (("a_scale", a_scale, M, a_block), ("b_scale", b_scale, N, b_block)):
         want = operand_scale_shape(rows, K, block)
         if s.shape != want or np.dtype(s.dtype) != np.float32:
@@ -294,9 +295,11 @@ def _stacked_mode(a, b, params) -> Optional[str]:
         return None
     blocks = {tuple(params["a_block"])} | ({tuple(params["b_block"])} if mode == "contraction" else set())
     S, need = a.shape[1 if mode == "rows" else 2], FLOAT8_BLOCK
-    if blocks != {BLOCK_1D} or S % need or (mode == "contraction" and (a.shape[0], a.shape[2]) != (b.shape[0], b.shape[2])):
-        raise ValueError(f"jf_fp8_gemm: stacked operands ({mode}) take 1x128 blocks and a stack dim S a multiple "
-                         f"of {need}, one S for both; got a {a.shape}, b {b.shape}, blocks {sorted(blocks)}")
+    mismatch = mode == "contraction" and (a.shape[0], a.shape[2]) != (b.shape[0], b.shape[2])
+    if blocks != {BLOCK_1D} or S % need or mismatch:
+        raise ValueError(f"jf_fp8_gemm: a must be 2-D (rows, K), or stacked ({mode}) with 1x128 blocks and a stack "
+                         f"dim S a multiple of {need}, one S for both; got a {a.shape}, b {b.shape}, blocks "
+                         f"{sorted(blocks)}")
     return mode
 
 
