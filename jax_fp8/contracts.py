@@ -149,7 +149,7 @@ def quantize_usages(x, *, scheme: Scheme):
     for usage, (bm, bk) in zip(scheme.kernel_usages, scheme.kernel_blocks):
         data, scale = quantize_blocks(x, bm, bk, scheme)
         if scheme.gemm_ready:
-            data = xp.swapaxes(data, -1, -2) if usage == "colwise" else data
+            data = xp.swapaxes(data, -1, -2) if scheme.transposed_data(usage) else data
             scale = scheme.scales_to_layout(xp, scale, M, K, usage, "gemm_ready")
         outs += [data, scale]
     return outs

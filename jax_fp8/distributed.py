@@ -255,7 +255,7 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
             pos = offs[:, None] + j[None, :]
             ok = (j[None, :] < lens[:, None]) & (pos < M * K)
             flat = jnp.zeros(M * K, jnp.uint8).at[jnp.where(ok, pos, M * K)].set(g, mode="drop")
-            fields[f"{usage}_data"] = bitcast(flat.reshape(t.shape), t.fp8_dtype)
+            fields[f"{usage}_data"] = bitcast(flat.reshape(t.shape), t.scheme.dtype)
         out.append(to_layout(dataclasses.replace(t, **fields), layout))
     return out
 

@@ -68,14 +68,14 @@ def _gather_quantized(q, axis_name, ranks: int):
     scheme = q.scheme
     M, K = view_2d(q.shape)
     shape = (q.shape[0] * ranks, *q.shape[1:])
-    gemm_scales = scheme.gemm_ready and not scheme.e8m0
+    gemm_scales = scheme.gemm_ready_scales
     fields = {}
     for usage in q.usage_blocks():
         if scheme.shared_tiles and fields:  # compact 128x128 tiles: the colwise fields are the rowwise ones
             fields.update(colwise_data=fields["rowwise_data"], colwise_scale_inv=fields["rowwise_scale_inv"])
             break
         data, scale = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
-        fields[f"{usage}_data"] = _gather(data, axis_name, 1 if usage == "colwise" and scheme.gemm_ready else 0)
+        fields[f"{usage}_data"] = _gather(data, axis_name, 1 if scheme.transposed_data(usage) else 0)
         if gemm_scales:
             scale = scheme.scales_to_layout(jnp, scale, M, K, usage, "compact")
         scale = _gather(scale, axis_name)

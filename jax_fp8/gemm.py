@@ -31,11 +31,10 @@ from .api import dequantize, quantize, quantize_dequantize
 from .arrays import view_2d
 from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
-from .gemm_plan import DotPlan, GemmPlan, Step, plan_dot_general, plan_gemm
-from .layout import kernel_pairs
+from .gemm_plan import DotPlan, GemmPlan, Step, plan_dot_general, plan_gemm, usage_read
+from .layout import PRIMITIVES, quantize_stacked
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
 from .primitives.partitioning import explicit_sharding
-from .primitives.quantize import quantize_p
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .warn import warn
@@ -99,10 +98,10 @@ class _Stacked:
 
     @classmethod
     def of(cls, x3, scheme: Scheme) -> "_Stacked":
-        return cls(dict(zip(scheme.kernel_usages, kernel_pairs(scheme, quantize_p.bind(x3, scheme=scheme)))))
+        return cls(quantize_stacked(x3, scheme, PRIMITIVES))
 
     def operand(self, contract: str) -> GemmOperand:
-        data, scale = self.usages["rowwise" if contract == "last" else "colwise"]
+        data, scale = self.usages[usage_read(contract)]
         return GemmOperand(data, scale, BLOCK_1D)
 
 
@@ -132,9 +131,9 @@ def _operand(q, contract: str):
     return q.operand(contract) if isinstance(q, _Stacked) else gemm_operand(q, contract)
 
 
-def _run(step: Step, tensors: dict, out_dtype, operands=None):
-    """One planned GEMM on the quantized ``tensors`` ('x', 'w', 'dy'), or on ``operands`` given."""
-    a, b = operands or (_operand_or_values(tensors[o.tensor], o.contract) for o in (step.a, step.b))
+def _run(step: Step, tensors: dict, out_dtype):
+    """One planned GEMM on the quantized ``tensors`` ('x', 'w', 'dy') its operands name."""
+    a, b = (_operand_or_values(tensors[o.tensor], o.contract) for o in (step.a, step.b))
     return run_gemm(a, b, out_dtype, step.gemm)
 
 
@@ -156,11 +155,11 @@ def _linear_fwd(x, w, cfg: _Linear):
     tensors = {"x": _quantized(x, cfg.recipe.scheme("lhs")), "w": _quantized(w, cfg.recipe.scheme("rhs"))}
     y = _run(cfg.plan.step("fprop"), tensors, cfg.out_dtype)
     saved = tuple(_operand_or_values(tensors[o.tensor], o.contract)
-                  for step in cfg.plan.steps[1:] for o in (step.a, step.b) if o.tensor != "dy")
+                  for step in cfg.plan.backward for o in (step.a, step.b) if o.tensor != "dy")
     return y, (saved, _dtype_of(x), _dtype_of(w))
 
 
-def _operand_or_values(q: BlockwiseTensor, contract: str):
+def _operand_or_values(q, contract: str):
     """``gemm_operand(q, contract)``, or, where ``q`` lacks that usage, its fp32 values in the same
     orientation (the backward then computes that GEMM by the reference math)."""
     op = _operand(q, contract)
@@ -179,12 +178,13 @@ def _linear_bwd(cfg: _Linear, res, dy):
     saved, x_dtype, w_dtype = res
     with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
         dyq = _quantized(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
-    saved, grads = iter(saved), {}
-    for step in cfg.plan.steps[1:]:  # dgrad: dx = dy · W over N; wgrad: dW = dyᵀ · x over M
-        ops = [_operand(dyq, o.contract) if o.tensor == "dy" else next(saved) for o in (step.a, step.b)]
+    saved, grads = iter(saved), {}  # in _linear_fwd's order: the backward steps' x and W operands
+    for step in cfg.plan.backward:  # dgrad: dx = dy · W over N; wgrad: dW = dyᵀ · x over M
+        a, b = (_operand(dyq, o.contract) if o.tensor == "dy" else next(saved) for o in (step.a, step.b))
         x_grad = step.name == "dgrad"
         dtype = (x_dtype if x_grad else w_dtype).dtype
-        grads[step.name] = _retyped(_run(step, {}, dtype, ops), cfg.x_sharding if x_grad else cfg.w_sharding)
+        sharding = cfg.x_sharding if x_grad else cfg.w_sharding
+        grads[step.name] = _retyped(run_gemm(a, b, dtype, step.gemm), sharding)
     return grads.get("dgrad"), grads.get("wgrad")
 
 
@@ -217,14 +217,15 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 # ---- dot_general ------------------------------------------------------------------------------------
-def _fake_quant(x, block, recipe: Float8BlockScaling):
-    """The fallback's operand: quantize-dequantize (straight-through gradient) or dequantized values."""
+def _fake_quant(x, scheme: Scheme):
+    """The fallback's operand: quantize-dequantize with the recipe's ``scheme`` for its role (rowwise
+    blocks, TE's rule for infinities; a straight-through gradient), or dequantized values."""
     if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
         return dequantize(x)
     if x.ndim == 0 or x.size == 0 or jnp.dtype(x.dtype) not in HIGH_DTYPES:
         return x
-    qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=block, dtype=jnp.float8_e4m3fn,
-                              pow2_scales=bool(recipe.pow2_scales), amax_epsilon=recipe.amax_epsilon)
+    qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=scheme.block, dtype=scheme.dtype,
+                              pow2_scales=scheme.pow2_scales, amax_epsilon=scheme.amax_epsilon)
     return jnp.where(jnp.isfinite(x), qdq, x)  # infinities reach the dot, as in lax.dot_general
 
 
@@ -272,9 +273,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     with S % 128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding
     its own: the same bits, and a split S stays split under ``jit``). Shapes are padded to the GEMM
     backend's alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else is computed as
-    ``lax.dot_general`` of quantize-dequantized operands (dequantized ones for quantized inputs; unquantized for non-float
-    ones), with one :class:`Fp8GemmFallbackWarning` per call saying why: always a correct answer. A
-    single GEMM of the three that cannot run in FP8 (shapes too small to pad cheaply, 2D x 2D or
+    ``lax.dot_general`` of quantize-dequantized operands (dequantized ones for quantized inputs;
+    unquantized for non-float ones), with one :class:`Fp8GemmFallbackWarning` per call saying why:
+    always a correct answer. A single GEMM of the three that cannot run in FP8 (shapes too small to pad cheaply, 2D x 2D or
     E5M2 x E5M2 pre-quantized pairs, a pre-quantized operand without the usage it needs) is computed
     by the reference math on the same quantized operands; the call's one warning names each of them
     (dgrad and wgrad included, decided from the shapes at the call).
@@ -324,7 +325,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
               f"GEMM: {plan.fallback}")
     # the fallback, and empty products (nothing to quantize, no warning)
     kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-    return lax.dot_general(_fake_quant(lhs, BLOCK_1D, recipe), _fake_quant(rhs, BLOCK_2D, recipe),
+    return lax.dot_general(_fake_quant(lhs, recipe.scheme("lhs")), _fake_quant(rhs, recipe.scheme("rhs")),
                            dimension_numbers, precision, preferred_element_type=out_dtype, **kw)
 
 

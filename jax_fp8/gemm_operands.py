@@ -16,7 +16,7 @@ from ._compat import E8M0_DTYPE
 from .api import to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
-from .gemm_plan import GemmPlan, plan_gemm
+from .gemm_plan import GemmPlan, plan_gemm, usage_read
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
                               fp8_gemm_bind, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD
@@ -74,8 +74,8 @@ def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOpe
         raise TypeError(f"gemm_operand: q must be a jax_fp8.BlockwiseTensor, got {type(q).__name__}")
     if contract not in ("last", "first"):
         raise ValueError(f"gemm_operand: contract must be 'last' or 'first', got {contract!r}")
-    tiles = tuple(q.block) == BLOCK_2D
-    usage = "rowwise" if contract == "last" else "colwise"
+    tiles = q.scheme.tiles
+    usage = usage_read(contract)
     if usage not in q.usage_blocks():
         if not tiles:
             return None
@@ -143,7 +143,7 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
     if ops[0].shape[1] != ops[1].shape[1]:
         raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")
     plan = plan_of(*ops)
-    if not plan.ok and plan.M * plan.N * plan.K:
+    if not plan.ok and not plan.empty:
         warn(f"fp8_gemm: computed by the reference math: the FP8 GEMM cannot take {plan.reason}",
              Fp8GemmFallbackWarning)
     return run_gemm(*ops, jnp.dtype(out_dtype), plan, c)
@@ -173,7 +173,7 @@ def mxfp8_scaled_matmul_operands(q: MXFP8Tensor, usage: str = "rowwise"):
     if usage == "rowwise":
         data = data.reshape(M, K)
     else:  # columnwise: (K, M) data, contraction over M; compact scales (ceil(M/32), K) transposed
-        data = data if q.layout == "gemm_ready" else data.reshape(M, K).T
+        data = data if q.scheme.transposed_data(usage) else data.reshape(M, K).T
         scale = scale.T
     k = data.shape[1]
     data = jnp.pad(data, ((0, 0), (0, cdiv(k, MX_BLOCK) * MX_BLOCK - k)))

@@ -20,15 +20,21 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import FLOAT8_BLOCK, HIGH_DTYPES
+from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES
 from .primitives.cublaslt import CUBLASLT
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
 from .scheme import check_block
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
-#: The GEMM backends, in order of preference: the first that takes a GEMM runs it.
+#: The GEMM backends, in order of preference: the first that takes a GEMM (and runs here) runs it.
 BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT,)
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E4M3 = FP8_DTYPES[0]
+
+
+def usage_read(contract: str) -> str:
+    """The usage a GEMM reads of a tensor contracted over its 2-D view's ``contract`` ('last' or
+    'first') dim: the rowwise one (blocks along the last dim), or the columnwise one."""
+    return "rowwise" if contract == "last" else "colwise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,11 @@ class GemmPlan:
         return self.reason is None
 
     @property
+    def empty(self) -> bool:
+        """Nothing to multiply (a zero dim)."""
+        return min(self.M, self.N, self.K) <= 0
+
+    @property
     def aligned(self) -> bool:
         """The backend takes the problem with no padding."""
         return self.padded == (self.M, self.N, self.K)
@@ -62,21 +73,32 @@ class GemmPlan:
 def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=E4M3, b_dtype=E4M3,
               reason: Optional[str] = None) -> GemmPlan:
     """The plan of ``a`` (M, K) x ``b`` (N, K)ᵀ with these blocks ((1, 128) or (128, 128)) and FP8
-    dtypes: the first backend of :data:`BACKENDS` that takes it, or why none does (``reason`` given:
-    no backend is asked, e.g. an operand exists only as values)."""
+    dtypes: the first backend of :data:`BACKENDS` that takes it and runs on this machine (else the first
+    that takes it: its lowering then computes the reference, with a warning), or why none takes it
+    (``reason`` given: no backend is asked, e.g. an operand exists only as values)."""
     a_block, b_block = check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
     args = dict(M=int(M), N=int(N), K=int(K), a_block=a_block, b_block=b_block, a_dtype=jnp.dtype(a_dtype),
                 b_dtype=jnp.dtype(b_dtype))
+    if reason is None and min(M, N, K) <= 0:
+        reason = f"an empty GEMM ({M}x{N}x{K})"
     if reason is not None:
         return GemmPlan(**args, reason=reason)
-    why = []
+    taken, why = [], []
     for backend in BACKENDS:
         padded, no = backend.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"],
                                    args["b_dtype"])
         if no is None:
-            return GemmPlan(**args, backend=backend, padded=tuple(padded))
-        why.append(no if len(BACKENDS) == 1 else f"{backend.name}: {no}")
-    return GemmPlan(**args, reason="; ".join(why))
+            taken.append(GemmPlan(**args, backend=backend, padded=tuple(padded)))
+        else:
+            why.append(no if len(BACKENDS) == 1 else f"{backend.name}: {no}")
+    if not taken:
+        return GemmPlan(**args, reason="; ".join(why))
+    return next((p for p in taken if _runs_here(p.backend)), taken[0])
+
+
+def _runs_here(backend: GemmBackend) -> bool:
+    """Whether ``backend``'s kernel runs on one of this machine's platforms (asked once per backend)."""
+    return any(backend.unavailable(platform) is None for platform in backend.lowerings)
 
 
 # ---- fp8_dot_general ----------------------------------------------------------------------------
@@ -110,8 +132,7 @@ class _Kind:
 
     def lacks(self, contract: str) -> bool:
         """A pre-quantized tensor without the usage this contraction reads (128x128 tiles serve both)."""
-        usage = "rowwise" if contract == "last" else "colwise"
-        return self.usages is not None and self.block != BLOCK_2D and usage not in self.usages
+        return self.usages is not None and self.block != BLOCK_2D and usage_read(contract) not in self.usages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +157,11 @@ class DotPlan:
 
     def step(self, name: str) -> Optional[Step]:
         return next((s for s in self.steps if s.name == name), None)
+
+    @property
+    def backward(self) -> tuple:
+        """The backward's steps: dgrad and wgrad, those that run."""
+        return self.steps[1:]
 
     def reasons(self) -> list[str]:
         """Each GEMM the reference math computes, and why."""
@@ -171,10 +197,11 @@ def _why_not_fp8(lhs, rhs, out_dtype, out_sharding) -> Optional[str]:
     return None
 
 
-def _kind(x, block, dtype) -> _Kind:
+def _kind(x, scheme) -> _Kind:
+    """A pre-quantized tensor as its scheme says; else as the recipe's ``scheme`` for its role."""
     if isinstance(x, BlockwiseTensor):
-        return _Kind(tuple(x.block), x.fp8_dtype, frozenset(x.usage_blocks()))
-    return _Kind(block, jnp.dtype(dtype))
+        return _Kind(x.scheme.block, x.scheme.dtype, frozenset(x.usage_blocks()))
+    return _Kind(scheme.block, scheme.dtype)
 
 
 def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
@@ -198,13 +225,14 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
         return DotPlan(fallback=why)
     K = lshape[-1]
     M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
-    kinds = {"x": _kind(lhs, BLOCK_1D, jnp.float8_e4m3fn), "w": _kind(rhs, BLOCK_2D, jnp.float8_e4m3fn),
-             "dy": _Kind(BLOCK_1D, recipe.grad_dtype)}
+    schemes = {role: recipe.scheme(role) for role in ("lhs", "rhs", "grad")}
+    kinds = {"x": _kind(lhs, schemes["lhs"]), "w": _kind(rhs, schemes["rhs"]),
+             "dy": _Kind(schemes["grad"].block, schemes["grad"].dtype)}
     w_fprop, w_dgrad = ("first", "last") if rhs_kn else ("last", "first")  # W's K, then its N
     if kinds["x"].lacks("last") or kinds["w"].lacks(w_fprop):
         return DotPlan(fallback="a pre-quantized operand lacks the usage the forward GEMM contracts (1x128 "
                                 "blocks along it)")
-    if M * N * K == 0:
+    if M * N * K == 0:  # nothing to multiply
         return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn)
     x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
     steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]

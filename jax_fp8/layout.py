@@ -40,7 +40,7 @@ PRIMITIVES = Kernels(quantize=quantize_p.bind, dequantize=dequantize_p.bind)
 CONTRACTS = Kernels(quantize=contracts.quantize_usages, dequantize=contracts.dequantize_blocks)
 
 
-def kernel_pairs(scheme: Scheme, outs) -> list:
+def _kernel_pairs(scheme: Scheme, outs) -> list:
     """The kernels' outputs (data as uint8, scale, data, scale, ...) as (FP8 data, scale) pairs in
     ``kernel_usages`` order, each with the kernels' leading batch dim."""
     return [(bitcast(outs[2 * i], scheme.dtype), outs[2 * i + 1]) for i in range(len(scheme.kernel_usages))]
@@ -70,8 +70,15 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
     else:
         # 2-D, then [None]: an Explicit mesh types these reshapes (jax rejects a direct (1, M, K))
         outs = kernels.quantize(x.reshape(M, K)[None], scheme=scheme)
-        pairs = [(data[0].reshape(d), scale[0]) for (data, scale), (d, _) in zip(kernel_pairs(scheme, outs), shapes)]
+        pairs = [(data[0].reshape(d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs), shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
+
+
+def quantize_stacked(x3, scheme: Scheme, kernels: Kernels) -> dict:
+    """Each usage's (FP8 data, scale) of the (B, M, K) array ``x3`` quantized matrix by matrix with
+    ``scheme`` on ``kernels``, the batch dim kept: data (B, M, K), or (B, K, M) for GEMM-ready
+    columnwise data, and scales with a leading B (the stacked operands of ``jf_fp8_gemm``)."""
+    return dict(zip(scheme.kernel_usages, _kernel_pairs(scheme, kernels.quantize(x3, scheme=scheme))))
 
 
 def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
@@ -82,7 +89,7 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
     if usage is None:
         usage = "rowwise" if q.has_rowwise else "colwise"
-    if q.layout != "compact":
+    if q.scheme.layout != "compact":
         q = to_layout(q, "compact")  # checks every field against the GEMM-ready layout
     data, scale = q.usage_fields(usage, "dequantize")
     if data.size == 0:
@@ -103,15 +110,15 @@ def to_layout(q, layout: str):
         raise TypeError(f"to_layout: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"to_layout: layout must be 'compact' or 'gemm_ready', got {layout!r}")
-    if q.layout == layout:
+    if q.scheme.layout == layout:
         return q
-    scheme = q.scheme
+    scheme, gemm = q.scheme, dataclasses.replace(q.scheme, layout="gemm_ready")
     M, K = view_2d(q.shape)
     fields = {}
     for usage in q.usage_blocks():
         data, scale = q.usage_fields(usage, "to_layout")
         xp = xp_of(data, scale)
-        if usage == "colwise":  # transposed in GEMM-ready, compact otherwise
+        if gemm.transposed_data(usage):  # (K, M) in GEMM-ready, the input's shape in compact
             data = (xp.transpose(data.reshape(M, K)) if layout == "gemm_ready"
                     else xp.transpose(data).reshape(q.shape))
         fields[f"{usage}_data"] = data

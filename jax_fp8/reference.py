@@ -15,7 +15,7 @@ from . import layout
 from .contracts import (block_amax, block_scale_from_amax, cast_to_fp8, dequantize_blocks, e8m0_from_amax,
                       e8m0_reciprocal, e8m0_to_float, expand_blocks, partial_amax, partial_amax_group, partial_cast,
                       partial_cast_group, quantize_blocks, quantize_usages)
-from .scheme import Scheme
+from .scheme import Scheme, build_scheme
 
 
 def quantize(x, scheme: Scheme):
@@ -25,14 +25,16 @@ def quantize(x, scheme: Scheme):
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, layout="compact"):
     """Reference of :func:`jax_fp8.quantize_mxfp8`."""
-    return quantize(x, Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise, layout=layout))
+    return quantize(x, build_scheme("reference.quantize_mxfp8", "mxfp8", dtype, rowwise=rowwise, colwise=colwise,
+                                    layout=layout))
 
 
 def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0,
                        rowwise=True, colwise=False, layout="compact"):
     """Reference of :func:`jax_fp8.quantize_blockwise`."""
-    return quantize(x, Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
-                              pow2_scales=pow2_scales, amax_epsilon=amax_epsilon, layout=layout))
+    return quantize(x, build_scheme("reference.quantize_blockwise", "blockwise", dtype, rowwise=rowwise,
+                                    colwise=colwise, block=block, pow2_scales=pow2_scales, amax_epsilon=amax_epsilon,
+                                    layout=layout))
 
 
 def dequantize(q, dtype=None, usage=None):

@@ -2,8 +2,8 @@
 
 ``Scheme`` (TE calls it a quantizer) holds the format, the FP8
 element dtype, the usages asked for and the Float8 blockwise scale options. It is validated once, when
-it is built, and travels as one static parameter through the primitives, the reference and the
-collectives; the FFI handlers decode it once, as one struct (``ffi_attrs``).
+it is built, and travels as one static parameter through the tensors, the primitives, the kernels'
+contracts and the collectives; the FFI handlers decode it once, as one struct (``ffi_attrs``).
 
 The kernels produce the scheme's *kernel blocks*, in the order row, col, tile: MXFP8 1x32 and 32x1,
 Float8 1x128 and 128x1, or one set of 128x128 tiles that serves both usages.
@@ -162,14 +162,25 @@ class Scheme:
         bm, bk = self.usage_block(usage)
         return cdiv(M, bm), cdiv(K, bk)
 
+    @property
+    def gemm_ready_scales(self) -> bool:
+        """Scales stored in the GEMM's order (Float8 blockwise, GEMM-ready layout): transposed or not,
+        rows padded; MXFP8 scales stay compact in both layouts."""
+        return self.gemm_ready and not self.e8m0
+
     def transposed_scales(self, usage: str) -> bool:
         """GEMM-ready blockwise scales stored as the transpose of the compact grid (1x128 rowwise
         scales M-major; 128x128 columnwise tiles, whose grid is the transposed tensor's)."""
-        return self.gemm_ready and not self.e8m0 and (usage == "rowwise") != self.tiles
+        return self.gemm_ready_scales and (usage == "rowwise") != self.tiles
+
+    def transposed_data(self, usage: str) -> bool:
+        """A usage's data stored as the (K, M) transpose of the 2-D view: GEMM-ready columnwise data
+        (K-major for a GEMM that contracts over M)."""
+        return self.gemm_ready and usage == "colwise"
 
     def data_shape(self, shape, usage: str) -> tuple[int, ...]:
         """Shape of a usage's data: the input's, or (K, M) for GEMM-ready columnwise data."""
-        if usage == "colwise" and self.gemm_ready:
+        if self.transposed_data(usage):
             M, K = view_2d(shape)
             return (K, M)
         return tuple(shape)
@@ -184,7 +195,7 @@ class Scheme:
         ``GEMM_SCALE_PAD`` (1.0, the scale_inv of an all-zero block).
         """
         rows, cols = self.grid(M, K, usage)
-        if not self.gemm_ready or self.e8m0:
+        if not self.gemm_ready_scales:
             return rows, cols
         if self.transposed_scales(usage):
             rows, cols = cols, rows
@@ -194,7 +205,7 @@ class Scheme:
     def scale_row_align(self) -> int:
         """Each stored scale row holds a multiple of this many entries (padded): 4 for GEMM-ready
         Float8 blockwise scales, else 1."""
-        return GEMM_SCALE_ALIGN if self.gemm_ready and not self.e8m0 else 1
+        return GEMM_SCALE_ALIGN if self.gemm_ready_scales else 1
 
     def kernel_outputs(self, shape) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
         """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
@@ -224,7 +235,7 @@ class Scheme:
         outputs = []
         for u, (bm, bk) in zip(self.kernel_usages, self.kernel_blocks):
             u = "rowwise" if u == "tile" else u
-            outputs += [bm, bk, int(self.gemm_ready and u == "colwise"), int(self.transposed_scales(u))]
+            outputs += [bm, bk, int(self.transposed_data(u)), int(self.transposed_scales(u))]
         return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0),
                     pow2=np.bool_(self.pow2_scales), eps=np.float32(self.amax_epsilon),
                     saturate_inf=np.bool_(self.saturate_inf), outputs=np.array(outputs, np.int32))
@@ -246,6 +257,8 @@ class Scheme:
         """Whether a tensor quantized with ``other`` already holds every usage this scheme asks for, in
         this format and layout. ``saturate_inf`` does not count: the data are the same bits under both
         rules and so are the scales, but for blocks that held an infinity."""
+        if other.fmt != self.fmt:
+            return False
         same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise,
                                    saturate_inf=self.saturate_inf) == self
         return same and (other.rowwise or not self.rowwise) and (other.colwise or not self.colwise)

@@ -125,7 +125,7 @@ class MXFP8Tensor(_QuantizedBase):
     @staticmethod
     def _checked_scale(scale, name):
         if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
-            return lax.bitcast_convert_type(scale, np.uint8) if not isinstance(scale, np.ndarray) else scale.view(np.uint8)
+            return scale.view(np.uint8) if isinstance(scale, np.ndarray) else lax.bitcast_convert_type(scale, np.uint8)
         if scale.dtype != np.uint8:
             raise TypeError(f"{name} must hold E8M0 scales as uint8 (or float8_e8m0fnu), got {scale.dtype}")
         return scale

@@ -87,9 +87,10 @@ def _wide_rows(M, N, K, a_block, b_block, a_dtype, b_dtype):
 
 
 def test_a_second_backend_is_one_entry_in_backends(monkeypatch):
-    """One GemmBackend more in BACKENDS: the plan picks it where it takes a GEMM, the primitive carries it as
-    its backend param, and (no kernel of its own on this platform) the reference lowers it: the same bits."""
-    other = GemmBackend("wide_rows", _wide_rows, lambda platform: None, {})
+    """One GemmBackend more in BACKENDS: the plan picks it where it takes a GEMM and the primitive carries it
+    as its backend param into the lowering. Its kernel here is cuBLASLt's (on a machine without it, the
+    reference): the same bits as the plan without it."""
+    other = GemmBackend("wide_rows", _wide_rows, CUBLASLT.unavailable, CUBLASLT.lowerings)
     rng = np.random.default_rng(stable_seed("second-backend"))
     x = jnp.asarray(rng.standard_normal((192, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)

@@ -43,11 +43,9 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
     output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
     are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
-    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work. Empty problems (a zero dim) are
-    refused too: there is nothing to multiply.
+    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work. M, N, K >= 1 (the plan and the
+    primitive refuse empty problems before asking a backend).
     """
-    if min(M, N, K) <= 0:
-        return None, f"an empty GEMM ({M}x{N}x{K})"
     if max(M, N, K) > MAX_DIM:
         return None, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
     if a_block == b_block == BLOCK_2D:

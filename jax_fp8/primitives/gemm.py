@@ -55,6 +55,8 @@ BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
 #: Output dtypes of the primitive (others: compute in fp32 and cast).
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
     """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
     return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
@@ -163,6 +165,8 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
     (M, K), (N, Kb) = a.shape, b.shape
     if K != Kb:
         raise ValueError(f"{where}: a {a.shape} and b {b.shape} must share K, their last dim")
+    if min(M, N, K) <= 0:
+        raise ValueError(f"{where}: cannot take an empty GEMM ({M}x{N}x{K})")
     padded, why = backend.sizes(M, N, K, a_block, b_block, a.dtype, b.dtype)
     if why is not None:
         raise ValueError(f"{where}: {backend.name} cannot take {why}")
@@ -233,7 +237,8 @@ def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
                                 params["b_dtype"])
     if why is None and padded == mnk:
         return None
-    return f"each shard's {label.upper()} ({local}) is not aligned for {backend.name} ({why or f'needs {padded}'})"
+    why = why or f"needs {padded}"
+    return f"each shard's {label.upper()} ({local}) is not aligned for {backend.name} ({why})"
 
 
 def _gemm_on_shard(bind, reduce_axes, params):
@@ -337,8 +342,10 @@ def fp8_gemm_bind(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype
 # ---- batching -----------------------------------------------------------------------------------
 def _fold_rows(data, scale, block):
     """A stack of operands (S, rows, K) as one (S*rows, K) operand, or None when its scales cannot be
-    stacked (128x128 tiles with rows % 128 != 0). 1x128 scales have no padding here (rows % 8 == 0)."""
+    stacked (padded 1x128 scale rows; 128x128 tiles with rows % 128 != 0)."""
     S, rows, K = data.shape
+    if block == BLOCK_1D and operand_scale_shape(rows, K, block)[1] != rows:
+        return None
     if block == BLOCK_1D:
         scale = jnp.moveaxis(scale, 0, 1).reshape(scale.shape[1], S * rows)
     elif rows % FLOAT8_BLOCK == 0:

@@ -1,10 +1,10 @@
 """How the primitives split under ``jax.jit`` over a mesh: sharded operands, no ``shard_map``.
 
 Without a rule, XLA runs a custom call whole on every device: it gathers every operand to each one.
-So each primitive is registered as a pair (:func:`partitioned_primitive`): the primitive the API
-binds (abstract eval, batching), whose lowering is a ``jax.experimental.custom_partitioning`` of its
-local twin (``<name>_local``: the same arguments, lowered to our FFI kernel or the reference), which is
-what each device runs on its shard.
+So each primitive with a partitioning rule is registered as a pair (:func:`partitioned_primitive`):
+the primitive the API binds (abstract eval, batching), whose lowering is a
+``jax.experimental.custom_partitioning`` of its local twin (``<name>_local``: the same arguments,
+lowered to our FFI kernel or the reference), which is what each device runs on its shard.
 
 The partitioner consults a primitive twice. While it propagates shardings it reads a Shardy rule
 (:func:`sdy_rule`): which dims of the operands and results are one dimension of the op, a scale

@@ -53,7 +53,7 @@ def _quantize_arrays(sizes, params):
     outs = []
     for usage in scheme.kernel_usages:
         usage = "rowwise" if usage == "tile" else usage
-        outs.append((b, k, m) if usage == "colwise" and scheme.gemm_ready else x)
+        outs.append((b, k, m) if scheme.transposed_data(usage) else x)
         outs.append((b, *_scale_dims(scheme, m.size, k.size, usage)))
     return [x], outs
 
