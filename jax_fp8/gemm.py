@@ -275,10 +275,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     backend's alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else is computed as
     ``lax.dot_general`` of quantize-dequantized operands (dequantized ones for quantized inputs;
     unquantized for non-float ones), with one :class:`Fp8GemmFallbackWarning` per call saying why:
-    always a correct answer. A single GEMM of the three that cannot run in FP8 (shapes too small to pad cheaply, 2D x 2D or
-    E5M2 x E5M2 pre-quantized pairs, a pre-quantized operand without the usage it needs) is computed
-    by the reference math on the same quantized operands; the call's one warning names each of them
-    (dgrad and wgrad included, decided from the shapes at the call).
+    always a correct answer. A single GEMM of the three that cannot run in FP8 (on cuBLASLt: shapes
+    too small to pad cheaply, 2D x 2D or E5M2 x E5M2 pre-quantized pairs; a pre-quantized operand
+    without the usage it needs) is computed by the reference math on the same quantized operands; the
+    call's one warning names each of them (dgrad and wgrad included, decided by the GEMM plan at the
+    call, :func:`~jax_fp8.gemm_plan.plan_dot_general`).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
     ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. Arguments that

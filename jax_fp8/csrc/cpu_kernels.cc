@@ -340,7 +340,9 @@ ffi::Error PartialAmaxCpu(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < a.n_out; ++k)
-      with_loader(a.in, [&](auto ld) { partial_amax<decltype(ld)>(aw, g[i].x, off, n, a.out[k], out + g[i].at[k] * item); });
+      with_loader(a.in, [&](auto ld) {
+        partial_amax<decltype(ld)>(aw, g[i].x, off, n, a.out[k], out + g[i].at[k] * item);
+      });
   });
   return ffi::Error::Success();
 }

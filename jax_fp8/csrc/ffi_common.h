@@ -157,19 +157,21 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
                                const ffi::AnyBuffer& scale, OutLayout* l) {
   const auto d = data.dimensions(), s = scale.dimensions();
   const int64_t rows = o.data_transposed ? a.K : a.M, cols = o.data_transposed ? a.M : a.K;
+  const auto shape = [](int64_t b, int64_t r, int64_t c) {
+    return "(" + std::to_string(b) + ", " + std::to_string(r) + ", " + std::to_string(c) + ")";
+  };
   if (data.element_type() != ffi::DataType::U8 || d.size() != 3 || d[0] != a.B || d[1] != rows || d[2] != cols)
-    return bad(std::string("quantize: the data output must be uint8 of shape ") +
-               (o.data_transposed ? "(B, K, M)" : "(B, M, K)"));
+    return bad("quantize: the data output of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) +
+               " blocks must be uint8 " + shape(a.B, rows, cols) + (o.data_transposed ? " (transposed)" : ""));
   const int64_t sm = cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
   const int64_t stored = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
   if (scale.element_type() != scale_type(a) || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
       s[2] - row_len >= kMaxScalePad || (a.e8m0 && s[2] != row_len))
     return bad("quantize: the scales of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) + " blocks" +
-               (o.scales_transposed ? " (transposed)" : "") + " must be " + (a.e8m0 ? "uint8" : "float32") + " (" +
-               std::to_string(a.B) + ", " + std::to_string(stored) + ", " +
-               (a.e8m0 ? std::to_string(row_len) + ")"
-                       : "L), L - " + std::to_string(row_len) + " from 0 to " + std::to_string(kMaxScalePad - 1) +
-                             " padding entries per stored row"));
+               (o.scales_transposed ? " (transposed)" : "") + " must be " +
+               (a.e8m0 ? "uint8 " + shape(a.B, stored, row_len)
+                       : "float32 " + shape(a.B, stored, row_len) + ", each stored row padded by at most " +
+                             std::to_string(kMaxScalePad - 1) + " entries"));
   *l = out_layout(o, a.M, a.K, s[2]);
   return ffi::Error::Success();
 }
@@ -313,10 +315,13 @@ inline ffi::Error make_dequantize_args(const ffi::AnyBuffer& data, const ffi::An
   if (o->data_transposed || o->scales_transposed) return bad("dequantize takes compact data and scales");
   if (auto e = dims3(data, B, M, K); e.failure()) return e;
   if (data.element_type() != ffi::DataType::U8) return bad("dequantize data must be uint8 FP8 bytes");
-  if (scale.element_type() != scale_type(s)) return bad("dequantize scales must be uint8 (E8M0) or float32, as the scheme says");
+  if (scale.element_type() != scale_type(s))
+    return bad("dequantize scales must be uint8 (E8M0) or float32, as the scheme says");
   const auto sd = scale.dimensions();
   if (sd.size() != 3 || sd[0] != *B || sd[1] != cdiv(*M, o->bm) || sd[2] != cdiv(*K, o->bk))
-    return bad("dequantize scales do not match the data's blocks: want (B, ceil(M/bm), ceil(K/bk))");
+    return bad("dequantize: the scales of " + std::to_string(o->bm) + "x" + std::to_string(o->bk) +
+               " blocks must be the compact grid (" + std::to_string(*B) + ", " + std::to_string(cdiv(*M, o->bm)) +
+               ", " + std::to_string(cdiv(*K, o->bk)) + ")");
   return ffi::Error::Success();
 }
 

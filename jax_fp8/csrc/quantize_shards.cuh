@@ -12,11 +12,11 @@ namespace jf {
 namespace {
 
 // A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs
-// about 3.4 us of GPU time over its HBM time, as measured on the H200: bench/RESULTS.md). Each job's CTAs are `n_fill` CTAs
-// that write what the tiles do not, then its tiles. The fill covers the blocks of the tile rows outside
-// the walk (partial value 0; when casting, the fp32 scale_inv from the global amax) and, when casting,
-// zeros in the data past the shard's elements; it goes first so that its writes overlap the tiles'
-// reads. The jobs live in the kernel's parameter space (under 4 KB).
+// about 3.4 us of GPU time over its HBM time on the H200, bench/RESULTS.md). Each job's CTAs are
+// `n_fill` CTAs that write what the tiles do not, then its tiles. The fill covers the blocks of the tile
+// rows outside the walk (partial value 0; when casting, the fp32 scale_inv from the global amax) and,
+// when casting, zeros in the data past the shard's elements; it goes first so that its writes overlap
+// the tiles' reads. The jobs live in the kernel's parameter space (under 4 KB).
 
 template <class S>
 struct ShardJob {
