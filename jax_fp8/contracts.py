@@ -146,7 +146,7 @@ def quantize_usages(x, *, scheme: Scheme):
     xp = xp_of(x)
     M, K = x.shape[-2:]
     outs = []
-    for usage, (bm, bk) in zip(scheme.kernel_usages, scheme.kernel_blocks):
+    for usage, (bm, bk) in zip(scheme.output_usages, scheme.kernel_blocks):
         data, scale = quantize_blocks(x, bm, bk, scheme)
         if scheme.gemm_ready:
             data = xp.swapaxes(data, -1, -2) if scheme.transposed_data(usage) else data

@@ -153,6 +153,12 @@ class Scheme:
         return tuple(u for u in USAGES if getattr(self, u))
 
     @property
+    def output_usages(self) -> tuple[str, ...]:
+        """The usage whose layout each kernel output has, in ``kernel_usages`` order (compact shared
+        tiles are laid out as the rowwise usage)."""
+        return tuple("rowwise" if u == "tile" else u for u in self.kernel_usages)
+
+    @property
     def kernel_blocks(self) -> tuple[tuple[int, int], ...]:
         """The block of each (data, scale) pair the kernels produce (``kernel_usages`` order)."""
         return tuple(self.block if u == "tile" else self.usage_block(u) for u in self.kernel_usages)
@@ -211,8 +217,7 @@ class Scheme:
         """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
         ``kernel_usages`` order (compact shared tiles are laid out as the rowwise usage)."""
         M, K = view_2d(shape)
-        usages = ("rowwise" if u == "tile" else u for u in self.kernel_usages)
-        return [(self.data_shape(shape, u), self.scale_shape(M, K, u)) for u in usages]
+        return [(self.data_shape(shape, u), self.scale_shape(M, K, u)) for u in self.output_usages]
 
     @property
     def block_rows(self) -> int:
@@ -233,8 +238,7 @@ class Scheme:
         of a stored scale row included, from the buffers they are given.
         """
         outputs = []
-        for u, (bm, bk) in zip(self.kernel_usages, self.kernel_blocks):
-            u = "rowwise" if u == "tile" else u
+        for u, (bm, bk) in zip(self.output_usages, self.kernel_blocks):
             outputs += [bm, bk, int(self.transposed_data(u)), int(self.transposed_scales(u))]
         return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0),
                     pow2=np.bool_(self.pow2_scales), eps=np.float32(self.amax_epsilon),

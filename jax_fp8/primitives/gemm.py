@@ -49,6 +49,7 @@ from .. import contracts
 from ..scheme import GEMM_SCALE_PAD, Scheme, check_block
 from ..vma import out_aval
 from .partitioning import Dim, Rule
+from .quantize import scale_dims
 from .registration import define_primitive
 
 BLOCK_1D = (1, FLOAT8_BLOCK)
@@ -192,12 +193,7 @@ def _gemm_abstract(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accu
 # ---- partitioning under jit: M and N stay split; a split K gives partial products and a psum ------
 def _operand_dims(label: str, rows: int, K: int, block) -> tuple:
     """An operand's (rows, K) data and its GEMM-ready scale grid (operand_scale_shape) as op dims."""
-    r, c = operand_scale_shape(rows, K, block)
-    pad = operand_scheme(block).scale_row_align
-    if block == BLOCK_1D:  # (K blocks, rows padded)
-        scale = (Dim("k", r, FLOAT8_BLOCK), Dim(label, c, 1, pad=pad))
-    else:  # (row tiles, K tiles padded)
-        scale = (Dim(label, r, FLOAT8_BLOCK), Dim("k", c, FLOAT8_BLOCK, pad=pad))
+    scale = scale_dims(operand_scheme(block), rows, K, "rowwise", m=label)
     return (Dim(label, rows), Dim("k", K)), scale
 
 

@@ -37,24 +37,24 @@ def _input_dims(sizes):
     return Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
 
 
-def _scale_dims(scheme, M: int, K: int, usage: str):
-    """A usage's scale grid as op dims: (rows, cols) entries, transposed where the layout says."""
+def scale_dims(scheme, M: int, K: int, usage: str, m: str = "m", k: str = "k"):
+    """A usage's scale grid of the (M, K) view as op dims (labels ``m`` and ``k``): entries per block,
+    transposed and padded where ``scheme`` stores them so."""
     rows, cols = scheme.scale_shape(M, K, usage)
     bm, bk = scheme.usage_block(usage)
-    pad = scheme.scale_row_align  # Scheme.scale_shape pads the columns
+    pad = scheme.scale_row_align  # Scheme.scale_shape pads the stored rows
     if scheme.transposed_scales(usage):
-        return Dim("k", rows, bk), Dim("m", cols, bm, pad)
-    return Dim("m", rows, bm), Dim("k", cols, bk, pad)
+        return Dim(k, rows, bk), Dim(m, cols, bm, pad)
+    return Dim(m, rows, bm), Dim(k, cols, bk, pad)
 
 
 def _quantize_arrays(sizes, params):
     scheme = params["scheme"]
     b, m, k = x = _input_dims(sizes)
     outs = []
-    for usage in scheme.kernel_usages:
-        usage = "rowwise" if usage == "tile" else usage
+    for usage in scheme.output_usages:
         outs.append((b, k, m) if scheme.transposed_data(usage) else x)
-        outs.append((b, *_scale_dims(scheme, m.size, k.size, usage)))
+        outs.append((b, *scale_dims(scheme, m.size, k.size, usage)))
     return [x], outs
 
 
@@ -101,8 +101,8 @@ def _dequantize_abstract(data, scale, *, scheme, out_dtype):
 def _dequantize_arrays(sizes, params):
     scheme = params["scheme"]
     x = _input_dims(sizes)
-    usage, = ("rowwise" if u == "tile" else u for u in scheme.kernel_usages)
-    return [x, (x[0], *_scale_dims(scheme, x[1].size, x[2].size, usage))], [x]
+    usage, = scheme.output_usages
+    return [x, (x[0], *scale_dims(scheme, x[1].size, x[2].size, usage))], [x]
 
 
 def _dequantize_ffi_lowering(ctx, data, scale, *, scheme, out_dtype):
