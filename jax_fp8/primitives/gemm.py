@@ -78,7 +78,8 @@ class GemmBackend:
     - ``unavailable(platform)``: asked when lowering: None where it runs, else why not (the
       reference then lowers the call, with one :class:`Fp8GemmFallbackWarning`);
     - ``lowerings``: platform -> MLIR lowering rule of its kernel, with the primitive's operands and
-      params (``backend`` excepted)."""
+      params (``backend`` excepted). ``gemm_p`` dispatches to them on ``cuda``; a backend for another
+      platform adds that platform to ``gemm_p``'s ``ffi_rules`` too (elsewhere the reference lowers it)."""
 
     name: str
     sizes: Callable
