@@ -1,0 +1,114 @@
+"""One process of a multi-process test (tests/multiprocess.py starts N of them): joins the others with
+``jax.distributed.initialize`` (gloo CPU collectives) into one mesh of 8 CPU devices, runs one case on
+global arrays built from the same host data in every process, and checks its own devices' results
+against the single-process computation, bit for bit. A failed check raises (exit status 1).
+
+Usage: python mp_worker.py CASE PROCESS_ID NUM_PROCESSES PORT
+"""
+import sys
+
+import jax
+
+CASE, PID, N, PORT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=N, process_id=PID)
+
+import numpy as np  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_fp8 as jf  # noqa: E402
+from jax_fp8.distributed import (all_gather_first_dim, gather_master_weights, local_shards,  # noqa: E402
+                                 quantize_master_weights, split_masters)
+
+MESH = jax.make_mesh((8,), ("data",))
+CPU = jax.local_devices()[0]  # the single-process computation runs on one local device
+
+
+def global_array(host, spec=P("data")):
+    """``host`` (the same in every process) as one global array sharded over the mesh."""
+    return jax.make_array_from_callback(host.shape, NamedSharding(MESH, spec), lambda idx: host[idx])
+
+
+def per_rank(fn):
+    """shard_map of ``fn``, whose result every rank holds whole (typed varying, as lax.all_gather's):
+    each rank returns its own copy, stacked along the data axis."""
+    return jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*a)), mesh=MESH,
+                                 in_specs=P("data"), out_specs=P("data")))
+
+
+def local_copies(out):
+    """Every copy this process holds of a per-rank result: a list (one per local device) of pytrees."""
+    leaves, tree = jax.tree.flatten(out)
+    shards = [sorted(leaf.addressable_shards, key=lambda s: s.index[0].start) for leaf in leaves]
+    assert all(len(s) == len(jax.local_devices()) == 8 // N for s in shards), [len(s) for s in shards]
+    return [jax.tree.unflatten(tree, [np.asarray(s[i].data)[0] for s in shards]) for i in range(len(shards[0]))]
+
+
+def assert_bits_equal(got, want, what):
+    got, want = np.ascontiguousarray(np.asarray(got)), np.ascontiguousarray(np.asarray(want))
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{what}: bits differ"
+
+
+def assert_tensors_equal(got, want, what):
+    """Same tree (tensor types and their shape, dtype and scheme) and every leaf equal bit for bit."""
+    tree = jax.tree.structure(got)
+    assert tree == jax.tree.structure(want), (what, tree, jax.tree.structure(want))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert_bits_equal(g, w, f"{what}{jax.tree_util.keystr(path)}")
+
+
+def case_master_weights():
+    """The ZeRO master-weight cast, both formats, both tensor layouts, both splits: the gathered FP8
+    weights equal quantizing the full weights in one process, and the scales take one all-reduce."""
+    rng = np.random.default_rng(2901)
+    shapes = [(256, 384), (130, 200), (64, 96)]
+    masters = [rng.standard_normal(s).astype(np.float32) * 4 for s in shapes]
+    configs = [("mxfp8", None), ("blockwise", (128, 128)), ("blockwise", (1, 128))]
+    for split in ("per_weight", "flat"):
+        bufs = split_masters(masters, 8, split=split)
+        host = [np.asarray(b) for b in bufs] if split == "per_weight" else [np.asarray(bufs)]
+        args = [global_array(h) for h in host]
+        for fmt, block in configs:
+            for layout in ("compact", "gemm_ready"):
+                def step(*local):
+                    local = list(local) if split == "per_weight" else local[0]
+                    shards, offs, lens = local_shards(local, shapes, "data", split=split)
+                    qs = quantize_master_weights(shards, shapes, "data", offsets=offs, lengths=lens,
+                                                 fmt=fmt, block=block)  # noqa: B023
+                    return gather_master_weights(qs, "data", layout=layout)  # noqa: B023
+
+                f = per_rank(step)
+                if fmt == "mxfp8":
+                    scheme = jf.Scheme("mxfp8", rowwise=True, colwise=True, layout=layout)
+                else:
+                    scheme = jf.Scheme("blockwise", rowwise=True, colwise=True, block=block, layout=layout)
+                want = [jf.quantize(jax.device_put(m, CPU).astype(jnp.bfloat16), scheme) for m in masters]
+                for copy in local_copies(f(*args)):
+                    assert_tensors_equal(copy, want, f"{split} {fmt} {block} {layout}")
+                hlo = f.lower(*args).compile().as_text()
+                reduces = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
+                assert reduces == 1, f"{split} {fmt}: {reduces} all-reduces in the compiled HLO, want 1"
+    print(f"process {PID}: master weights equal single-process quantization", flush=True)
+
+
+def case_sequence_gather():
+    """The sequence-parallel gather, direct (64 local rows: FP8 travels) and fallback (48: gathered in
+    high precision, quantized after): the same bits as quantizing the gathered tensor in one process."""
+    rng = np.random.default_rng(2902)
+    schemes = [jf.Scheme("mxfp8", rowwise=True, colwise=True),
+               jf.Scheme("blockwise", rowwise=True, colwise=True, layout="gemm_ready")]
+    for rows in (64, 48):
+        x = rng.standard_normal((8 * rows, 256)).astype(np.float32)
+        for scheme in schemes:
+            f = per_rank(lambda v: all_gather_first_dim(v, "data", scheme))  # noqa: B023
+            want = jf.quantize(jax.device_put(x, CPU), scheme)
+            for copy in local_copies(f(global_array(x))):
+                assert_tensors_equal(copy, want, f"rows {rows} {scheme}")
+    print(f"process {PID}: sequence gather equals single-process quantization", flush=True)
+
+
+assert jax.process_count() == N and len(jax.devices()) == 8, (jax.process_count(), len(jax.devices()))
+globals()[f"case_{CASE}"]()
+jax.distributed.shutdown()
