@@ -18,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
-from jax_fp8.distributed import (all_gather_first_dim, gather_master_weights, local_shards,  # noqa: E402
-                                 quantize_master_weights, split_masters)
+from jax_fp8.distributed import (all_gather_dequantized, all_gather_first_dim, gather_master_weights,  # noqa: E402
+                                 local_shards, quantize_master_weights, split_masters)
 
 MESH = jax.make_mesh((8,), ("data",))
 CPU = jax.local_devices()[0]  # the single-process computation runs on one local device
@@ -107,6 +107,65 @@ def case_sequence_gather():
             for copy in local_copies(f(global_array(x))):
                 assert_tensors_equal(copy, want, f"rows {rows} {scheme}")
     print(f"process {PID}: sequence gather equals single-process quantization", flush=True)
+
+
+def local_values(out):
+    """This process's part of a global result, as {global index: value} per addressable shard."""
+    return {str(s.index): np.asarray(s.data) for s in out.addressable_shards}
+
+
+def assert_close(got, want, what, rtol=2e-6, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol, err_msg=what)
+
+
+def case_gradients():
+    """Under the public jax.shard_map with its default checks: the data-parallel gradients of
+    fp8_dot_general (dW summed over the ranks once, as one process computes it on all rows), and the
+    sequence-parallel gradients through all_gather_dequantized against lax.all_gather's (the same
+    straight-through computation with lax's collective)."""
+    rng = np.random.default_rng(2903)
+    kn = (((1,), (0,)), ((), ()))
+    x, w = rng.standard_normal((8 * 128, 256)).astype(np.float32), rng.standard_normal((256, 128)).astype(np.float32)
+
+    def dp_loss(x, w):
+        return jax.lax.psum(jnp.sum(jf.fp8_dot_general(x, w, kn) ** 2), "data")
+
+    g = jax.jit(jax.shard_map(jax.grad(dp_loss, argnums=(0, 1)), mesh=MESH, in_specs=(P("data"), P()),
+                              out_specs=(P("data"), P())))
+    dx, dw = g(global_array(x), global_array(w, P()))
+    one = jax.grad(lambda x, w: jnp.sum(jf.fp8_dot_general(x, w, kn) ** 2), argnums=(0, 1))
+    dx1, dw1 = one(jax.device_put(x, CPU), jax.device_put(w, CPU))
+    for s in dx.addressable_shards:  # each rank's rows of dx: its own rows' GEMM
+        assert_close(s.data, np.asarray(dx1)[s.index], f"dx rows {s.index}")
+    # dW: one sum of the ranks' partial products (fp32, in another order than one GEMM over all rows)
+    assert_close(dw.addressable_shards[0].data, dw1, "dW", rtol=1e-4, atol=1e-2)
+
+    local_rows = 64
+    x = rng.standard_normal((8 * local_rows, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 64)).astype(np.float32)
+    gather = lambda v: all_gather_dequantized(v, "data", jf.Scheme("mxfp8"))  # noqa: E731
+
+    def straight(v):  # lax: the gathered quantized values forward, lax.all_gather's derivative
+        full = jax.lax.all_gather(v, "data", tiled=True)
+        return jax.lax.stop_gradient(gather(v)) + (full - jax.lax.stop_gradient(full))
+
+    def sp_loss(gather):
+        def f(x, w):
+            mine = jax.lax.dynamic_slice_in_dim(gather(x), jax.lax.axis_index("data") * local_rows, local_rows)
+            return jax.lax.psum(jnp.sum(jnp.tanh(mine @ w)), "data")
+        return f
+
+    out = {}
+    for key, gat in (("ours", gather), ("lax", straight)):
+        f = jax.shard_map(jax.value_and_grad(sp_loss(gat), argnums=(0, 1)), mesh=MESH, in_specs=(P("data"), P()),
+                          out_specs=(P(), (P("data"), P())))
+        out[key] = jax.jit(f)(global_array(x), global_array(w, P()))
+    assert_bits_equal(out["ours"][0].addressable_shards[0].data, out["lax"][0].addressable_shards[0].data, "loss")
+    for i, name in ((0, "dx"), (1, "dW")):
+        ours, lax_ = local_values(out["ours"][1][i]), local_values(out["lax"][1][i])
+        for idx in ours:
+            assert_close(ours[idx], lax_[idx], f"{name} {idx}")
+    print(f"process {PID}: gradients equal the single-process and lax computations", flush=True)
 
 
 assert jax.process_count() == N and len(jax.devices()) == 8, (jax.process_count(), len(jax.devices()))

@@ -9,7 +9,7 @@ from multiprocess import run_processes
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("case", ["master_weights", "sequence_gather"])
+@pytest.mark.parametrize("case", ["master_weights", "sequence_gather", "gradients"])
 def test_collectives_across_processes(case, n):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
