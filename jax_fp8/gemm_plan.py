@@ -15,6 +15,7 @@ A second backend is one module (a :class:`~jax_fp8.primitives.gemm.GemmBackend`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -93,9 +94,12 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
             why.append(no if len(BACKENDS) == 1 else f"{backend.name}: {no}")
     if not taken:
         return GemmPlan(**args, reason="; ".join(why))
+    if len(taken) == 1:
+        return taken[0]
     return next((p for p in taken if _runs_here(p.backend)), taken[0])
 
 
+@functools.lru_cache(maxsize=None)
 def _runs_here(backend: GemmBackend) -> bool:
     """Whether ``backend``'s kernel runs on one of this machine's platforms (asked once per backend)."""
     return any(backend.unavailable(platform) is None for platform in backend.lowerings)
