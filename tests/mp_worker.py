@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
+from helpers import assert_bits_equal, assert_tensors_equal  # noqa: E402  (tests/ is this script's folder)
 from jax_fp8.distributed import (all_gather_dequantized, all_gather_first_dim, gather_master_weights,  # noqa: E402
                                  local_shards, quantize_master_weights, split_masters)
 
@@ -45,18 +46,15 @@ def local_copies(out):
     return [jax.tree.unflatten(tree, [np.asarray(s[i].data)[0] for s in shards]) for i in range(len(shards[0]))]
 
 
-def assert_bits_equal(got, want, what):
-    got, want = np.ascontiguousarray(np.asarray(got)), np.ascontiguousarray(np.asarray(want))
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
-    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{what}: bits differ"
-
-
-def assert_tensors_equal(got, want, what):
-    """Same tree (tensor types and their shape, dtype and scheme) and every leaf equal bit for bit."""
-    tree = jax.tree.structure(got)
-    assert tree == jax.tree.structure(want), (what, tree, jax.tree.structure(want))
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        assert_bits_equal(g, w, f"{what}{jax.tree_util.keystr(path)}")
+def assert_all_equal(got, want, what):
+    """Each quantized tensor of ``got`` equal to ``want``'s (helpers.assert_tensors_equal), naming ``what``."""
+    got, want = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (got, want))
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        try:
+            assert_tensors_equal(g, w)
+        except AssertionError as e:
+            raise AssertionError(f"{what}, tensor {i}: {e}") from None
 
 
 def case_master_weights():
@@ -86,7 +84,7 @@ def case_master_weights():
                     scheme = jf.Scheme("blockwise", rowwise=True, colwise=True, block=block, layout=layout)
                 want = [jf.quantize(jax.device_put(m, CPU).astype(jnp.bfloat16), scheme) for m in masters]
                 for copy in local_copies(f(*args)):
-                    assert_tensors_equal(copy, want, f"{split} {fmt} {block} {layout}")
+                    assert_all_equal(copy, want, f"{split} {fmt} {block} {layout}")
                 hlo = f.lower(*args).compile().as_text()
                 reduces = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
                 assert reduces == 1, f"{split} {fmt}: {reduces} all-reduces in the compiled HLO, want 1"
@@ -105,7 +103,7 @@ def case_sequence_gather():
             f = per_rank(lambda v: all_gather_first_dim(v, "data", scheme))  # noqa: B023
             want = jf.quantize(jax.device_put(x, CPU), scheme)
             for copy in local_copies(f(global_array(x))):
-                assert_tensors_equal(copy, want, f"rows {rows} {scheme}")
+                assert_all_equal(copy, want, f"rows {rows} {scheme}")
     print(f"process {PID}: sequence gather equals single-process quantization", flush=True)
 
 
