@@ -58,6 +58,10 @@ def axis_size(axis_name, where: str) -> int:
     try:
         return int(lax.psum(1, axis_name))
     except NameError:
+        axes = jax.sharding.get_abstract_mesh().axis_names
+        if axes:  # inside a shard_map whose mesh lacks the name
+            raise ValueError(f"{where}: axis_name {axis_name!r} is not an axis of the shard_map's mesh, whose axes "
+                             f"are {axes}") from None
         raise ValueError(f"{where}: mesh axis {axis_name!r} is not bound here: call it inside jax.shard_map (it is "
                          "a collective over that axis's ranks). Under plain jax.jit with sharded arrays, use "
                          "quantize_*, dequantize and fp8_dot_general, which need no axis name.") from None

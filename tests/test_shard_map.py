@@ -250,3 +250,14 @@ def test_collectives_under_plain_jit_say_they_need_shard_map(name):
     with pytest.raises(ValueError, match=rf"{name}: mesh axis 'data' is not bound here: call it inside "
                                          r"jax.shard_map"):
         jax.jit(COLLECTIVES[name])(x)
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collectives_name_the_mesh_axes_when_the_axis_name_is_not_one(name):
+    """Inside jax.shard_map over a mesh whose axis is 'dp', a collective called with 'data': a
+    ValueError naming the function, the missing axis and the mesh's axes (not jax's 'unbound axis name')."""
+    mesh = _mesh(name="dp")
+    x = jax.device_put(np.ones((8, 32), np.float32), jax.sharding.NamedSharding(mesh, P("dp")))
+    with pytest.raises(ValueError, match=rf"{name}: axis_name 'data' is not an axis of the shard_map's mesh, "
+                                         r"whose axes are \('dp',\)"):
+        jax.jit(jax.shard_map(COLLECTIVES[name], mesh=mesh, in_specs=P("dp"), out_specs=P()))(x)
