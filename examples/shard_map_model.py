@@ -24,6 +24,7 @@ collective moves per step next to the bf16 alternative.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -37,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
 from jax import shard_map  # noqa: E402
@@ -45,7 +46,9 @@ from jax_fp8.distributed import all_gather_first_dim, gather_master_weights, qua
 from jax_fp8.gemm import fp8_gemm, gemm_operand  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checkpoint import CheckpointMismatch, open_checkpoints, restore, save  # noqa: E402
 from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
+from _launch import add_flags, join_processes, process_local_array, spawn, without_spawn  # noqa: E402
 
 RECIPE = jf.Float8BlockScaling()     # 1x128 activations and gradients, 128x128 weights, E4M3
 X_SCHEME = RECIPE.scheme("lhs")      # what the GEMMs read of an activation: 1x128 both usages, GEMM-ready
@@ -112,10 +115,28 @@ def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int) -
     ]
 
 
-def _mesh_devices(ap, args):
-    """Checks the mesh flags (argparse error naming the flag, exit status 2) and returns the
-    --data x --seq devices: the default backend's, or the CPU devices when it has too few."""
-    for flag in ("steps", "data", "seq", "seq_len", "batch", "width", "log_every"):
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="The FP8 MLP on a (data x seq) device mesh with ZeRO-sharded "
+                                 "master weights (8 simulated CPU devices by default).")
+    ap.add_argument("--steps", type=int, default=100, help="train until this step (a resumed run included)")
+    ap.add_argument("--data", type=int, default=4, help="data-parallel ranks (mesh axis 'data')")
+    ap.add_argument("--seq", type=int, default=2, help="sequence-parallel ranks (mesh axis 'seq')")
+    ap.add_argument("--seq-len", type=int, default=50 * 2, help="tokens per sequence (global)")
+    ap.add_argument("--batch", type=int, default=12, help="sequences per step (global)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
+    ap.add_argument("--metrics-out", metavar="FILE", help="append one JSON line per step, {step, loss}")
+    g = ap.add_argument_group("checkpoints (Orbax)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state here and resume from the "
+                   "latest complete checkpoint in it on start")
+    g.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="save every N steps (and the last)")
+    add_flags(ap)
+    return ap
+
+
+def _check_flags(ap, args):
+    """An argparse error naming the flag (exit status 2) for a flag the mesh or the data cannot take."""
+    for flag in ("steps", "data", "seq", "seq_len", "batch", "width", "log_every", "checkpoint_every"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     if args.batch % args.data:
@@ -124,7 +145,20 @@ def _mesh_devices(ap, args):
     if args.seq_len % args.seq:
         ap.error(f"--seq-len {args.seq_len} is not divisible by --seq {args.seq}: each seq rank takes "
                  f"seq-len/seq tokens of every sequence")
+    if args.spawn is not None and (args.spawn < 1 or args.data * args.seq % args.spawn):
+        ap.error(f"--spawn {args.spawn} does not divide the mesh's --data {args.data} x --seq {args.seq} = "
+                 f"{args.data * args.seq} devices: every process takes the same number of them")
+
+
+def _mesh_devices(ap, args):
+    """The --data x --seq devices: every process's (several processes), else the default backend's,
+    or the CPU devices when it has too few."""
     n = args.data * args.seq
+    if jax.process_count() > 1:
+        if jax.device_count() != n:
+            ap.error(f"--data {args.data} x --seq {args.seq} = {n} devices, but the {jax.process_count()} processes "
+                     f"have {jax.device_count()} in all: the mesh takes every process's devices")
+        return jax.devices()
     devs = jax.devices()
     if len(devs) < n:  # e.g. one GPU: run the mesh on the (simulated) CPU devices instead
         cpus = jax.devices("cpu")
@@ -138,42 +172,98 @@ def _mesh_devices(ap, args):
     return devs[:n]
 
 
+def _zero(w, nd: int):
+    """A weight as ZeRO master shards: flattened, padded with zeros to a multiple of the data ranks,
+    one row per rank (split "per_weight")."""
+    flat = w.reshape(-1)
+    return jnp.pad(flat, (0, -flat.size % nd)).reshape(nd, -1)
+
+
+def _unzero(m, shape):
+    """The weight of ``shape`` the master shards ``m`` hold (the inverse of _zero)."""
+    return m.reshape(-1)[:shape[0] * shape[1]].reshape(shape)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="The FP8 MLP on a (data x seq) device mesh with ZeRO-sharded "
-                                 "master weights (8 simulated CPU devices by default).")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--data", type=int, default=4, help="data-parallel ranks (mesh axis 'data')")
-    ap.add_argument("--seq", type=int, default=2, help="sequence-parallel ranks (mesh axis 'seq')")
-    ap.add_argument("--seq-len", type=int, default=50 * 2, help="tokens per sequence (global)")
-    ap.add_argument("--batch", type=int, default=12, help="sequences per step (global)")
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
+    """Trains the model; returns this run's losses (None from ``--spawn``'s parent process)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = _parser()
     args = ap.parse_args(argv)
+    _check_flags(ap, args)
     nd, ns = args.data, args.seq
-    devs = _mesh_devices(ap, args)
-    mesh = Mesh(np.array(devs).reshape(nd, ns), ("data", "seq"))
+    if args.spawn:
+        status = spawn(os.path.abspath(__file__), without_spawn(argv), args.spawn, nd * ns)
+        if status:
+            raise SystemExit(status)
+        return None
+    join_processes(args)
+    mesh = Mesh(np.array(_mesh_devices(ap, args)).reshape(nd, ns), ("data", "seq"))
+    log = print if jax.process_index() == 0 else (lambda *a, **k: None)  # the others print only errors
     sizes = [128, args.width, args.width, 16]
     shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
-    params = init_mlp(jax.random.key(0), sizes)
-    # ZeRO split "per_weight": each weight flattened, padded to a multiple of the data ranks, split evenly.
-    Ls = [-(-a * b // nd) for a, b in shapes]
-    masters = [jnp.pad(p["w"].reshape(-1), (0, nd * L - p["w"].size)).reshape(nd, L) for p, L in zip(params, Ls)]
-    biases = [p["b"] for p in params]
     opt = optax.adam(3e-3)
-    opt_state = jax.vmap(opt.init)(masters)  # one Adam state per data rank's shards
-    bias_state = opt.init(biases)
-    x_all, y_all = teacher_data(jax.random.key(1), 4096, sizes[0], sizes[-1])
+    on = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+
+    def init_state():
+        params = init_mlp(jax.random.key(0), sizes)
+        masters = [_zero(p["w"], nd) for p in params]
+        biases = [p["b"] for p in params]
+        return {"masters": masters, "biases": biases,  # one Adam state per data rank's shards
+                "opt": {"masters": jax.vmap(opt.init)(masters), "biases": opt.init(biases)}}
+
+    shape_of_state = jax.eval_shape(init_state)
+    specs = {"masters": [P("data")] * len(shapes), "biases": [P()] * len(shapes),
+             "opt": {"masters": jax.tree.map(lambda _: P("data"), shape_of_state["opt"]["masters"]),
+                     "biases": jax.tree.map(lambda _: P(), shape_of_state["opt"]["biases"])}}
+    state = jax.jit(init_state, out_shardings=jax.tree.map(on, specs))()
+
+    # a checkpoint holds the weights and their Adam moments in the model's shapes, not in the ZeRO
+    # layout of one mesh, so that it restores onto another mesh
+    def to_checkpoint(state, step, position):
+        adam, badam = state["opt"]["masters"][0], state["opt"]["biases"][0]
+        un = lambda ms: [_unzero(m, s) for m, s in zip(ms, shapes)]  # noqa: E731
+        return {"weights": un(state["masters"]), "biases": state["biases"],
+                "adam": {"count": adam.count[0], "mu": un(adam.mu), "nu": un(adam.nu)},
+                "bias_adam": {"count": badam.count, "mu": badam.mu, "nu": badam.nu},
+                "step": step, "data_position": position}
+
+    def from_checkpoint(c):
+        masters = [_zero(w, nd) for w in c["weights"]]
+        adam, *rest = jax.vmap(opt.init)(masters)  # the optimizer's structure; the values come from c
+        adam = adam._replace(count=jnp.full((nd,), c["adam"]["count"]), mu=[_zero(v, nd) for v in c["adam"]["mu"]],
+                             nu=[_zero(v, nd) for v in c["adam"]["nu"]])
+        badam, *brest = opt.init(c["biases"])
+        return {"masters": masters, "biases": c["biases"],
+                "opt": {"masters": (adam, *rest), "biases": (badam._replace(**c["bias_adam"]), *brest)}}
+
+    zero = jnp.zeros((), jnp.int32)
+    c_shape = jax.eval_shape(to_checkpoint, state, zero, zero)
+    c_specs = jax.tree.map(lambda a: P("data") if a.ndim == 2 and a.shape[0] % nd == 0 else P(), c_shape)
+    to_checkpoint = jax.jit(to_checkpoint, out_shardings=jax.tree.map(on, c_specs))
+    from_checkpoint = jax.jit(from_checkpoint, out_shardings=jax.tree.map(on, specs))
+
+    x_all, y_all = (np.asarray(a) for a in teacher_data(jax.random.key(1), 4096, sizes[0], sizes[-1]))
+    batch_sharding = on(P("seq", "data"))
+
+    def load_batch(position):
+        """Batch number ``position`` (seq, batch, d): each process reads only the rows its devices hold."""
+        idx = np.random.default_rng([2, position]).integers(0, len(x_all), (args.seq_len, args.batch))
+        return tuple(process_local_array(batch_sharding, idx.shape + a.shape[1:],
+                                         lambda box, a=a: a[idx[box[:2]]][..., box[2]]) for a in (x_all, y_all))
+
     seq_local = args.seq_len // ns
     b_local = args.batch // nd
     rows_local = seq_local * b_local
-    print(f"backend {jax.default_backend()}, mesh data={nd} x seq={ns}; MLP {sizes}, every layer on the FP8 GEMM "
-          f"(Float8 blockwise: 1x128 activations/gradients, 128x128 weights); local activations ({seq_local} tokens x "
-          f"{b_local} seqs) = {rows_local} rows: " + ("fast path (FP8 gathered)" if rows_local % 128 == 0 else
-                                                      "fallback (not a multiple of the 128-row columnwise blocks)"))
+    procs = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
+    log(f"backend {jax.default_backend()}, {procs}mesh data={nd} x seq={ns}; MLP {sizes}, every layer on the FP8 GEMM "
+        f"(Float8 blockwise: 1x128 activations/gradients, 128x128 weights); local activations ({seq_local} tokens x "
+        f"{b_local} seqs) = {rows_local} rows: " + ("fast path (FP8 gathered)" if rows_local % 128 == 0 else
+                                                    "fallback (not a multiple of the 128-row columnwise blocks)"))
 
-    def local_step(masters, opt_state, biases, x, y):
-        masters = [m[0] for m in masters]
-        opt_state = jax.tree_util.tree_map(lambda a: a[0], opt_state)
+    def local_step(state, x, y):
+        masters = [m[0] for m in state["masters"]]
+        opt_m = jax.tree.map(lambda a: a[0], state["opt"]["masters"])
+        biases = state["biases"]
         qs = quantize_master_weights(masters, shapes, "data", fmt="blockwise", block=(128, 128))
         ws = gather_master_weights(qs, "data", layout="gemm_ready")  # FP8 BlockwiseTensors, both orientations
         s, b = x.shape[:2]
@@ -189,42 +279,66 @@ def main(argv=None):
             return jnp.sum((mine - y.reshape(s * b, -1)) ** 2) / (args.seq_len * args.batch * sizes[-1])
 
         loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, biases)
-        loss = lax.psum(loss, ("data", "seq"))
+        # summed in rank order, whichever way the collectives reduce (in one process or over gloo/NCCL):
+        # each rank's loss lands in its own slot, and adding zeros is exact
+        ranks = ("data", "seq")
+        loss = jnp.sum(lax.psum(jnp.zeros(nd * ns).at[lax.axis_index(ranks)].set(loss), ranks))
         gw = [lax.psum(g, ("data", "seq")) for g in gw]
         # ZeRO: each data rank keeps the gradient slice of its own master shard
         r = lax.axis_index("data")
-        gs = [lax.dynamic_slice_in_dim(jnp.pad(g.reshape(-1), (0, nd * m.size - g.size)), r * m.size, m.size)
-              for g, m in zip(gw, masters)]
-        upd, opt_state = opt.update(gs, opt_state, masters)
+        gs = [lax.dynamic_slice_in_dim(_zero(g, nd), r, 1)[0] for g in gw]
+        upd, opt_m = opt.update(gs, opt_m, masters)
         masters = optax.apply_updates(masters, upd)
-        return ([m[None] for m in masters], jax.tree_util.tree_map(lambda a: a[None], opt_state), loss, gb)
+        upd, opt_b = opt.update(gb, state["opt"]["biases"], biases)
+        state = {"masters": [m[None] for m in masters], "biases": optax.apply_updates(biases, upd),
+                 "opt": {"masters": jax.tree.map(lambda a: a[None], opt_m), "biases": opt_b}}
+        return state, loss
 
-    spec_state = jax.tree_util.tree_map(lambda _: P("data"), opt_state)
-    step = jax.jit(shard_map(local_step, mesh=mesh,
-                             in_specs=([P("data")] * len(masters), spec_state, P(), P("seq", "data"),
-                                       P("seq", "data")),
-                             out_specs=([P("data")] * len(masters), spec_state, P(), P())))
+    step = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(specs, P("seq", "data"), P("seq", "data")),
+                             out_specs=(specs, P())))
 
-    rng = np.random.default_rng(2)
+    start = position = 0
+    checkpoints = open_checkpoints(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+    if checkpoints is not None and checkpoints.latest_step() is not None:
+        latest = checkpoints.latest_step()
+        target = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on(p)), c_shape, c_specs)
+        try:
+            c = restore(checkpoints, latest, target)
+        except CheckpointMismatch as e:
+            ap.error(f"--checkpoint-dir: {e}: it was saved by a model of other flags (here --width {args.width})")
+        state, start, position = from_checkpoint(c), int(c["step"]), int(c["data_position"])
+        log(f"resumed from the checkpoint of step {start} in {checkpoints.directory}")
+    metrics = open(args.metrics_out, "a") if args.metrics_out and jax.process_index() == 0 else None
     losses = []
     t0 = time.time()
     with warnings.catch_warnings():
         # the gather's one-time fallback notice (the header line reports the path); GEMM warnings still show
         warnings.filterwarnings("ignore", message="all_gather_first_dim: local shape")
-        for i in range(args.steps):
-            idx = rng.integers(0, x_all.shape[0], (args.seq_len, args.batch))
-            x, y = x_all[idx], y_all[idx]  # (seq, batch, d)
-            masters, opt_state, loss, gb = step(masters, opt_state, biases, x, y)
-            upd, bias_state = opt.update(gb, bias_state, biases)
-            biases = optax.apply_updates(biases, upd)
+        for i in range(start, args.steps):
+            x, y = load_batch(position)
+            position += 1
+            state, loss = step(state, x, y)
             losses.append(float(loss))
-            if i == 0 or (i + 1) % args.log_every == 0 or i + 1 == args.steps:
-                print(f"step {i + 1:4d}/{args.steps}  loss {losses[-1]:.5f}  ({time.time() - t0:.1f}s)", flush=True)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
+            if metrics:
+                print(json.dumps({"step": i + 1, "loss": losses[-1]}), file=metrics, flush=True)
+            if i == start or (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+                log(f"step {i + 1:4d}/{args.steps}  loss {losses[-1]:.5f}  ({time.time() - t0:.1f}s)", flush=True)
+            if checkpoints is not None and (checkpoints.should_save(i + 1) or i + 1 == args.steps):
+                save(checkpoints, i + 1, to_checkpoint(state, jnp.int32(i + 1), jnp.int32(position)), force=True)
+    if checkpoints is not None:
+        checkpoints.wait_until_finished()
+        checkpoints.close()
+    if metrics:
+        metrics.close()
+    if not losses:
+        log(f"already at step {start} of --steps {args.steps}: nothing to train")
+        return losses
+    log(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
 
-    print("bytes per step (each rank's gathered / reduced payload) vs the same step with bf16 weights and activations:")
+    log("bytes per step (each rank's gathered / reduced payload) vs the same step with bf16 weights and activations:")
+    Ls = [-(-a * b // nd) for a, b in shapes]
     for name, fp8, bf16 in collective_bytes(shapes, Ls, nd, ns, rows_local, sizes[0]):
-        print(f"  {name}: {fp8:,} B   (bf16: {bf16:,} B" + (f", {fp8 / bf16:.2f}x)" if bf16 else ", none)"))
+        log(f"  {name}: {fp8:,} B   (bf16: {bf16:,} B" + (f", {fp8 / bf16:.2f}x)" if bf16 else ", none)"))
     return losses
 
 
