@@ -17,17 +17,17 @@ class CheckpointMismatch(ValueError):
     """The checkpoint's arrays do not have the shapes the caller's model needs."""
 
 
-def open_checkpoints(directory: str, every: int) -> ocp.CheckpointManager:
-    """Orbax's manager for ``directory``: saves every ``every`` steps (and when forced), in the
-    background, keeping the last two complete checkpoints."""
+def open_checkpoints(directory: str) -> ocp.CheckpointManager:
+    """Orbax's manager for ``directory``, keeping the last two complete checkpoints; what a killed run
+    left half-written there is deleted."""
     return ocp.CheckpointManager(os.path.abspath(directory), item_handlers=ocp.StandardCheckpointHandler(),
-                                 options=ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=2))
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, cleanup_tmp_directories=True))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state, force: bool = False) -> bool:
-    """Starts writing ``state`` (a pytree of jax arrays) as checkpoint ``step`` when it is due or
-    ``force``; returns whether it did. The write finishes in the background."""
-    return manager.save(step, args=ocp.args.StandardSave(state), force=force)
+def save(manager: ocp.CheckpointManager, step: int, state) -> None:
+    """Starts writing ``state`` (a pytree of jax arrays) as checkpoint ``step``; the write finishes in
+    the background, while training goes on (``manager.wait_until_finished()`` waits for it)."""
+    manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
 
 def restore(manager: ocp.CheckpointManager, step: int, target):

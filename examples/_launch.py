@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -53,9 +54,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's "[Gloo] Rank r is connected to n peer ranks. ..." notice, once per device, written to stderr
+# by several threads at once (so in pieces across lines)
+_GLOO_HELLO = re.compile(r"(\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks "
+                         r"is :|\d+|\s)*")
+
+
 def _relay(proc: subprocess.Popen, prefix: str) -> None:
     for line in proc.stdout:
-        if line.startswith("[Gloo] Rank "):  # gloo's "connected to N peer ranks", once per device
+        if _GLOO_HELLO.fullmatch(line):
             continue
         sys.stdout.write(prefix + line)
         sys.stdout.flush()

@@ -298,7 +298,7 @@ def main(argv=None):
                              out_specs=(specs, P())))
 
     start = position = 0
-    checkpoints = open_checkpoints(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+    checkpoints = open_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
     if checkpoints is not None and checkpoints.latest_step() is not None:
         latest = checkpoints.latest_step()
         target = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on(p)), c_shape, c_specs)
@@ -323,8 +323,8 @@ def main(argv=None):
                 print(json.dumps({"step": i + 1, "loss": losses[-1]}), file=metrics, flush=True)
             if i == start or (i + 1) % args.log_every == 0 or i + 1 == args.steps:
                 log(f"step {i + 1:4d}/{args.steps}  loss {losses[-1]:.5f}  ({time.time() - t0:.1f}s)", flush=True)
-            if checkpoints is not None and (checkpoints.should_save(i + 1) or i + 1 == args.steps):
-                save(checkpoints, i + 1, to_checkpoint(state, jnp.int32(i + 1), jnp.int32(position)), force=True)
+            if checkpoints is not None and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
+                save(checkpoints, i + 1, to_checkpoint(state, jnp.int32(i + 1), jnp.int32(position)))
     if checkpoints is not None:
         checkpoints.wait_until_finished()
         checkpoints.close()

@@ -19,19 +19,19 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py"
 DEVICES = 8
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _tail(text: str, lines: int = 15) -> str:
+def tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
 def run_processes(case: str, n: int, timeout: float = 120.0) -> list[str]:
     """Run ``case`` of mp_worker.py as ``n`` processes; their outputs, in process order."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_cpu_ftz=false --xla_force_host_platform_device_count={DEVICES // n}")
     procs = [subprocess.Popen([sys.executable, WORKER, case, str(pid), str(n), str(port)], env=env,
@@ -45,9 +45,9 @@ def run_processes(case: str, n: int, timeout: float = 120.0) -> list[str]:
             p.kill()
         outs = [o if o is not None else p.communicate()[0] for o, p in zip(outs, procs)]
         pytest.fail(f"{case} on {n} processes hung for {timeout:.0f} s; their last lines:\n" +
-                    "\n".join(f"--- process {i}:\n{_tail(o)}" for i, o in enumerate(outs)))
+                    "\n".join(f"--- process {i}:\n{tail(o)}" for i, o in enumerate(outs)))
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     if failed:
         pytest.fail(f"{case} on {n} processes: process(es) {failed} failed; their last lines:\n" +
-                    "\n".join(f"--- process {i} (exit {procs[i].returncode}):\n{_tail(outs[i])}" for i in failed))
+                    "\n".join(f"--- process {i} (exit {procs[i].returncode}):\n{tail(outs[i])}" for i in failed))
     return outs
