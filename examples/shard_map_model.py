@@ -105,13 +105,14 @@ def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int) -
     else:
         act = 2 * rows * d_in
         act_name = "activation all-gather over 'seq' (fallback: bf16 rows, quantized after the gather)"
-    grads = 4 * sum(a * b for a, b in shapes)
+    grads = 4 * weights * (1 + ns)  # all-to-all of the ranks' parts, then the seq ranks' parts gathered
     return [
         ("master scale all-reduce over 'data' (one pmax of the 128x128 tile amaxes, uint32)", 4 * tiles, 0),
         ("master weight all-gather over 'data' (FP8 tiles, 1 byte per element; plus 2 int32 shard windows per "
          "weight)", weights, 2 * weights),
         (act_name, act, 2 * rows * d_in),
-        ("weight-gradient all-reduce over 'data' x 'seq' (fp32)", grads, grads),
+        ("weight-gradient reduce-scatter over 'data' x 'seq' (fp32: an all-to-all over 'data', the 'seq' ranks' "
+         "parts gathered, added in rank order)", grads, grads),
     ]
 
 
@@ -182,6 +183,19 @@ def _zero(w, nd: int):
 def _unzero(m, shape):
     """The weight of ``shape`` the master shards ``m`` hold (the inverse of _zero)."""
     return m.reshape(-1)[:shape[0] * shape[1]].reshape(shape)
+
+
+def _sum_in_rank_order(x, axes, rows: bool = False):
+    """The sum over the ranks of ``axes`` of ``x`` (with ``rows``: of its rows too), added in rank order,
+    the same on every rank. The collective only moves values (each rank's ``x`` lands in its own slot
+    of a psum, which adds zeros: exact), so one process or many, gloo or NCCL, give the same bits."""
+    slots = jnp.zeros((lax.axis_size(axes),) + x.shape, x.dtype).at[lax.axis_index(axes)].set(x)
+    parts = lax.psum(slots, axes)
+    parts = parts.reshape((-1,) + x.shape[1:]) if rows else parts
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def main(argv=None):
@@ -269,24 +283,22 @@ def main(argv=None):
         s, b = x.shape[:2]
         # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
         xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", X_SCHEME)
-        # their gradients: the masters' (straight-through), this rank's share (typed per device, so
-        # that JAX leaves the sum to the psum below); a replicated bias's gradient comes summed by JAX
-        sinks = [lax.pcast(jnp.zeros(shape, jnp.float32), ("data", "seq"), to="varying") for shape in shapes]
+        # their gradients: the masters' (straight-through) and the biases', this rank's share (typed per
+        # device, so that JAX leaves the sums to us: in rank order, below)
+        ranks = ("data", "seq")
+        sinks = [lax.pcast(jnp.zeros(shape, jnp.float32), ranks, to="varying") for shape in shapes]
 
         def loss_fn(sinks, biases):
             out = mlp_fp8(xs, ws, sinks, biases)  # the full sequence on every seq rank
             mine = lax.dynamic_slice_in_dim(out, lax.axis_index("seq") * s * b, s * b)
             return jnp.sum((mine - y.reshape(s * b, -1)) ** 2) / (args.seq_len * args.batch * sizes[-1])
 
-        loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, biases)
-        # summed in rank order, whichever way the collectives reduce (in one process or over gloo/NCCL):
-        # each rank's loss lands in its own slot, and adding zeros is exact
-        ranks = ("data", "seq")
-        loss = jnp.sum(lax.psum(jnp.zeros(nd * ns).at[lax.axis_index(ranks)].set(loss), ranks))
-        gw = [lax.psum(g, ("data", "seq")) for g in gw]
-        # ZeRO: each data rank keeps the gradient slice of its own master shard
-        r = lax.axis_index("data")
-        gs = [lax.dynamic_slice_in_dim(_zero(g, nd), r, 1)[0] for g in gw]
+        loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, lax.pcast(biases, ranks, to="varying"))
+        loss = _sum_in_rank_order(loss, ranks)
+        gb = [_sum_in_rank_order(g, ranks) for g in gb]
+        # ZeRO: each data rank receives every rank's part of its own master shard's gradient (an all-to-all
+        # over 'data', the seq ranks' parts gathered) and adds them up in rank order
+        gs = [_sum_in_rank_order(lax.all_to_all(_zero(g, nd), "data", 0, 0, tiled=True), "seq", rows=True) for g in gw]
         upd, opt_m = opt.update(gs, opt_m, masters)
         masters = optax.apply_updates(masters, upd)
         upd, opt_b = opt.update(gb, state["opt"]["biases"], biases)
