@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training.train_state import TrainState
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf

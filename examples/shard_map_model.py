@@ -14,12 +14,22 @@ Each step, inside shard_map:
   3. fprop, dgrad and wgrad all run on the FP8 GEMM. The pre-quantized weights get no gradient from
      fp8_dot_general (FP8 leaves cannot carry one), so fp8_linear below is straight-through: the weight
      gradient dW = xᵀ·dy (an FP8 GEMM on the columnwise usages of x and dy) is delivered as the gradient
-     of the fp32 master, as TransformerEngine does for FP8 weights. The gradients are summed over the
-     mesh and each data rank updates only its own master shard with Adam (ZeRO-1 style).
+     of the fp32 master, as TransformerEngine does for FP8 weights. Each data rank receives the
+     gradient of its own master shard (summed over the mesh in rank order, so that any number of
+     processes gives the same bits) and updates that shard with Adam (ZeRO-1 style).
 Runs on 8 simulated CPU devices by default, unchanged on GPUs. The final summary gives the bytes each
 collective moves per step next to the bf16 alternative.
 
+Several processes (one per GPU or host, as multi-host JAX runs) join one mesh with
+jax.distributed.initialize; each loads only the rows of every batch its devices hold, process 0
+prints. --checkpoint-dir saves the training state (master weights and Adam moments in the weights'
+shapes, biases, step, data position) with Orbax from every process, and a restart resumes from the
+latest complete checkpoint, onto any mesh.
+
   python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10]
+  python examples/shard_map_model.py --spawn 2            # 2 local CPU processes x 4 devices (gloo)
+  python examples/shard_map_model.py --checkpoint-dir ckpt --checkpoint-every 20   # run it again to resume
+  python examples/shard_map_model.py --coordinator-address HOST0:1234 --num-processes 2 --process-id I
 """
 from __future__ import annotations
 
