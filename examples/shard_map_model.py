@@ -156,7 +156,9 @@ def _check_flags(ap, args):
     if args.seq_len % args.seq:
         ap.error(f"--seq-len {args.seq_len} is not divisible by --seq {args.seq}: each seq rank takes "
                  f"seq-len/seq tokens of every sequence")
-    if args.spawn is not None and (args.spawn < 1 or args.data * args.seq % args.spawn):
+    if args.spawn is not None and args.spawn < 1:
+        ap.error(f"--spawn must be a positive integer, got {args.spawn}")
+    if args.spawn and args.data * args.seq % args.spawn:
         ap.error(f"--spawn {args.spawn} does not divide the mesh's --data {args.data} x --seq {args.seq} = "
                  f"{args.data * args.seq} devices: every process takes the same number of them")
 
