@@ -5,7 +5,7 @@ from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantiz
                   quantize_mxfp8, to_layout)
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
-from .gemm import Float8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
+from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
 from .primitives.partitioning import ShardingWarning
 
 
@@ -31,5 +31,6 @@ def kernels_available() -> dict:
 __all__ = ["distributed", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
            "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
            "kernels_available"]
-__all__ += ["fp8_dot_general", "Float8BlockScaling", "mxfp8_scaled_matmul_operands", "ShardingWarning"]
+__all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands",
+            "ShardingWarning"]
 __version__ = "0.1.0"

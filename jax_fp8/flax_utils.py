@@ -19,29 +19,31 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Optional
 
-from .gemm import Float8BlockScaling, fp8_dot_general
+from .gemm import RECIPES, Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general
 
 __all__ = ["use_fp8_dot_general", "fp8_dot_general_for"]
 
 
-def fp8_dot_general_for(recipe: Optional[Float8BlockScaling] = None) -> Callable:
+def fp8_dot_general_for(recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None) -> Callable:
     """``fp8_dot_general`` bound to ``recipe`` (default: :class:`Float8BlockScaling`()), as a ``dot_general``
     for Flax layers, e.g. ``Float8BlockScaling(grad_dtype=jnp.float8_e5m2)`` for E5M2 gradients."""
     if recipe is None:
         return fp8_dot_general
-    if not isinstance(recipe, Float8BlockScaling):
-        raise TypeError(f"fp8_dot_general_for: recipe must be a jax_fp8.Float8BlockScaling, got {recipe!r}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"fp8_dot_general_for: recipe must be a jax_fp8.Float8BlockScaling or MXFP8BlockScaling, "
+                        f"got {recipe!r}")
     return partial(fp8_dot_general, recipe=recipe)
 
 
-def use_fp8_dot_general(model: Any, recipe: Optional[Float8BlockScaling] = None, *,
+def use_fp8_dot_general(model: Any, recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None, *,
                         where: Optional[Callable[[tuple, Any], bool]] = None) -> list[tuple]:
     """Put every ``flax.nnx.Linear`` of ``model`` on the FP8 GEMM, in place: sets its ``dot_general`` to
     :func:`jax_fp8.fp8_dot_general` (bound to ``recipe`` when given). Parameters are untouched.
 
     Args:
       model: an ``nnx.Module`` (any graph of them).
-      recipe: a :class:`jax_fp8.Float8BlockScaling`, or None for the default recipe.
+      recipe: a :class:`jax_fp8.Float8BlockScaling` or :class:`jax_fp8.MXFP8BlockScaling`, or None for the
+        default recipe (Float8 blockwise).
       where: ``where(path, linear) -> bool`` picks which layers change (e.g. to keep an output head in
         bf16: ``where=lambda path, m: "lm_head" not in path``); default: all of them.
 

@@ -30,6 +30,7 @@ from . import vma
 from .api import dequantize, quantize, quantize_dequantize
 from .arrays import view_2d
 from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
+from .mx_gemm import MXFP8GemmFallbackWarning, warn_reference
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
 from .gemm_plan import DotPlan, GemmPlan, Step, plan_dot_general, plan_gemm, usage_read
 from .layout import PRIMITIVES, quantize_stacked
@@ -41,7 +42,8 @@ from .warn import warn
 
 Array = Any
 __all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "plan_gemm", "GemmOperand", "GemmPlan",
-           "Float8BlockScaling", "Fp8GemmFallbackWarning", "mxfp8_scaled_matmul_operands"]
+           "Float8BlockScaling", "MXFP8BlockScaling", "Fp8GemmFallbackWarning", "MXFP8GemmFallbackWarning",
+           "mxfp8_scaled_matmul_operands"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,32 @@ class Float8BlockScaling:
         return Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
                       pow2_scales=bool(self.pow2_scales), amax_epsilon=self.amax_epsilon, layout="gemm_ready",
                       saturate_inf=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """The MXFP8 recipe (TE's ``MXFP8BlockScaling``, OCP microscaling): every operand in blocks of 32
+    along the contraction with an E8M0 scale (TE's rule), E4M3; ``grad_dtype`` E4M3 (default) or E5M2
+    for the output gradient. Each GEMM contracts its operands along their blocks: fprop x and W over K
+    (rowwise, 1x32), dgrad dy and W over N, wgrad dy and x over M (the columnwise usages, 32x1), so x,
+    W and dy are each quantized once with both usages. The GEMMs run on cuDNN's block-scaled GEMM where
+    the GPUs are Blackwell, else as their reference on the same quantized operands (one warning:
+    :mod:`jax_fp8.mx_gemm`). Hashable."""
+
+    grad_dtype: Any = jnp.float8_e4m3fn
+
+    def __post_init__(self):
+        object.__setattr__(self, "grad_dtype", fp8_dtype(self.grad_dtype, "MXFP8BlockScaling: grad_dtype"))
+
+    def scheme(self, role: str, rowwise: bool = True, colwise: bool = True) -> Scheme:
+        """The scheme of a role: 'lhs' (activations), 'rhs' (weights) or 'grad'."""
+        dtype = self.grad_dtype if role == "grad" else jnp.float8_e4m3fn
+        return Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise)
+
+
+#: The recipes ``fp8_dot_general`` takes.
+RECIPES = (Float8BlockScaling, MXFP8BlockScaling)
+QUANTIZED = (BlockwiseTensor, MXFP8Tensor)
 
 
 # ---- the linear layer with its VJP: it executes the plan ---------------------------------------------
@@ -122,7 +150,7 @@ def _sequences_may_split(x) -> bool:
 
 
 def _quantized(x, scheme: Scheme):
-    if isinstance(x, BlockwiseTensor):
+    if isinstance(x, QUANTIZED):
         return x
     return _Stacked.of(x, scheme) if x.ndim == 3 else quantize(x, scheme)
 
@@ -171,7 +199,7 @@ def _operand_or_values(q, contract: str):
 
 def _dtype_of(v):
     """A zero-size array carrying ``v``'s dtype (dtypes are not valid residuals)."""
-    return None if isinstance(v, BlockwiseTensor) else jnp.zeros((0,), v.dtype)
+    return None if isinstance(v, QUANTIZED) else jnp.zeros((0,), v.dtype)
 
 
 def _linear_bwd(cfg: _Linear, res, dy):
@@ -190,7 +218,7 @@ def _linear_bwd(cfg: _Linear, res, dy):
 
 def _explicit_sharding_of(v):
     """:func:`explicit_sharding` of an array operand (a pre-quantized tensor gets no gradient)."""
-    return None if isinstance(v, BlockwiseTensor) else explicit_sharding(v)
+    return None if isinstance(v, QUANTIZED) else explicit_sharding(v)
 
 
 def _retyped(v, sharding):
@@ -220,10 +248,12 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 def _fake_quant(x, scheme: Scheme):
     """The fallback's operand: quantize-dequantize with the recipe's ``scheme`` for its role (rowwise
     blocks, TE's rule for infinities; a straight-through gradient), or dequantized values."""
-    if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
+    if isinstance(x, QUANTIZED):
         return dequantize(x)
     if x.ndim == 0 or x.size == 0 or jnp.dtype(x.dtype) not in HIGH_DTYPES:
         return x
+    if scheme.e8m0:
+        return quantize_dequantize(x, "mxfp8", usage="rowwise", dtype=scheme.dtype)
     qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=scheme.block, dtype=scheme.dtype,
                               pow2_scales=scheme.pow2_scales, amax_epsilon=scheme.amax_epsilon)
     return jnp.where(jnp.isfinite(x), qdq, x)  # infinities reach the dot, as in lax.dot_general
@@ -247,7 +277,7 @@ def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_ty
 
 
 def _as_operand(x):
-    if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
+    if isinstance(x, QUANTIZED):
         return x
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = jnp.asarray(x)
@@ -255,7 +285,7 @@ def _as_operand(x):
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
-                    recipe: Optional[Float8BlockScaling] = None, out_sharding=None):
+                    recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None, out_sharding=None):
     """``lax.dot_general`` on the FP8 GEMM, with ``lax.dot_general``'s signature: a drop-in for
     ``flax.linen.Dense(dot_general=...)``, ``flax.nnx.Linear(dot_general=...)`` and
     ``jnp.einsum(..., _dot_general=...)``.
@@ -299,21 +329,23 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     (``lax.dot_general`` of straight-through quantize-dequantized operands) supports both.
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
-    if not isinstance(recipe, Float8BlockScaling):
-        raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling, got {recipe!r}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
     _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     lshape = tuple(lhs.shape)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.result_type(lhs.dtype, rhs.dtype))
-    may_split = len(lshape) >= 3 and not isinstance(lhs, BlockwiseTensor) and _sequences_may_split(lhs)
+    may_split = len(lshape) >= 3 and not isinstance(lhs, QUANTIZED) and _sequences_may_split(lhs)
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding, may_split)
     if plan.fallback is None and not plan.empty:
         if plan.reasons():
             _warn("fp8_dot_general: computing by the reference math (same quantized operands) instead of the FP8 "
                   "GEMM: " + "; ".join(plan.reasons()))
+        if isinstance(recipe, MXFP8BlockScaling):
+            warn_reference("fp8_dot_general")
         # sequences (B, S, K) kept apart where the plan stacks them: a split S stays split
-        x = (lhs if isinstance(lhs, BlockwiseTensor) else lhs.reshape(-1, *lshape[-2:]) if plan.stacked
+        x = (lhs if isinstance(lhs, QUANTIZED) else lhs.reshape(-1, *lshape[-2:]) if plan.stacked
              else lhs.reshape(plan.M, plan.K))
         cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(rhs))
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a

@@ -16,7 +16,8 @@ from ._compat import E8M0_DTYPE
 from .api import to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
-from .gemm_plan import GemmPlan, plan_gemm, usage_read
+from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, usage_read
+from .mx_gemm import mx_gemm, mx_values
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
                               fp8_gemm_bind, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD
@@ -43,6 +44,8 @@ class GemmOperand:
 
     def values(self):
         """fp32 values (rows, K): the dequantized operand."""
+        if self.block == MX_BLOCK_1D:
+            return mx_values(self.data, self.scale)
         return operand_values(self.data, self.scale, self.block)
 
     def padded(self, rows: int, k: int) -> "GemmOperand":
@@ -65,15 +68,18 @@ def _share_tiles(q: BlockwiseTensor) -> BlockwiseTensor:
     return q.with_scheme(both, rowwise_data=d, rowwise_scale_inv=s, colwise_data=d, colwise_scale_inv=s)
 
 
-def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOperand]:
-    """The GEMM operand of a Float8 blockwise tensor, viewed as 2-D (R, C): contracted over C
+def gemm_operand(q, contract: str = "last") -> Optional[GemmOperand]:
+    """The GEMM operand of a quantized tensor, viewed as 2-D (R, C): contracted over C
     (``contract='last'``: its rowwise usage, (R, C)) or over R (``'first'``: its columnwise usage, the
-    transposed (C, R)). Any layout is accepted (converted exactly); 128x128 tiles serve both. Returns
-    None when the tensor does not hold the usage (1x128 blocks without it)."""
-    if not isinstance(q, BlockwiseTensor):
-        raise TypeError(f"gemm_operand: q must be a jax_fp8.BlockwiseTensor, got {type(q).__name__}")
+    transposed (C, R)). Float8 blockwise: any layout is accepted (converted exactly), 128x128 tiles
+    serve both; MXFP8: the scales along the contraction, (rows, ceil(C/32)) uint8 (block (1, 32)).
+    Returns None when the tensor does not hold the usage."""
+    if not isinstance(q, (BlockwiseTensor, MXFP8Tensor)):
+        raise TypeError(f"gemm_operand: q must be a jax_fp8.BlockwiseTensor or MXFP8Tensor, got {type(q).__name__}")
     if contract not in ("last", "first"):
         raise ValueError(f"gemm_operand: contract must be 'last' or 'first', got {contract!r}")
+    if isinstance(q, MXFP8Tensor):
+        return _mx_operand(q, usage_read(contract))
     tiles = q.scheme.tiles
     usage = usage_read(contract)
     if usage not in q.usage_blocks():
@@ -84,6 +90,18 @@ def gemm_operand(q: BlockwiseTensor, contract: str = "last") -> Optional[GemmOpe
     data, scale = q.usage_fields(usage, "gemm_operand")
     R, C = view_2d(q.shape)
     return GemmOperand(data.reshape(R, C) if usage == "rowwise" else data, scale, BLOCK_2D if tiles else BLOCK_1D)
+
+
+def _mx_operand(q: MXFP8Tensor, usage: str) -> Optional[GemmOperand]:
+    """An MXFP8 tensor's usage as the operand contracted over its blocks' dim (columnwise: transposed)."""
+    if usage not in q.usage_blocks():
+        return None
+    data, scale = q.usage_fields(usage, "gemm_operand")
+    R, C = view_2d(q.shape)
+    if usage == "rowwise":
+        return GemmOperand(data.reshape(R, C), scale, MX_BLOCK_1D)
+    data = data if q.scheme.transposed_data(usage) else data.reshape(R, C).T
+    return GemmOperand(data, scale.T, MX_BLOCK_1D)
 
 
 def plan_of(a: GemmOperand, b: GemmOperand) -> GemmPlan:
@@ -104,6 +122,10 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
         return dense_gemm(*vals, c, out_dtype=out_dtype)
+    if a.block == MX_BLOCK_1D:  # the MXFP8 recipe's GEMMs: cuDNN's where it runs, else the reference
+        if c is not None:
+            raise NotImplementedError("run_gemm: no accumulator on MXFP8 GEMMs")
+        return mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype)
     if not plan.ok:  # the primitive's reference numbers: no overflow the GEMM lacks
         return blocked_gemm(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
                             out_dtype=out_dtype)

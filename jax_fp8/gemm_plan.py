@@ -21,12 +21,14 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES
+from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
 from .scheme import check_block
 from .tensors import BlockwiseTensor, MXFP8Tensor
 
+#: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
+MX_BLOCK_1D = (1, MX_BLOCK)
 #: The GEMM backends, in order of preference: the first that takes a GEMM (and runs here) runs it.
 BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT,)
 E4M3 = FP8_DTYPES[0]
@@ -188,11 +190,13 @@ def _contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[bool,
     return rc[0] == 0, None
 
 
-def _why_not_fp8(lhs, rhs, out_dtype, out_sharding) -> Optional[str]:
+def _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx: bool) -> Optional[str]:
     for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if isinstance(x, MXFP8Tensor):
-            return f"an MXFP8 {name} (no Hopper GEMM; on Blackwell see mxfp8_scaled_matmul_operands)"
-        if not isinstance(x, BlockwiseTensor) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
+        if isinstance(x, MXFP8Tensor) and not mx:
+            return f"an MXFP8 {name} with the Float8 blockwise recipe (recipe=jax_fp8.MXFP8BlockScaling() takes it)"
+        if isinstance(x, BlockwiseTensor) and mx:
+            return f"a Float8 blockwise {name} with the MXFP8 recipe (recipe=jax_fp8.Float8BlockScaling() takes it)"
+        if not isinstance(x, (BlockwiseTensor, MXFP8Tensor)) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
             return f"an {name} of dtype {x.dtype} (FP8 quantizes float32, bfloat16, float16)"
     if out_sharding is not None:
         return "out_sharding (not supported by the FP8 GEMM)"
@@ -201,11 +205,23 @@ def _why_not_fp8(lhs, rhs, out_dtype, out_sharding) -> Optional[str]:
     return None
 
 
+def _block_of(scheme) -> tuple:
+    return MX_BLOCK_1D if scheme.e8m0 else scheme.block
+
+
 def _kind(x, scheme) -> _Kind:
     """A pre-quantized tensor as its scheme says; else as the recipe's ``scheme`` for its role."""
-    if isinstance(x, BlockwiseTensor):
-        return _Kind(x.scheme.block, x.scheme.dtype, frozenset(x.usage_blocks()))
-    return _Kind(scheme.block, scheme.dtype)
+    if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
+        return _Kind(_block_of(x.scheme), x.scheme.dtype, frozenset(x.usage_blocks()))
+    return _Kind(_block_of(scheme), scheme.dtype)
+
+
+def plan_mx_gemm(M: int, N: int, K: int, a_dtype=E4M3, b_dtype=E4M3, reason: Optional[str] = None) -> GemmPlan:
+    """The plan of one MXFP8 GEMM (``mx_gemm``: cuDNN where it runs, else its reference, decided when
+    it lowers): no backend of :data:`BACKENDS`, no padding; ``reason`` only where an operand exists as
+    values alone."""
+    return GemmPlan(int(M), int(N), int(K), MX_BLOCK_1D, MX_BLOCK_1D, jnp.dtype(a_dtype), jnp.dtype(b_dtype),
+                    padded=(int(M), int(N), int(K)), reason=reason)
 
 
 def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
@@ -213,39 +229,43 @@ def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
     lacks = ka.lacks(a.contract) or kb.lacks(b.contract)
     reason = ("a pre-quantized operand lacks the usage this GEMM contracts (1x128 blocks along the other dim)"
               if lacks else None)
+    if ka.block == MX_BLOCK_1D:
+        return Step(name, a, b, plan_mx_gemm(*mnk, ka.dtype, kb.dtype, reason=reason))
     return Step(name, a, b, plan_gemm(*mnk, ka.block, kb.block, ka.dtype, kb.dtype, reason=reason))
 
 
 def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding=None,
                      sequences_may_split: bool = False) -> DotPlan:
     """The plan of ``fp8_dot_general(lhs, rhs, dimension_numbers, ...)`` with ``recipe`` (a
-    ``Float8BlockScaling``): lhs and rhs arrays (or their abstract values) or BlockwiseTensors, whose
+    ``Float8BlockScaling`` or ``MXFP8BlockScaling``): lhs and rhs arrays (or their abstract values) or
+    quantized tensors of the recipe's format, whose
     shapes, dtypes and (pre-quantized) usages decide. ``sequences_may_split``: the lhs's sequences may
     be split over devices (stack them when every GEMM takes them unpadded)."""
     lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
     rhs_kn, why = _contraction(len(lshape), len(rshape), dimension_numbers)
-    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding)
+    mx = recipe.scheme("lhs").e8m0
+    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx)
     if why is not None:
         return DotPlan(fallback=why)
     K = lshape[-1]
     M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
     schemes = {role: recipe.scheme(role) for role in ("lhs", "rhs", "grad")}
-    kinds = {"x": _kind(lhs, schemes["lhs"]), "w": _kind(rhs, schemes["rhs"]),
-             "dy": _Kind(schemes["grad"].block, schemes["grad"].dtype)}
+    kinds = {"x": _kind(lhs, schemes["lhs"]), "w": _kind(rhs, schemes["rhs"]), "dy": _kind(None, schemes["grad"])}
     w_fprop, w_dgrad = ("first", "last") if rhs_kn else ("last", "first")  # W's K, then its N
     if kinds["x"].lacks("last") or kinds["w"].lacks(w_fprop):
-        return DotPlan(fallback="a pre-quantized operand lacks the usage the forward GEMM contracts (1x128 "
-                                "blocks along it)")
+        return DotPlan(fallback="a pre-quantized operand lacks the usage the forward GEMM contracts (its blocks "
+                                "along it)")
     if M * N * K == 0:  # nothing to multiply
         return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn)
     x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
     steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]
-    if not isinstance(lhs, BlockwiseTensor):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
+    quantized = (BlockwiseTensor, MXFP8Tensor)  # pre-quantized tensors get no gradient
+    if not isinstance(lhs, quantized):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
         steps.append(_step("dgrad", Operand("dy", "last"), Operand("w", w_dgrad), (M, K, N), kinds))
-    if not isinstance(rhs, BlockwiseTensor):  # dW = dyᵀ · x over M, in W's orientation
+    if not isinstance(rhs, quantized):  # dW = dyᵀ · x over M, in W's orientation
         steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds) if rhs_kn
                      else _step("wgrad", dy_first, x_first, (N, K, M), kinds))
     # stacked sequences take no padding: every GEMM must take them as they are
-    stacked = (sequences_may_split and len(lshape) >= 3 and not isinstance(lhs, BlockwiseTensor)
+    stacked = (sequences_may_split and not mx and len(lshape) >= 3 and not isinstance(lhs, quantized)
                and lshape[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
     return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn, steps=tuple(steps), stacked=stacked)

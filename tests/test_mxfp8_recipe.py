@@ -1,0 +1,133 @@
+"""``fp8_dot_general`` with the MXFP8 recipe (``jf.MXFP8BlockScaling``): forward and both gradients
+against fp64 products of operands quantized independently (the jax.numpy reference, dequantized in
+NumPy), pre-quantized MXFP8 operands used as given, one quantization of each tensor, the fallback
+warning where no block-scaled MXFP8 GEMM runs, and the CUDA lowering (``jax.export``): cuDNN's
+block-scaled GEMM on our quantized operands, for all three GEMMs."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jax_fp8 as jf
+from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+from helpers import assert_bits_equal, deq, on_cpu, stable_seed
+from test_dot_general_vjp import _fwd_bwd, _wide, accumulation_bound
+from test_gemm import assert_within
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+KN = (((1,), (0,)), ((), ()))
+NK = (((1,), (1,)), ((), ()))
+#: (x shape, N, dtype, grad dtype, W as (K, N)): M, K, N off the 32 grid (partial blocks), aligned, and
+#: a (B, S, K) lhs
+CASES = [((37, 300), 50, F32, E4M3, True), ((130, 257), 129, BF16, E5M2, False), ((2, 20, 130), 72, BF16, E4M3, True),
+         ((256, 384), 256, F32, E5M2, False)]
+
+
+@pytest.fixture
+def quiet():
+    """The MXFP8 GEMMs run as their reference on this machine: their one warning is tested below."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MXFP8GemmFallbackWarning)
+        yield
+
+
+def _ref64(v, dtype, usage):
+    """fp64 (rows, cols) of ``v``'s 2-D view quantized by the reference MXFP8 quantizer, ``usage``
+    (rowwise: 1x32 blocks along the last dim; colwise: 32x1 along the first) dequantized in NumPy."""
+    v = np.asarray(v).reshape(-1, v.shape[-1])
+    q = on_cpu(jf.reference.quantize_mxfp8, v, dtype=dtype, rowwise=usage == "rowwise", colwise=usage == "colwise")
+    return deq(q, usage)
+
+
+@pytest.mark.parametrize("xshape,N,dtype,grad_dtype,kn", CASES, ids=str)
+def test_vjp_against_fp64_of_independent_quantizations(xshape, N, dtype, grad_dtype, kn, quiet):
+    """fprop y = x̃ · W̃ (x and W in 1x32 / 32x1 blocks along K), dgrad dx = d̃y · W̃ᵀ (dy and W along
+    N), wgrad dW = x̃ᵀ · d̃y (x and dy along M: the columnwise usages), each within the fp32 accumulation
+    bound of its contraction (test_dot_general_vjp.accumulation_bound; the E8M0 scales are powers of two,
+    so dequantizing is exact). Rows and columns are scaled by powers of two over 2^12, so a GEMM reading
+    the wrong usage falls outside the bounds."""
+    rng = np.random.default_rng(stable_seed("mx vjp", xshape, N, dtype, grad_dtype, kn))
+    K, M = xshape[-1], int(np.prod(xshape[:-1]))
+    x, w, g = (_wide(rng, s, dtype) for s in (xshape, (K, N) if kn else (N, K), (*xshape[:-1], N)))
+    recipe = jf.MXFP8BlockScaling(grad_dtype=grad_dtype)
+    dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
+    f = lambda x, w: jf.fp8_dot_general(x, w, dn, recipe=recipe)  # noqa: E731
+    y, dx, dw = jax.jit(_fwd_bwd(f))(x, w, g)
+    assert y.dtype == dx.dtype == dw.dtype == dtype and dx.shape == x.shape and dw.shape == w.shape
+    # W (K, N): K is its first dim (columnwise usage over K), N its last; W (N, K) the other way round
+    w_over_k, w_over_n = (("colwise", "rowwise") if kn else ("rowwise", "colwise"))
+    Wk = _ref64(w, E4M3, w_over_k)  # W's own shape, blocks along K
+    Wn = _ref64(w, E4M3, w_over_n)  # blocks along N
+    Wk_nk, Wn_nk = (Wk.T, Wn.T) if kn else (Wk, Wn)  # as (N, K)
+    Xr, Xc = _ref64(x, E4M3, "rowwise"), _ref64(x, E4M3, "colwise")  # (M, K)
+    Gr, Gc = _ref64(g, grad_dtype, "rowwise"), _ref64(g, grad_dtype, "colwise")  # (M, N)
+    exact, bound = accumulation_bound(Xr, Wk_nk, dtype)  # fprop (M, N), over K
+    assert_within(y.reshape(M, N), exact, bound, "fprop y")
+    exact, bound = accumulation_bound(Gr, Wn_nk.T, dtype)  # dgrad (M, K), over N
+    assert_within(dx.reshape(M, K), exact, bound, "dgrad dx")
+    exact, bound = accumulation_bound(Gc.T, Xc.T, dtype)  # wgrad (N, K), over M
+    assert_within(dw.T if kn else dw, exact, bound, "wgrad dW")
+
+
+def test_each_tensor_quantized_once_and_one_warning():
+    """Forward + backward: one quantize of x, of W and of dy (both usages each), no dequantize of a
+    high-precision operand; and one MXFP8GemmFallbackWarning per call where no block-scaled GEMM runs."""
+    rng = np.random.default_rng(stable_seed("mx once"))
+    x, w, g = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 256), (256, 96), (64, 96)))
+    f = lambda x, w: jf.fp8_dot_general(x, w, KN, recipe=jf.MXFP8BlockScaling())  # noqa: E731
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        jaxpr = str(jax.make_jaxpr(lambda x, w, g: jax.vjp(f, x, w)[1](g))(x, w, g))
+    assert jaxpr.count("jf_quantize[") == 3, jaxpr
+    ours = [r for r in rec if issubclass(r.category, MXFP8GemmFallbackWarning)]
+    assert len(ours) == 1 and "the MXFP8 GEMMs run as their reference" in str(ours[0].message), ours
+
+
+def test_prequantized_mxfp8_used_as_given(quiet):
+    """An MXFP8Tensor weight is used as it is (the same bits as the weight the call quantizes itself),
+    gets no gradient, and is not quantized again."""
+    rng = np.random.default_rng(stable_seed("mx pre"))
+    x = jnp.asarray(rng.standard_normal((48, 160)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((160, 64)), jnp.float32)
+    recipe = jf.MXFP8BlockScaling()
+    wq = jf.quantize(w, recipe.scheme("rhs"))
+    f = lambda x, w: jf.fp8_dot_general(x, w, KN, recipe=recipe)  # noqa: E731
+    assert_bits_equal(jax.jit(f)(x, wq), jax.jit(f)(x, w))
+    dx_pre = jax.grad(lambda x: f(x, wq).sum())(x)
+    dx, _ = jax.grad(lambda x, w: f(x, w).sum(), (0, 1))(x, w)
+    assert_bits_equal(dx_pre, dx)
+    jaxpr = str(jax.make_jaxpr(lambda x: jax.grad(lambda x: f(x, wq).sum())(x))(x))
+    assert jaxpr.count("jf_quantize[") == 2, jaxpr  # x and dy only
+
+
+def test_mixing_formats_falls_back_with_a_reason(quiet):
+    rng = np.random.default_rng(stable_seed("mx mix"))
+    x = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
+    wb = jf.quantize_blockwise(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), block=(128, 128))
+    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning, match="a Float8 blockwise rhs with the MXFP8 recipe"):
+        jf.fp8_dot_general(x, wb, KN, recipe=jf.MXFP8BlockScaling())
+    with pytest.raises(TypeError, match="recipe must be a Float8BlockScaling or MXFP8BlockScaling"):
+        jf.fp8_dot_general(x, x.T, KN, recipe="mxfp8")
+    with pytest.raises(TypeError, match="MXFP8BlockScaling: grad_dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2"):
+        jf.MXFP8BlockScaling(grad_dtype=jnp.float16)
+
+
+def test_cuda_lowering_is_the_block_scaled_dot_on_our_operands(quiet):
+    """Exported for CUDA (no GPU needed): the forward and both gradients are three cuDNN block-scaled
+    dots (``__op$block_scaled_dot``) whose operands are FP8 data with E8M0 scales, what jax_fp8 quantized
+    (no dot_general of dequantized values, no second quantization)."""
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    f = lambda x, w: jf.fp8_dot_general(x, w, KN, recipe=jf.MXFP8BlockScaling())  # noqa: E731
+    exp = export.export(jax.jit(_fwd_bwd(f)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")])(x, w, g)
+    calls = [line for line in exp.mlir_module().splitlines() if "custom_call @__op$block_scaled_dot" in line]
+    assert len(calls) == 3, calls
+    for call in calls:
+        assert call.count("f8E4M3FN>") + call.count("f8E5M2>") >= 2 and call.count("f8E8M0FNU>") >= 2, call
+    assert "stablehlo.dot_general" not in exp.mlir_module()
