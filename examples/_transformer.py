@@ -83,7 +83,7 @@ class Config:
         return self.layers * per_layer + 2 * self.vocab * self.d_model + self.d_model
 
 
-def dense_options(variant: str, recipe: Optional[jf.Float8BlockScaling] = None) -> dict:
+def dense_options(variant: str, recipe: Optional[jf.Float8BlockScaling | jf.MXFP8BlockScaling] = None) -> dict:
     """The ``nn.Dense`` keyword arguments of a variant (see the module docstring)."""
     if variant == "fp8":
         return {"dot_general": fp8_dot_general_for(recipe)}
@@ -147,7 +147,8 @@ class Decoder(nn.Module):
                         **self.dense)(x)
 
 
-def make_model(cfg: Config, variant: str, recipe: Optional[jf.Float8BlockScaling] = None) -> Decoder:
+def make_model(cfg: Config, variant: str,
+               recipe: Optional[jf.Float8BlockScaling | jf.MXFP8BlockScaling] = None) -> Decoder:
     return Decoder(cfg, dense_options(variant, recipe))
 
 
@@ -218,7 +219,7 @@ def optimizer(lr: float = 3e-3, warmup: int = 10) -> optax.GradientTransformatio
 
 
 def init_state(cfg: Config, variant: str, params, tx: optax.GradientTransformation,
-               recipe: Optional[jf.Float8BlockScaling] = None) -> TrainState:
+               recipe: Optional[jf.Float8BlockScaling | jf.MXFP8BlockScaling] = None) -> TrainState:
     """A flax ``TrainState`` of the variant's model starting from ``params`` (plus flax-fp8's FP8 meta)."""
     model = make_model(cfg, variant, recipe)
     if variant == "flax-fp8":

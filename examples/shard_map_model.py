@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from functools import partial
 import sys
 import time
 import warnings
@@ -60,31 +61,34 @@ from _checkpoint import CheckpointMismatch, open_checkpoints, restore, save  # n
 from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
 from _launch import add_flags, join_processes, process_local_array, spawn, without_spawn  # noqa: E402
 
-RECIPE = jf.Float8BlockScaling()     # 1x128 activations and gradients, 128x128 weights, E4M3
-X_SCHEME = RECIPE.scheme("lhs")      # what the GEMMs read of an activation: 1x128 both usages, GEMM-ready
+RECIPES = {"blockwise": jf.Float8BlockScaling(),  # 1x128 activations and gradients, 128x128 weights, E4M3
+           "mxfp8": jf.MXFP8BlockScaling()}          # every operand in 1x32 / 32x1 blocks with E8M0 scales
+QUANTIZED = (jf.BlockwiseTensor, jf.MXFP8Tensor)
 FPROP = (((1,), (0,)), ((), ()))     # x (M, K) . W (K, N)
 DGRAD = (((1,), (1,)), ((), ()))     # dy (M, N) . W (K, N), contracted over N
 
 
-@jax.custom_vjp
-def fp8_linear(x, wq, w_grad):
-    """y (M, N) = x · W in bf16 on the FP8 GEMM. ``x``: (M, K) bf16, or a BlockwiseTensor already in
-    ``X_SCHEME`` (the gathered input); ``wq``: the gathered GEMM-ready 128x128 weight (K, N); ``w_grad``:
-    zeros of W's shape whose gradient is the straight-through weight gradient (see the module docstring)."""
-    return jf.fp8_dot_general(x, wq, FPROP, preferred_element_type=jnp.bfloat16)
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_linear(x, wq, w_grad, recipe):
+    """y (M, N) = x · W in bf16 on the FP8 GEMM of ``recipe``. ``x``: (M, K) bf16, or a tensor already
+    quantized as the recipe's lhs (the gathered input); ``wq``: the gathered quantized weight (K, N);
+    ``w_grad``: zeros of W's shape whose gradient is the straight-through weight gradient (see the
+    module docstring)."""
+    return jf.fp8_dot_general(x, wq, FPROP, preferred_element_type=jnp.bfloat16, recipe=recipe)
 
 
-def _fp8_linear_fwd(x, wq, w_grad):
-    pre = isinstance(x, jf.BlockwiseTensor)
-    xq = x if pre else jf.quantize(x, X_SCHEME)  # one pass: rowwise (fprop) and columnwise (wgrad)
-    y = jf.fp8_dot_general(xq, wq, FPROP, preferred_element_type=jnp.bfloat16)
+def _fp8_linear_fwd(x, wq, w_grad, recipe):
+    pre = isinstance(x, QUANTIZED)
+    xq = x if pre else jf.quantize(x, recipe.scheme("lhs"))  # one pass: rowwise (fprop) and columnwise (wgrad)
+    y = jf.fp8_dot_general(xq, wq, FPROP, preferred_element_type=jnp.bfloat16, recipe=recipe)
     return y, (xq, wq, None if pre else jnp.zeros((0,), x.dtype))  # a pre-quantized x gets no gradient
 
 
-def _fp8_linear_bwd(res, dy):
+def _fp8_linear_bwd(recipe, res, dy):
     xq, wq, x_dtype = res
-    dyq = jf.quantize(dy, RECIPE.scheme("grad"))  # 1x128 rowwise (dgrad) and columnwise (wgrad), one pass
-    dx = None if x_dtype is None else jf.fp8_dot_general(dyq, wq, DGRAD, preferred_element_type=x_dtype.dtype)
+    dyq = jf.quantize(dy, recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad), one pass
+    dx = (None if x_dtype is None else
+          jf.fp8_dot_general(dyq, wq, DGRAD, preferred_element_type=x_dtype.dtype, recipe=recipe))
     # wgrad, dW (K, N) = xᵀ (K, M) · [dyᵀ (N, M)]ᵀ, contracted over the tokens M: both columnwise usages
     dw = fp8_gemm(gemm_operand(xq, "first"), gemm_operand(dyq, "first"), out_dtype=jnp.float32)
     return dx, None, dw
@@ -93,23 +97,28 @@ def _fp8_linear_bwd(res, dy):
 fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
-def mlp_fp8(x, ws, sinks, bs):
-    """x (tokens, d): the gathered BlockwiseTensor; ws: the gathered FP8 weights; every layer on the FP8 GEMM."""
+def mlp_fp8(x, ws, sinks, bs, recipe):
+    """x (tokens, d): the gathered quantized input; ws: the gathered FP8 weights; every layer on the FP8 GEMM."""
     for i, (w, g, b) in enumerate(zip(ws, sinks, bs)):
-        x = fp8_linear(x, w, g) + b
+        x = fp8_linear(x, w, g, recipe) + b
         if i < len(ws) - 1:
             x = jax.nn.gelu(x).astype(jnp.bfloat16)
     return x
 
 
-def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int) -> list[tuple[str, int, int]]:
+def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int, mx: bool) -> list[tuple[str, int, int]]:
     """(collective, bytes gathered/reduced per step as seen by one rank, the bf16 alternative's bytes)."""
-    tiles = sum(-(-a // 128) * -(-b // 128) for a, b in shapes)
+    bm, scale_bytes = (32, 1) if mx else (128, 4)  # MXFP8: 1x32 / 32x1 blocks, uint8 E8M0 scales
+    if mx:  # one uint8 exponent per 32-element block, rowwise and columnwise, for every weight
+        scales = sum(a * -(-b // 32) + -(-a // 32) * b for a, b in shapes)
+        scale_name = "master scale all-reduce over 'data' (one pmax of the E8M0 block scales, uint8)"
+    else:
+        scales = 4 * sum(-(-a // 128) * -(-b // 128) for a, b in shapes)
+        scale_name = "master scale all-reduce over 'data' (one pmax of the 128x128 tile amaxes, uint32)"
     weights = nd * sum(Ls)  # elements of the gathered (padded) flat shards
     rows = rows_local * ns
-    fast = rows_local % 128 == 0
-    if fast:  # rowwise + columnwise FP8 data and their fp32 scales (1x128 and 128x1 blocks)
-        act = 2 * rows * d_in + 4 * ns * (rows_local * -(-d_in // 128) + (rows_local // 128) * d_in)
+    if rows_local % bm == 0:  # rowwise + columnwise FP8 data and their scales
+        act = 2 * rows * d_in + scale_bytes * ns * (rows_local * -(-d_in // bm) + (rows_local // bm) * d_in)
         act_name = ("activation all-gather over 'seq' (fast path: FP8 rowwise data for fprop + columnwise for wgrad, "
                     "and their scales; each rank quantized only its own rows)")
     else:
@@ -117,8 +126,8 @@ def collective_bytes(shapes, Ls, nd: int, ns: int, rows_local: int, d_in: int) -
         act_name = "activation all-gather over 'seq' (fallback: bf16 rows, quantized after the gather)"
     grads = 4 * weights * (1 + ns)  # all-to-all of the ranks' parts, then the seq ranks' parts gathered
     return [
-        ("master scale all-reduce over 'data' (one pmax of the 128x128 tile amaxes, uint32)", 4 * tiles, 0),
-        ("master weight all-gather over 'data' (FP8 tiles, 1 byte per element; plus 2 int32 shard windows per "
+        (scale_name, scales, 0),
+        ("master weight all-gather over 'data' (FP8, 1 byte per element; plus 2 int32 shard windows per "
          "weight)", weights, 2 * weights),
         (act_name, act, 2 * rows * d_in),
         ("weight-gradient reduce-scatter over 'data' x 'seq' (fp32: an all-to-all over 'data', the 'seq' ranks' "
@@ -136,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=12, help="sequences per step (global)")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
+    ap.add_argument("--recipe", default="blockwise", choices=sorted(RECIPES),
+                    help="Float8 blockwise (Hopper's FP8 GEMM) or MXFP8 (Blackwell's; elsewhere its GEMMs run as "
+                         "their reference, the same numbers)")
     ap.add_argument("--metrics-out", metavar="FILE", help="append one JSON line per step, {step, loss}")
     g = ap.add_argument_group("checkpoints (Orbax)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state here and resume from the "
@@ -280,28 +292,34 @@ def main(argv=None):
     seq_local = args.seq_len // ns
     b_local = args.batch // nd
     rows_local = seq_local * b_local
+    recipe = RECIPES[args.recipe]
+    mx = args.recipe == "mxfp8"
+    bm = 32 if mx else 128  # rows of the columnwise blocks
     procs = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
+    what = ("MXFP8: 1x32 / 32x1 blocks, E8M0 scales" if mx else
+            "Float8 blockwise: 1x128 activations/gradients, 128x128 weights")
     log(f"backend {jax.default_backend()}, {procs}mesh data={nd} x seq={ns}; MLP {sizes}, every layer on the FP8 GEMM "
-        f"(Float8 blockwise: 1x128 activations/gradients, 128x128 weights); local activations ({seq_local} tokens x "
-        f"{b_local} seqs) = {rows_local} rows: " + ("fast path (FP8 gathered)" if rows_local % 128 == 0 else
-                                                    "fallback (not a multiple of the 128-row columnwise blocks)"))
+        f"({what}); local activations ({seq_local} tokens x {b_local} seqs) = {rows_local} rows: " +
+        ("fast path (FP8 gathered)" if rows_local % bm == 0 else
+         f"fallback (not a multiple of the {bm}-row columnwise blocks)"))
 
     def local_step(state, x, y):
         masters = [m[0] for m in state["masters"]]
         opt_m = jax.tree.map(lambda a: a[0], state["opt"]["masters"])
         biases = state["biases"]
-        qs = quantize_master_weights(masters, shapes, "data", fmt="blockwise", block=(128, 128))
+        qs = quantize_master_weights(masters, shapes, "data", **({"fmt": "mxfp8"} if mx else
+                                                                 {"fmt": "blockwise", "block": (128, 128)}))
         ws = gather_master_weights(qs, "data", layout="gemm_ready")  # FP8 BlockwiseTensors, both orientations
         s, b = x.shape[:2]
         # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
-        xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", X_SCHEME)
+        xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", recipe.scheme("lhs"))
         # their gradients: the masters' (straight-through) and the biases', this rank's share (typed per
         # device, so that JAX leaves the sums to us: in rank order, below)
         ranks = ("data", "seq")
         sinks = [lax.pcast(jnp.zeros(shape, jnp.float32), ranks, to="varying") for shape in shapes]
 
         def loss_fn(sinks, biases):
-            out = mlp_fp8(xs, ws, sinks, biases)  # the full sequence on every seq rank
+            out = mlp_fp8(xs, ws, sinks, biases, recipe)  # the full sequence on every seq rank
             mine = lax.dynamic_slice_in_dim(out, lax.axis_index("seq") * s * b, s * b)
             return jnp.sum((mine - y.reshape(s * b, -1)) ** 2) / (args.seq_len * args.batch * sizes[-1])
 
@@ -361,7 +379,7 @@ def main(argv=None):
 
     log("bytes per step (each rank's gathered / reduced payload) vs the same step with bf16 weights and activations:")
     Ls = [-(-a * b // nd) for a, b in shapes]
-    for name, fp8, bf16 in collective_bytes(shapes, Ls, nd, ns, rows_local, sizes[0]):
+    for name, fp8, bf16 in collective_bytes(shapes, Ls, nd, ns, rows_local, sizes[0], mx):
         log(f"  {name}: {fp8:,} B   (bf16: {bf16:,} B" + (f", {fp8 / bf16:.2f}x)" if bf16 else ", none)"))
     return losses
 

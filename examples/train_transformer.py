@@ -74,7 +74,11 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _transformer as T  # noqa: E402
+import jax_fp8 as jf  # noqa: E402
 
+
+
+RECIPES = {"blockwise": jf.Float8BlockScaling(), "mxfp8": jf.MXFP8BlockScaling()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10, help="linear learning-rate warmup steps")
     ap.add_argument("--log-every", type=int, default=10, help="print every N steps (and the first and last)")
+    ap.add_argument("--recipe", default="blockwise", choices=sorted(RECIPES),
+                    help="the fp8 variant's recipe: Float8 blockwise (Hopper's FP8 GEMM) or MXFP8 (Blackwell's; "
+                         "elsewhere its GEMMs run as their reference, same numbers)")
     ap.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file (needs matplotlib)")
     ap.add_argument("--mesh", metavar="AXIS=SIZE,...",
                     help="train on a device mesh under jax.jit, e.g. data=4,fsdp=2: the batch split over data and "
@@ -163,7 +170,8 @@ def main(argv=None) -> dict:
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); decoder: {cfg.layers} layers, d_model "
         f"{cfg.d_model}, ffn {cfg.ffn}, {cfg.heads} heads, vocab {cfg.vocab}, {cfg.n_params() / 1e6:.2f}M params "
-        f"({args.param_dtype} masters, {args.dtype} activations); batch {args.batch} x seq {cfg.seq}; {args.steps} steps")
+        f"({args.param_dtype} masters, {args.dtype} activations); batch {args.batch} x seq {cfg.seq}; {args.steps} steps; "
+        f"fp8 recipe {args.recipe}")
     params = T.init_params(cfg, args.seed)
     batches = T.make_batches(cfg, args.batch, args.steps, seed=args.seed)  # fresh data every step
     log(f"data: Markov chain over {cfg.vocab} tokens, entropy {T.chain_entropy(T.markov_chain(cfg.vocab, args.seed)):.4f} "
@@ -176,7 +184,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     for v in args.variants:
         results[v] = T.train(cfg, v, params, batches, args.steps, T.optimizer(args.lr, args.warmup), log,
-                             args.log_every, mesh=mesh)
+                             args.log_every, recipe=RECIPES[args.recipe] if v == "fp8" else None, mesh=mesh)
     tail = max(1, args.steps // 10)
     final = {v: sum(r.losses[-tail:]) / tail for v, r in results.items()}
     # median over the steps after the first (which compiles)

@@ -16,7 +16,7 @@ from ._compat import E8M0_DTYPE
 from .api import to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
-from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, usage_read
+from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, plan_mx_gemm, usage_read
 from .mx_gemm import mx_gemm, mx_values
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
                               fp8_gemm_bind, operand_scale_shape, operand_values)
@@ -107,6 +107,10 @@ def _mx_operand(q: MXFP8Tensor, usage: str) -> Optional[GemmOperand]:
 def plan_of(a: GemmOperand, b: GemmOperand) -> GemmPlan:
     """The plan of ``a · bᵀ`` for these operands."""
     (M, K), (N, _) = a.shape, b.shape
+    if (a.block == MX_BLOCK_1D) != (b.block == MX_BLOCK_1D):
+        raise ValueError(f"fp8_gemm: an MXFP8 operand with a Float8 blockwise one ({a.block} and {b.block} blocks)")
+    if a.block == MX_BLOCK_1D:
+        return plan_mx_gemm(M, N, K, a.data.dtype, b.data.dtype)
     return plan_gemm(M, N, K, a.block, b.block, a.data.dtype, b.data.dtype)
 
 
@@ -146,21 +150,23 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
 def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
     """``a · bᵀ (+ c)`` on the FP8 GEMM, for already-quantized operands.
 
-    ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand` or :class:`~jax_fp8.BlockwiseTensor` (2-D view,
-    contracted over its last dim, see :func:`gemm_operand`). Misaligned shapes are padded
+    ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand`, :class:`~jax_fp8.BlockwiseTensor` or
+    :class:`~jax_fp8.MXFP8Tensor` (2-D view, contracted over its last dim, see :func:`gemm_operand`;
+    MXFP8 operands run on :mod:`jax_fp8.mx_gemm`, both MXFP8 or neither). Misaligned shapes are padded
     (:func:`~jax_fp8.gemm_plan.plan_gemm`); what no GEMM backend takes is computed by the reference math,
     with a :class:`Fp8GemmFallbackWarning`. ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or
     float16 (computed in fp32). Not differentiable (use :func:`jax_fp8.fp8_dot_general`).
     """
     ops = []
     for name, x in (("a", a), ("b", b)):
-        if isinstance(x, BlockwiseTensor):
+        if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
             op = gemm_operand(x, "last")
             if op is None:
                 raise ValueError(f"fp8_gemm: {name} has no rowwise usage (its 1x128 blocks along the last dim)")
             x = op
         if not isinstance(x, GemmOperand):
-            raise TypeError(f"fp8_gemm: {name} must be a GemmOperand or BlockwiseTensor, got {type(x).__name__}")
+            raise TypeError(f"fp8_gemm: {name} must be a GemmOperand, BlockwiseTensor or MXFP8Tensor, got "
+                            f"{type(x).__name__}")
         ops.append(x)
     if ops[0].shape[1] != ops[1].shape[1]:
         raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")

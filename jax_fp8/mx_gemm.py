@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import contracts
+from . import contracts, vma
 from ._compat import E8M0_DTYPE
 from .arrays import bitcast, cdiv
 from .formats import MX_BLOCK
@@ -53,7 +53,8 @@ def _scaled_matmul(a, a_scale, b, b_scale, *, out_dtype):
     pad = cdiv(a.shape[1], MX_BLOCK) * MX_BLOCK - a.shape[1]
     a, b = (jnp.pad(x, ((0, 0), (0, pad))) for x in (a, b))
     sa, sb = (bitcast(s, E8M0_DTYPE)[None] for s in (a_scale, b_scale))
-    return jax.nn.scaled_matmul(a[None], b[None], sa, sb, preferred_element_type=out_dtype)[0]
+    out = jax.nn.scaled_matmul(a[None], b[None], sa, sb, preferred_element_type=out_dtype)[0]
+    return vma.match(out, a, b, sa, sb)[0]  # inside shard_map: varying as its operands (scaled_matmul drops it)
 
 
 def cudnn_unavailable() -> Optional[str]:

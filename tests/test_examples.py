@@ -26,7 +26,7 @@ def test_shard_map_model_trains(capsys):
     assert losses[-1] < 0.5 * losses[0]
     out = capsys.readouterr().out
     assert "fallback" in out and "one pmax of the 128x128 tile amaxes" in out
-    assert "master weight all-gather over 'data' (FP8 tiles, 1 byte per element; plus 2 int32 shard windows per " \
+    assert "master weight all-gather over 'data' (FP8, 1 byte per element; plus 2 int32 shard windows per " \
            "weight): 102,400 B   (bf16: 204,800 B, 0.50x)" in out
 
 
@@ -38,6 +38,21 @@ def test_shard_map_model_fast_path(capsys):
     assert losses[-1] < 0.6 * losses[0]
     out = capsys.readouterr().out
     assert "128 rows: fast path" in out and "(fast path: FP8 rowwise data" in out
+
+
+def test_shard_map_model_mxfp8(capsys):
+    """--recipe mxfp8: MXFP8 master weights (one uint8 scale all-reduce) and activations gathered as FP8
+    (128 local rows: whole 32-row blocks), fed to fp8_dot_general without a second quantization."""
+    import shard_map_model
+    from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+
+    with pytest.warns(MXFP8GemmFallbackWarning):
+        losses = shard_map_model.main(["--steps", "8", "--seq-len", "256", "--batch", "4", "--log-every", "4",
+                                       "--recipe", "mxfp8"])
+    assert losses[-1] < 0.6 * losses[0]
+    out = capsys.readouterr().out
+    assert "MXFP8: 1x32 / 32x1 blocks" in out and "128 rows: fast path" in out
+    assert "one pmax of the E8M0 block scales, uint8" in out
 
 
 def test_shard_map_fp8_linear_gradients_are_fp8_dot_generals():

@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 HERE = os.path.dirname(__file__)
@@ -30,6 +32,21 @@ def test_train_transformer_loss_falls_fp8_tracks_bf16(capsys):
     out = capsys.readouterr().out
     assert "[     fp8] step     1/16" in out and "[    bf16] step    16/16" in out
     assert "fp8 / bf16: loss ratio" in out and "step-time ratio" in out
+
+
+def test_train_transformer_mxfp8_recipe_tracks_bf16(capsys):
+    """--recipe mxfp8: every projection on fp8_dot_general with the MXFP8 recipe (on the CPU its GEMMs
+    run as their reference, with its warning); the loss falls and stays within 3% of bf16's."""
+    import train_transformer
+
+    with pytest.warns(MXFP8GemmFallbackWarning):
+        res = train_transformer.main(TINY + ["--steps", "16", "--warmup", "2", "--lr", "1e-2", "--log-every", "5",
+                                             "--recipe", "mxfp8"])
+    fp8, bf16 = res["fp8"].losses, res["bf16"].losses
+    assert np.mean(fp8[-3:]) < 0.75 * fp8[0], fp8
+    assert abs(np.mean(fp8[-3:]) / np.mean(bf16[-3:]) - 1) < 0.03, (fp8[-3:], bf16[-3:])
+    out = capsys.readouterr().out
+    assert "fp8 recipe mxfp8" in out and "fp8 / bf16: loss ratio" in out
 
 
 def test_train_transformer_plot(tmp_path):
