@@ -131,3 +131,36 @@ def test_cuda_lowering_is_the_block_scaled_dot_on_our_operands(quiet):
     for call in calls:
         assert call.count("f8E4M3FN>") + call.count("f8E5M2>") >= 2 and call.count("f8E8M0FNU>") >= 2, call
     assert "stablehlo.dot_general" not in exp.mlir_module()
+
+
+def test_collectives_feed_the_recipe_without_requantizing(quiet):
+    """Inside the default jax.shard_map over 8 data ranks: MXFP8 master weights cast with one uint8
+    scale all-reduce and gathered, and activations gathered as FP8 (32 local rows: whole 32-row
+    blocks), go into fp8_dot_general with the MXFP8 recipe as they are: the product equals, bit for bit,
+    fp8_dot_general of the full activations and weights in one device, and nothing is quantized after
+    the gathers."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_fp8.distributed import all_gather_first_dim, gather_master_weights, quantize_master_weights
+
+    rng = np.random.default_rng(stable_seed("mx collectives"))
+    K, N, rows = 256, 96, 32
+    x = jnp.asarray(rng.standard_normal((8 * rows, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    recipe = jf.MXFP8BlockScaling()
+
+    def step(x, shard):
+        wq, = gather_master_weights(quantize_master_weights([shard[0]], [(K, N)], "data", fmt="mxfp8"), "data")
+        xq = all_gather_first_dim(x, "data", recipe.scheme("lhs"))
+        return jf.fp8_dot_general(xq, wq, KN, recipe=recipe)[None]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))
+    shards = jnp.asarray(np.asarray(w).reshape(8, -1))
+    args = (jax.device_put(x, NamedSharding(mesh, P("data"))), jax.device_put(shards, NamedSharding(mesh, P("data"))))
+    got = np.asarray(f(*args))
+    want = jax.jit(lambda x, w: jf.fp8_dot_general(x, w.astype(jnp.bfloat16), KN, recipe=recipe))(x, w)
+    for r in range(8):
+        assert_bits_equal(got[r], want, f"rank {r}")
+    jaxpr = str(jax.make_jaxpr(f)(*args))
+    assert jaxpr.count("jf_quantize[") == 1, jaxpr  # the local activations, before their gather
