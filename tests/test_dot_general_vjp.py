@@ -401,7 +401,7 @@ def test_argument_errors():
         jf.Float8BlockScaling(grad_dtype=jnp.float32)
     with pytest.raises(ValueError, match="amax_epsilon"):
         jf.Float8BlockScaling(amax_epsilon=-1.0)
-    with pytest.raises(TypeError, match="a must be a GemmOperand or BlockwiseTensor"):
+    with pytest.raises(TypeError, match="a must be a GemmOperand, BlockwiseTensor or MXFP8Tensor"):
         G.fp8_gemm(x, jf.quantize_blockwise(x))
     with pytest.raises(ValueError, match="no rowwise usage"):
         G.fp8_gemm(jf.quantize_blockwise(x, rowwise=False, colwise=True), jf.quantize_blockwise(x))

@@ -55,7 +55,8 @@ def test_shard_map_model_mxfp8(capsys):
     assert "one pmax of the E8M0 block scales, uint8" in out
 
 
-def test_shard_map_fp8_linear_gradients_are_fp8_dot_generals():
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8"])
+def test_shard_map_fp8_linear_gradients_are_fp8_dot_generals(name):
     """fp8_linear on the pre-quantized weight gives the forward, dx and (straight-through) dW that
     fp8_dot_general gives for the high-precision weight it quantizes the same way: bit for bit."""
     import jax
@@ -70,16 +71,17 @@ def test_shard_map_fp8_linear_gradients_are_fp8_dot_generals():
     x = jax.random.normal(kx, (256, 384), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (384, 256), jnp.float32) / 20).astype(jnp.bfloat16)
     dy = jax.random.normal(kd, (256, 256), jnp.float32).astype(jnp.bfloat16)
-    wq = jf.to_layout(jf.quantize(w, S.RECIPE.scheme("rhs")), "gemm_ready")
+    recipe = S.RECIPES[name]
+    wq = jf.to_layout(jf.quantize(w, recipe.scheme("rhs")), "gemm_ready")
 
     @jax.jit
     def ours(x, wq):
-        y, vjp = jax.vjp(lambda x, g: S.fp8_linear(x, wq, g), x, jnp.zeros(w.shape, jnp.float32))
+        y, vjp = jax.vjp(lambda x, g: S.fp8_linear(x, wq, g, recipe), x, jnp.zeros(w.shape, jnp.float32))
         return (y,) + vjp(dy)
 
     @jax.jit
     def reference(x, w):
-        y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, S.FPROP), x, w)
+        y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, S.FPROP, recipe=recipe), x, w)
         return (y,) + vjp(dy)
 
     (y, dx, dw), (y_ref, dx_ref, dw_ref) = ours(x, wq), reference(x, w)

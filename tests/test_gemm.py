@@ -275,8 +275,13 @@ def test_gemm_operand_orientations():
     assert G.gemm_operand(only_row, "first") is None
     tiles = jf.quantize_blockwise(x, block=B2, layout="gemm_ready")  # rowwise only: tiles serve both
     assert_bits_equal(G.gemm_operand(tiles, "first").values(), deq(tiles).T.astype(np.float32), "tiles")
-    with pytest.raises(TypeError, match="BlockwiseTensor"):
-        G.gemm_operand(jf.quantize_mxfp8(x))
+    mx = jf.quantize_mxfp8(x, rowwise=True, colwise=True)  # MXFP8: E8M0 scales along the contraction, (1, 32)
+    last, first = G.gemm_operand(mx, "last"), G.gemm_operand(mx, "first")
+    assert last.block == first.block == (1, 32) and first.shape == (200, 210)
+    assert_bits_equal(last.values(), deq(mx).astype(np.float32), "mxfp8 rowwise")
+    assert_bits_equal(first.values(), deq(mx, "colwise").T.astype(np.float32), "mxfp8 colwise")
+    with pytest.raises(TypeError, match="BlockwiseTensor or MXFP8Tensor"):
+        G.gemm_operand(x)
 
 
 # ---- batching of the primitive ----------------------------------------------------------------------
