@@ -97,10 +97,31 @@ def _fp8_linear_bwd(recipe, res, dy):
 fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
+@jax.custom_vjp
+def bf16_linear(x, w, w_grad):
+    """The bf16 baseline of fp8_linear: y = x · W in bf16 (fp32 accumulation), the weight gradient
+    delivered to ``w_grad`` the same way."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _bf16_linear_fwd(x, w, w_grad):
+    return bf16_linear(x, w, w_grad), (x, w)
+
+
+def _bf16_linear_bwd(res, dy):
+    x, w = res
+    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    return dx, None, jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
+
+
+bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
+
+
 def mlp_fp8(x, ws, sinks, bs, recipe):
-    """x (tokens, d): the gathered quantized input; ws: the gathered FP8 weights; every layer on the FP8 GEMM."""
+    """x (tokens, d): the gathered input (quantized); ws: the gathered weights (FP8); every layer on the
+    FP8 GEMM of ``recipe`` (None: the bf16 baseline, bf16 inputs and weights)."""
     for i, (w, g, b) in enumerate(zip(ws, sinks, bs)):
-        x = fp8_linear(x, w, g, recipe) + b
+        x = (bf16_linear(x, w, g) if recipe is None else fp8_linear(x, w, g, recipe)) + b
         if i < len(ws) - 1:
             x = jax.nn.gelu(x).astype(jnp.bfloat16)
     return x
@@ -145,6 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=12, help="sequences per step (global)")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false",
+                    help="skip the bf16 baseline (the same model, data and collectives with bf16 GEMMs, trained "
+                         "after the FP8 run to report the loss ratio; never with --checkpoint-dir)")
     ap.add_argument("--recipe", default="blockwise", choices=sorted(RECIPES),
                     help="Float8 blockwise (Hopper's FP8 GEMM) or MXFP8 (Blackwell's; elsewhere its GEMMs run as "
                          "their reference, the same numbers)")
@@ -303,16 +327,21 @@ def main(argv=None):
         ("fast path (FP8 gathered)" if rows_local % bm == 0 else
          f"fallback (not a multiple of the {bm}-row columnwise blocks)"))
 
-    def local_step(state, x, y):
+    def local_step(state, x, y, recipe):
         masters = [m[0] for m in state["masters"]]
         opt_m = jax.tree.map(lambda a: a[0], state["opt"]["masters"])
         biases = state["biases"]
-        qs = quantize_master_weights(masters, shapes, "data", **({"fmt": "mxfp8"} if mx else
-                                                                 {"fmt": "blockwise", "block": (128, 128)}))
-        ws = gather_master_weights(qs, "data", layout="gemm_ready")  # FP8 BlockwiseTensors, both orientations
         s, b = x.shape[:2]
-        # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
-        xs = all_gather_first_dim(x.reshape(s * b, -1).astype(jnp.bfloat16), "seq", recipe.scheme("lhs"))
+        x = x.reshape(s * b, -1).astype(jnp.bfloat16)
+        if recipe is None:  # the bf16 baseline: bf16 weights and activations gathered
+            ws = [_unzero(lax.all_gather(m.astype(jnp.bfloat16), "data"), shape) for m, shape in zip(masters, shapes)]
+            xs = lax.all_gather(x, "seq", tiled=True)
+        else:
+            qs = quantize_master_weights(masters, shapes, "data", **({"fmt": "mxfp8"} if mx else
+                                                                     {"fmt": "blockwise", "block": (128, 128)}))
+            ws = gather_master_weights(qs, "data", layout="gemm_ready")  # FP8, both orientations
+            # the input, gathered along the sequence as the GEMMs read it (no gradient: it is data)
+            xs = all_gather_first_dim(x, "seq", recipe.scheme("lhs"))
         # their gradients: the masters' (straight-through) and the biases', this rank's share (typed per
         # device, so that JAX leaves the sums to us: in rank order, below)
         ranks = ("data", "seq")
@@ -336,8 +365,11 @@ def main(argv=None):
                  "opt": {"masters": jax.tree.map(lambda a: a[None], opt_m), "biases": opt_b}}
         return state, loss
 
-    step = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(specs, P("seq", "data"), P("seq", "data")),
-                             out_specs=(specs, P())))
+    def make_step(recipe):
+        return jax.jit(shard_map(partial(local_step, recipe=recipe), mesh=mesh,
+                                 in_specs=(specs, P("seq", "data"), P("seq", "data")), out_specs=(specs, P())))
+
+    step = make_step(recipe)
 
     start = position = 0
     checkpoints = open_checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -376,6 +408,15 @@ def main(argv=None):
         log(f"already at step {start} of --steps {args.steps}: nothing to train")
         return losses
     log(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
+    if args.bf16 and checkpoints is None:  # the same steps from the same start, with bf16 GEMMs
+        bf16_step, bf16_state, bf16_losses = make_step(None), jax.jit(init_state, out_shardings=jax.tree.map(on, specs))(), []
+        for position in range(args.steps):
+            bf16_state, loss = bf16_step(bf16_state, *load_batch(position))
+            bf16_losses.append(float(loss))
+        tail = max(1, args.steps // 10)
+        fp8_final, bf16_final = (sum(v[-tail:]) / tail for v in (losses, bf16_losses))
+        log(f"final loss (mean of the last {tail} steps): fp8 ({args.recipe}) {fp8_final:.5f}   bf16 {bf16_final:.5f}"
+            f"   fp8 / bf16: loss ratio {fp8_final / bf16_final:.4f}")
 
     log("bytes per step (each rank's gathered / reduced payload) vs the same step with bf16 weights and activations:")
     Ls = [-(-a * b // nd) for a, b in shapes]

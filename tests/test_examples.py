@@ -53,6 +53,8 @@ def test_shard_map_model_mxfp8(capsys):
     out = capsys.readouterr().out
     assert "MXFP8: 1x32 / 32x1 blocks" in out and "128 rows: fast path" in out
     assert "one pmax of the E8M0 block scales, uint8" in out
+    ratio = float(out.split("fp8 / bf16: loss ratio ")[1].split()[0])  # the bf16 baseline, same steps and data
+    assert 0.9 < ratio < 1.1, out
 
 
 @pytest.mark.parametrize("name", ["blockwise", "mxfp8"])
