@@ -164,3 +164,23 @@ def test_collectives_feed_the_recipe_without_requantizing(quiet):
         assert_bits_equal(got[r], want, f"rank {r}")
     jaxpr = str(jax.make_jaxpr(f)(*args))
     assert jaxpr.count("jf_quantize[") == 1, jaxpr  # the local activations, before their gather
+
+
+def test_flax_layers_take_the_recipe(quiet):
+    """``fp8_dot_general_for(MXFP8BlockScaling())`` on a linen Dense and ``use_fp8_dot_general(model,
+    recipe)`` on an nnx Linear give fp8_dot_general's own result with that recipe, bit for bit."""
+    pytest.importorskip("flax")
+    from flax import linen as nn, nnx
+
+    from jax_fp8.flax_utils import fp8_dot_general_for, use_fp8_dot_general
+
+    recipe = jf.MXFP8BlockScaling()
+    rng = np.random.default_rng(stable_seed("mx flax"))
+    x = jnp.asarray(rng.standard_normal((40, 96)), jnp.float32)
+    dense = nn.Dense(64, use_bias=False, dot_general=fp8_dot_general_for(recipe))
+    params = dense.init(jax.random.key(0), x)
+    kernel = params["params"]["kernel"]
+    assert_bits_equal(dense.apply(params, x), jf.fp8_dot_general(x, kernel, KN, recipe=recipe))
+    linear = nnx.Linear(96, 64, use_bias=False, rngs=nnx.Rngs(0))
+    assert use_fp8_dot_general(linear, recipe) == [()]
+    assert_bits_equal(linear(x), jf.fp8_dot_general(x, linear.kernel[...], KN, recipe=recipe))
