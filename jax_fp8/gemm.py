@@ -1,5 +1,6 @@
 """FP8 GEMMs: ``fp8_dot_general``, a drop-in ``dot_general`` that multiplies Float8 blockwise operands
-on the ``jf_fp8_gemm`` primitive, with a training VJP whose three GEMMs all run in FP8.
+on the ``jf_fp8_gemm`` primitive (or MXFP8 ones, with :class:`MXFP8BlockScaling`, on
+:mod:`jax_fp8.mx_gemm`), with a training VJP whose three GEMMs all run in FP8.
 
 Recipe (:class:`Float8BlockScaling`, TransformerEngine's / DeepSeek-V3's): the lhs (activations) and
 the gradients are quantized in 1x128 blocks, the rhs (weights) in 128x128 tiles; E4M3, gradients
@@ -293,7 +294,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     High-precision operands (float32, bfloat16, float16) are quantized with ``recipe`` (default
     :class:`Float8BlockScaling`): ``lhs`` (activations) in 1x128 blocks, ``rhs`` (weights) in 128x128
     tiles; a :class:`~jax_fp8.BlockwiseTensor` is used as it is (any layout, converted exactly; it gets
-    no gradient). Differentiable through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on
+    no gradient). With :class:`MXFP8BlockScaling` every operand is quantized in blocks of 32 along the
+    contraction of each GEMM (both usages in one pass) and an :class:`~jax_fp8.MXFP8Tensor` is used as
+    it is; its GEMMs run on cuDNN where the GPUs are Blackwell, else as their reference with one
+    ``MXFP8GemmFallbackWarning`` (:mod:`jax_fp8.mx_gemm`). Differentiable through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on
     the operands quantized in the forward (see the module docstring); gradients come back in the
     primal dtypes. Works under ``jit`` (sharded operands split as ``lax.dot_general``'s; README,
     "Sharded jit"), ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
