@@ -17,8 +17,11 @@ Each step, inside shard_map:
      of the fp32 master, as TransformerEngine does for FP8 weights. Each data rank receives the
      gradient of its own master shard (summed over the mesh in rank order, so that any number of
      processes gives the same bits) and updates that shard with Adam (ZeRO-1 style).
-Runs on 8 simulated CPU devices by default, unchanged on GPUs. The final summary gives the bytes each
-collective moves per step next to the bf16 alternative.
+Runs on 8 simulated CPU devices by default, unchanged on GPUs. ``--recipe mxfp8`` runs it all in MXFP8
+(master weights with one uint8 scale all-reduce, 1x32 / 32x1 blocks; its GEMMs need Blackwell, elsewhere
+they run as their reference). Then the same model trains with bf16 GEMMs on the same data (``--no-bf16``
+skips it) for the loss ratio; the final summary gives the bytes each collective moves per step next to
+the bf16 alternative.
 
 Several processes (one per GPU or host, as multi-host JAX runs) join one mesh with
 jax.distributed.initialize; each loads only the rows of every batch its devices hold, process 0
@@ -26,7 +29,7 @@ prints. --checkpoint-dir saves the training state (master weights and Adam momen
 shapes, biases, step, data position) with Orbax from every process, and a restart resumes from the
 latest complete checkpoint, onto any mesh.
 
-  python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10]
+  python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10] [--recipe mxfp8]
   python examples/shard_map_model.py --spawn 2            # 2 local CPU processes x 4 devices (gloo)
   python examples/shard_map_model.py --checkpoint-dir ckpt --checkpoint-every 20   # run it again to resume
   python examples/shard_map_model.py --coordinator-address HOST0:1234 --num-processes 2 --process-id I
