@@ -20,7 +20,7 @@ from . import vma
 from .api import dequantize, quantize, to_layout
 from .arrays import bitcast, view_2d
 from .scheme import Scheme
-from .tensors import BlockwiseTensor, MXFP8Tensor
+from .tensors import QUANTIZED_TENSORS
 from .warn import warn
 
 
@@ -109,7 +109,7 @@ def all_gather_first_dim(x, axis_name, scheme: Optional[Scheme] = None):
     requantization. Either way the result equals quantizing the gathered (dequantized) tensor.
     """
     ranks = vma.axis_size(axis_name, "all_gather_first_dim")
-    quantized = isinstance(x, (MXFP8Tensor, BlockwiseTensor))
+    quantized = isinstance(x, QUANTIZED_TENSORS)
     if scheme is None:
         if not quantized:
             return gather_high(x, axis_name)

@@ -38,7 +38,7 @@ from .layout import PRIMITIVES, quantize_stacked
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
 from .primitives.partitioning import explicit_sharding
 from .scheme import Scheme
-from .tensors import BlockwiseTensor, MXFP8Tensor
+from .tensors import QUANTIZED_TENSORS
 from .warn import warn
 
 Array = Any
@@ -99,7 +99,6 @@ class MXFP8BlockScaling:
 
 #: The recipes ``fp8_dot_general`` takes.
 RECIPES = (Float8BlockScaling, MXFP8BlockScaling)
-QUANTIZED = (BlockwiseTensor, MXFP8Tensor)
 
 
 # ---- the linear layer with its VJP: it executes the plan ---------------------------------------------
@@ -151,7 +150,7 @@ def _sequences_may_split(x) -> bool:
 
 
 def _quantized(x, scheme: Scheme):
-    if isinstance(x, QUANTIZED):
+    if isinstance(x, QUANTIZED_TENSORS):
         return x
     return _Stacked.of(x, scheme) if x.ndim == 3 else quantize(x, scheme)
 
@@ -200,7 +199,7 @@ def _operand_or_values(q, contract: str):
 
 def _dtype_of(v):
     """A zero-size array carrying ``v``'s dtype (dtypes are not valid residuals)."""
-    return None if isinstance(v, QUANTIZED) else jnp.zeros((0,), v.dtype)
+    return None if isinstance(v, QUANTIZED_TENSORS) else jnp.zeros((0,), v.dtype)
 
 
 def _linear_bwd(cfg: _Linear, res, dy):
@@ -219,7 +218,7 @@ def _linear_bwd(cfg: _Linear, res, dy):
 
 def _explicit_sharding_of(v):
     """:func:`explicit_sharding` of an array operand (a pre-quantized tensor gets no gradient)."""
-    return None if isinstance(v, QUANTIZED) else explicit_sharding(v)
+    return None if isinstance(v, QUANTIZED_TENSORS) else explicit_sharding(v)
 
 
 def _retyped(v, sharding):
@@ -249,7 +248,7 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 def _fake_quant(x, scheme: Scheme):
     """The fallback's operand: quantize-dequantize with the recipe's ``scheme`` for its role (rowwise
     blocks, TE's rule for infinities; a straight-through gradient), or dequantized values."""
-    if isinstance(x, QUANTIZED):
+    if isinstance(x, QUANTIZED_TENSORS):
         return dequantize(x)
     if x.ndim == 0 or x.size == 0 or jnp.dtype(x.dtype) not in HIGH_DTYPES:
         return x
@@ -278,7 +277,7 @@ def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_ty
 
 
 def _as_operand(x):
-    if isinstance(x, QUANTIZED):
+    if isinstance(x, QUANTIZED_TENSORS):
         return x
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = jnp.asarray(x)
@@ -340,7 +339,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     lshape = tuple(lhs.shape)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.result_type(lhs.dtype, rhs.dtype))
-    may_split = len(lshape) >= 3 and not isinstance(lhs, QUANTIZED) and _sequences_may_split(lhs)
+    may_split = len(lshape) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS) and _sequences_may_split(lhs)
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding, may_split)
     if plan.fallback is None and not plan.empty:
         if plan.reasons():
@@ -349,7 +348,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         if isinstance(recipe, MXFP8BlockScaling):
             warn_reference("fp8_dot_general")
         # sequences (B, S, K) kept apart where the plan stacks them: a split S stays split
-        x = (lhs if isinstance(lhs, QUANTIZED) else lhs.reshape(-1, *lshape[-2:]) if plan.stacked
+        x = (lhs if isinstance(lhs, QUANTIZED_TENSORS) else lhs.reshape(-1, *lshape[-2:]) if plan.stacked
              else lhs.reshape(plan.M, plan.K))
         cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(rhs))
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a

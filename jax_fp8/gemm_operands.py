@@ -21,7 +21,7 @@ from .mx_gemm import mx_gemm, mx_values
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
                               fp8_gemm_bind, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD
-from .tensors import BlockwiseTensor, MXFP8Tensor
+from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 from .warn import warn
 
 Array = Any
@@ -74,7 +74,7 @@ def gemm_operand(q, contract: str = "last") -> Optional[GemmOperand]:
     transposed (C, R)). Float8 blockwise: any layout is accepted (converted exactly), 128x128 tiles
     serve both; MXFP8: the scales along the contraction, (rows, ceil(C/32)) uint8 (block (1, 32)).
     Returns None when the tensor does not hold the usage."""
-    if not isinstance(q, (BlockwiseTensor, MXFP8Tensor)):
+    if not isinstance(q, QUANTIZED_TENSORS):
         raise TypeError(f"gemm_operand: q must be a jax_fp8.BlockwiseTensor or MXFP8Tensor, got {type(q).__name__}")
     if contract not in ("last", "first"):
         raise ValueError(f"gemm_operand: contract must be 'last' or 'first', got {contract!r}")
@@ -159,7 +159,7 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
     """
     ops = []
     for name, x in (("a", a), ("b", b)):
-        if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
+        if isinstance(x, QUANTIZED_TENSORS):
             op = gemm_operand(x, "last")
             if op is None:
                 raise ValueError(f"fp8_gemm: {name} has no rowwise usage (its 1x128 blocks along the last dim)")

@@ -25,7 +25,7 @@ from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
 from .scheme import check_block
-from .tensors import BlockwiseTensor, MXFP8Tensor
+from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 
 #: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
 MX_BLOCK_1D = (1, MX_BLOCK)
@@ -196,7 +196,7 @@ def _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx: bool) -> Optional[str]:
             return f"an MXFP8 {name} with the Float8 blockwise recipe (recipe=jax_fp8.MXFP8BlockScaling() takes it)"
         if isinstance(x, BlockwiseTensor) and mx:
             return f"a Float8 blockwise {name} with the MXFP8 recipe (recipe=jax_fp8.Float8BlockScaling() takes it)"
-        if not isinstance(x, (BlockwiseTensor, MXFP8Tensor)) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
+        if not isinstance(x, QUANTIZED_TENSORS) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
             return f"an {name} of dtype {x.dtype} (FP8 quantizes float32, bfloat16, float16)"
     if out_sharding is not None:
         return "out_sharding (not supported by the FP8 GEMM)"
@@ -211,7 +211,7 @@ def _block_of(scheme) -> tuple:
 
 def _kind(x, scheme) -> _Kind:
     """A pre-quantized tensor as its scheme says; else as the recipe's ``scheme`` for its role."""
-    if isinstance(x, (BlockwiseTensor, MXFP8Tensor)):
+    if isinstance(x, QUANTIZED_TENSORS):
         return _Kind(_block_of(x.scheme), x.scheme.dtype, frozenset(x.usage_blocks()))
     return _Kind(_block_of(scheme), scheme.dtype)
 
@@ -259,13 +259,13 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
         return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn)
     x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
     steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]
-    quantized = (BlockwiseTensor, MXFP8Tensor)  # pre-quantized tensors get no gradient
-    if not isinstance(lhs, quantized):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
+    # pre-quantized tensors get no gradient
+    if not isinstance(lhs, QUANTIZED_TENSORS):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
         steps.append(_step("dgrad", Operand("dy", "last"), Operand("w", w_dgrad), (M, K, N), kinds))
-    if not isinstance(rhs, quantized):  # dW = dyᵀ · x over M, in W's orientation
+    if not isinstance(rhs, QUANTIZED_TENSORS):  # dW = dyᵀ · x over M, in W's orientation
         steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds) if rhs_kn
                      else _step("wgrad", dy_first, x_first, (N, K, M), kinds))
     # stacked sequences take no padding: every GEMM must take them as they are
-    stacked = (sequences_may_split and not mx and len(lshape) >= 3 and not isinstance(lhs, quantized)
+    stacked = (sequences_may_split and not mx and len(lshape) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS)
                and lshape[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
     return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn, steps=tuple(steps), stacked=stacked)

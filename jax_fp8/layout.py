@@ -19,7 +19,7 @@ from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
 from .primitives import dequantize_p, quantize_p
 from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
-from .tensors import BlockwiseTensor, MXFP8Tensor
+from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ def quantize_stacked(x3, scheme: Scheme, kernels: Kernels) -> dict:
 def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     """``data * scale`` of one usage of ``q`` (default: rowwise when present), rounded to ``dtype``
     (default: the dtype that was quantized). A GEMM-ready tensor is read through its compact form."""
-    if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
+    if not isinstance(q, QUANTIZED_TENSORS):
         raise TypeError(f"dequantize: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
     out_dtype = high_dtype(q.dtype if dtype is None else dtype, "dequantize: dtype")
     if usage is None:
@@ -106,7 +106,7 @@ def to_layout(q, layout: str):
     GEMM-ready: columnwise data transposed to (K, M); Float8 blockwise scales transposed / padded as
     ``Scheme.scale_shape`` says, padding ``GEMM_SCALE_PAD``. MXFP8 scales stay compact.
     """
-    if not isinstance(q, (MXFP8Tensor, BlockwiseTensor)):
+    if not isinstance(q, QUANTIZED_TENSORS):
         raise TypeError(f"to_layout: expected an MXFP8Tensor or BlockwiseTensor, got {type(q).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"to_layout: layout must be 'compact' or 'gemm_ready', got {layout!r}")

@@ -26,10 +26,9 @@ from . import contracts, vma
 from ._compat import E8M0_DTYPE
 from .arrays import bitcast, cdiv
 from .formats import MX_BLOCK
+from .primitives.gemm import OUT_DTYPES
 from .scheme import Scheme
 from .warn import warn
-
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 class MXFP8GemmFallbackWarning(UserWarning):

@@ -165,6 +165,9 @@ class BlockwiseTensor(_QuantizedBase):
         return scale
 
 
+#: The quantized tensor types (what the API takes as already quantized).
+QUANTIZED_TENSORS = (MXFP8Tensor, BlockwiseTensor)
+
 def _as_e8m0(scale):
     if scale is None:
         return None
