@@ -188,7 +188,7 @@ def test_vjp_against_fp64_of_independent_quantizations(xshape, N, dtype, grad_dt
     128x128 tiles of W), wgrad dW = d̃yᵀ · x̃ (the 128x1 columnwise usages of dy and x), each within
     :func:`accumulation_bound` of its contraction."""
     rng = np.random.default_rng(stable_seed("vjp fp64", xshape, N, dtype, grad_dtype, kn))
-    K, M = xshape[-1], int(np.prod(xshape[:-1]))
+    K = xshape[-1]
     x, w, g = (_wide(rng, s, dtype) for s in (xshape, (K, N) if kn else (N, K), (*xshape[:-1], N)))
     recipe = jf.Float8BlockScaling(grad_dtype=grad_dtype)
     dn = (((len(xshape) - 1,), (0 if kn else 1,)), ((), ()))
@@ -203,9 +203,19 @@ def test_vjp_against_fp64_of_independent_quantizations(xshape, N, dtype, grad_dt
     Wt = _ref64(w, B2, E4M3, recipe)  # W's own shape: the tiles of both orientations
     Wnk = Wt.T if kn else Wt  # (N, K)
     Gr, Gc = _ref64(g, B1, grad_dtype, recipe), _ref64(g, B1, grad_dtype, recipe, "colwise")  # (M, N) each
-    exact, bound = accumulation_bound(Xr, Wnk, dtype)  # fprop (M, N), over K
+    assert_three_gemms_within((y, dx, dw), (Xr, Xc), (Wnk, Wnk), (Gr, Gc), dtype, kn)
+
+
+def assert_three_gemms_within(outs, xs, ws, gs, dtype, kn):
+    """y, dx and dW of one linear layer, each within :func:`accumulation_bound` of the fp64 product of
+    independently quantized operands: ``xs`` = (x rowwise, x columnwise) (M, K), ``ws`` = (W as read
+    over K, W as read over N), both as (N, K), ``gs`` = (dy rowwise, dy columnwise) (M, N); ``kn``: W
+    is (K, N), so dW is checked transposed."""
+    (y, dx, dw), (Xr, Xc), (W_fprop, W_dgrad), (Gr, Gc) = outs, xs, ws, gs
+    (M, K), N = Xr.shape, W_fprop.shape[0]
+    exact, bound = accumulation_bound(Xr, W_fprop, dtype)  # fprop (M, N), over K
     assert_within(y.reshape(M, N), exact, bound, "fprop y")
-    exact, bound = accumulation_bound(Gr, Wnk.T, dtype)  # dgrad (M, K), over N
+    exact, bound = accumulation_bound(Gr, W_dgrad.T, dtype)  # dgrad (M, K), over N
     assert_within(dx.reshape(M, K), exact, bound, "dgrad dx")
     exact, bound = accumulation_bound(Gc.T, Xc.T, dtype)  # wgrad (N, K), over M
     assert_within(dw.T if kn else dw, exact, bound, "wgrad dW")
