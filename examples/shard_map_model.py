@@ -280,7 +280,8 @@ def main(argv=None):
     specs = {"masters": [P("data")] * len(shapes), "biases": [P()] * len(shapes),
              "opt": {"masters": jax.tree.map(lambda _: P("data"), shape_of_state["opt"]["masters"]),
                      "biases": jax.tree.map(lambda _: P(), shape_of_state["opt"]["biases"])}}
-    state = jax.jit(init_state, out_shardings=jax.tree.map(on, specs))()
+    init_state = jax.jit(init_state, out_shardings=jax.tree.map(on, specs))
+    state = init_state()
 
     # a checkpoint holds the weights and their Adam moments in the model's shapes, not in the ZeRO
     # layout of one mesh, so that it restores onto another mesh
@@ -412,7 +413,7 @@ def main(argv=None):
         return losses
     log(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
     if args.bf16 and checkpoints is None:  # the same steps from the same start, with bf16 GEMMs
-        bf16_step, bf16_state, bf16_losses = make_step(None), jax.jit(init_state, out_shardings=jax.tree.map(on, specs))(), []
+        bf16_step, bf16_state, bf16_losses = make_step(None), init_state(), []
         for position in range(args.steps):
             bf16_state, loss = bf16_step(bf16_state, *load_batch(position))
             bf16_losses.append(float(loss))
