@@ -78,16 +78,43 @@ class GemmBackend:
     - ``unavailable(platform)``: asked when lowering: None where it runs, else why not (the
       reference then lowers the call, with one :class:`Fp8GemmFallbackWarning`);
     - ``lowerings``: platform -> MLIR lowering rule of its kernel, with the primitive's operands and
-      params (``backend`` excepted). ``gemm_p`` dispatches to them on ``cuda``; a backend for another
-      platform adds that platform to ``gemm_p``'s ``ffi_rules`` too (elsewhere the reference lowers it)."""
+      params (``backend`` excepted) and the backend's ``options`` as keywords. ``gemm_p`` dispatches
+      to them on ``cuda``; a backend for another platform adds that platform to ``gemm_p``'s
+      ``ffi_rules`` too (elsewhere the reference lowers it);
+    - ``options``: ``((name, int), ...)``, which of the backend's kernels runs (a cuBLASLt algorithm,
+      a CUTLASS configuration); ``()``: the backend's own choice. :meth:`with_options` makes them, one
+      object per choice (the primitive's params compare backends by identity)."""
 
     name: str
     sizes: Callable
     unavailable: Callable
     lowerings: dict
+    options: tuple = ()
+
+    def __post_init__(self):
+        if not self.options:
+            _BASES.setdefault(self.name, self)
+
+    def with_options(self, **options: int) -> "GemmBackend":
+        """This backend running the kernel ``options`` name (the same object for the same options;
+        none: the backend itself)."""
+        opts = tuple(sorted((k, int(v)) for k, v in options.items()))
+        base = self.base
+        return base if not opts else _VARIANTS.setdefault((self.name, opts), dataclasses.replace(base, options=opts))
+
+    @property
+    def base(self) -> "GemmBackend":
+        """The backend with its own choice of kernel (no options)."""
+        return _BASES[self.name]
 
     def __repr__(self) -> str:  # the backend as the jaxpr prints it
-        return self.name
+        if not self.options:
+            return self.name
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options)})"
+
+
+_BASES: dict = {}
+_VARIANTS: dict = {}
 
 
 # ---- reference math: the one definition of the GEMM's numbers -----------------------------------
@@ -406,7 +433,7 @@ class Fp8GemmFallbackWarning(UserWarning):
 # ---- lowering: the reference everywhere, the backend's kernel where it runs --------------------------
 def _backend_lowering(platform: str):
     def lower(ctx, *args, backend, **params):
-        return backend.lowerings[platform](ctx, *args, **params)
+        return backend.lowerings[platform](ctx, *args, **params, **dict(backend.options))
     return lower
 
 
