@@ -18,8 +18,8 @@ from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
 from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, plan_mx_gemm, usage_read
 from .mx_gemm import mx_gemm, mx_values
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, blocked_gemm, dense_gemm,
-                              fp8_gemm_bind, operand_scale_shape, operand_values)
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmBackend, blocked_gemm,
+                              dense_gemm, fp8_gemm_bind, operand_scale_shape, operand_values)
 from .scheme import GEMM_SCALE_PAD
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 from .warn import warn
@@ -104,14 +104,14 @@ def _mx_operand(q: MXFP8Tensor, usage: str) -> Optional[GemmOperand]:
     return GemmOperand(data, scale.T, MX_BLOCK_1D)
 
 
-def plan_of(a: GemmOperand, b: GemmOperand) -> GemmPlan:
+def plan_of(a: GemmOperand, b: GemmOperand, backend=None) -> GemmPlan:
     """The plan of ``a · bᵀ`` for these operands."""
     (M, K), (N, _) = a.shape, b.shape
     if (a.block == MX_BLOCK_1D) != (b.block == MX_BLOCK_1D):
         raise ValueError(f"fp8_gemm: an MXFP8 operand with a Float8 blockwise one ({a.block} and {b.block} blocks)")
     if a.block == MX_BLOCK_1D:
         return plan_mx_gemm(M, N, K, a.data.dtype, b.data.dtype)
-    return plan_gemm(M, N, K, a.block, b.block, a.data.dtype, b.data.dtype)
+    return plan_gemm(M, N, K, a.block, b.block, a.data.dtype, b.data.dtype, backend=backend)
 
 
 def _gemm_dtype(out_dtype) -> np.dtype:
@@ -147,7 +147,7 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
     return out[:M, :N].astype(out_dtype)
 
 
-def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
+def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None, *, backend=None):
     """``a · bᵀ (+ c)`` on the FP8 GEMM, for already-quantized operands.
 
     ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand`, :class:`~jax_fp8.BlockwiseTensor` or
@@ -156,6 +156,8 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
     (:func:`~jax_fp8.gemm_plan.plan_gemm`); what no GEMM backend takes is computed by the reference math,
     with a :class:`Fp8GemmFallbackWarning`. ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or
     float16 (computed in fp32). Not differentiable (use :func:`jax_fp8.fp8_dot_general`).
+    ``backend``: a :class:`~jax_fp8.primitives.gemm.GemmBackend` (e.g. ``CUTLASS.with_options(config=1)``)
+    to run it on instead of the plan's choice (to compare backends); Float8 blockwise operands only.
     """
     ops = []
     for name, x in (("a", a), ("b", b)):
@@ -170,7 +172,11 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None):
         ops.append(x)
     if ops[0].shape[1] != ops[1].shape[1]:
         raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")
-    plan = plan_of(*ops)
+    if backend is not None and not isinstance(backend, GemmBackend):
+        raise TypeError(f"fp8_gemm: backend must be a GemmBackend (or None), got {type(backend).__name__}")
+    if backend is not None and MX_BLOCK_1D in (ops[0].block, ops[1].block):
+        raise ValueError("fp8_gemm: backend takes Float8 blockwise operands only (MXFP8 runs on mx_gemm)")
+    plan = plan_of(*ops, backend=backend)
     if not plan.ok and not plan.empty:
         warn(f"fp8_gemm: computed by the reference math: the FP8 GEMM cannot take {plan.reason}",
              Fp8GemmFallbackWarning)

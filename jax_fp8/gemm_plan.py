@@ -1,9 +1,10 @@
 """The GEMM plan: what an FP8 product runs, decided once from static facts (shapes, dimension
 numbers, operand kinds, recipe) before anything is traced.
 
-- :func:`plan_gemm`: one GEMM ``a · bᵀ`` (a (M, K), b (N, K)): the backend that runs it (the first of
-  :data:`BACKENDS` that takes it) and the padded sizes, or why none does (then the reference math
-  computes it, on the same quantized operands).
+- :func:`plan_gemm`: one GEMM ``a · bᵀ`` (a (M, K), b (N, K)): the backend and kernel that run it (the
+  one :mod:`jax_fp8.gemm_table` measured fastest on this GPU, else the first of :data:`BACKENDS` that
+  takes it, on its own choice of kernel) and the padded sizes, or why none does (then the reference
+  math computes it, on the same quantized operands).
 - :func:`plan_dot_general`: one ``fp8_dot_general`` call: either why it runs as ``lax.dot_general``
   of quantize-dequantized operands, or its three GEMMs (fprop; dgrad where x gets a gradient; wgrad
   where W does), each with its operands' orientation and its :class:`GemmPlan`. The VJP executes it;
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from . import gemm_table
 from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
@@ -74,11 +76,13 @@ class GemmPlan:
 
 
 def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=E4M3, b_dtype=E4M3,
-              reason: Optional[str] = None) -> GemmPlan:
+              reason: Optional[str] = None, backend: Optional[GemmBackend] = None) -> GemmPlan:
     """The plan of ``a`` (M, K) x ``b`` (N, K)ᵀ with these blocks ((1, 128) or (128, 128)) and FP8
-    dtypes: the first backend of :data:`BACKENDS` that takes it and runs on this machine (else the first
-    that takes it: its lowering then computes the reference, with a warning), or why none takes it
-    (``reason`` given: no backend is asked, e.g. an operand exists only as values)."""
+    dtypes: the backend and kernel :func:`jax_fp8.gemm_table.choose` names for this GPU when it takes the
+    problem and runs here; else the first backend of :data:`BACKENDS` that takes it and runs on this
+    machine (else the first that takes it: its lowering then computes the reference, with a warning);
+    or why none takes it (``reason`` given: no backend is asked, e.g. an operand exists only as values).
+    ``backend``: this one (with its options) and no other, e.g. to compare backends."""
     a_block, b_block = check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
     args = dict(M=int(M), N=int(N), K=int(K), a_block=a_block, b_block=b_block, a_dtype=jnp.dtype(a_dtype),
                 b_dtype=jnp.dtype(b_dtype))
@@ -87,18 +91,33 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
     if reason is not None:
         return GemmPlan(**args, reason=reason)
     taken, why = [], []
-    for backend in BACKENDS:
-        padded, no = backend.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"],
-                                   args["b_dtype"])
+    candidates = BACKENDS if backend is None else (backend,)
+    for each in candidates:
+        padded, no = each.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"], args["b_dtype"])
         if no is None:
-            taken.append(GemmPlan(**args, backend=backend, padded=tuple(padded)))
+            taken.append(GemmPlan(**args, backend=each, padded=tuple(padded)))
         else:
-            why.append(no if len(BACKENDS) == 1 else f"{backend.name}: {no}")
+            why.append(no if len(candidates) == 1 else f"{each.name}: {no}")
     if not taken:
         return GemmPlan(**args, reason="; ".join(why))
-    if len(taken) == 1:
+    if backend is not None:
         return taken[0]
+    measured = _measured(taken)
+    if measured is not None:
+        return measured
     return next((p for p in taken if _runs_here(p.backend)), taken[0])
+
+
+def _measured(taken: list) -> Optional[GemmPlan]:
+    """The plan of ``taken`` whose backend the GEMM table names for this GPU, with the table's options;
+    None without a row, or where that backend does not take the problem or run here."""
+    p = taken[0]
+    pick = gemm_table.choose(p.M, p.N, p.K, p.a_block, p.b_block)
+    if pick is None:
+        return None
+    name, options = pick
+    plan = next((t for t in taken if t.backend.name == name and _runs_here(t.backend)), None)
+    return None if plan is None else dataclasses.replace(plan, backend=plan.backend.with_options(**options))
 
 
 @functools.lru_cache(maxsize=None)

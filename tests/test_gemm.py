@@ -187,7 +187,7 @@ def test_gemm_within_bound(M, N, K, blocks, strict):
 
 @pytest.mark.parametrize("blocks", [(B1, B2), (B1, B1)], ids=["1Dx2D", "1Dx1D"])
 def test_gemm_large_within_bound(blocks, strict):
-    """A shape where cuBLASLt's algorithms ask for a workspace (XLA's scratch allocator gives it)."""
+    """A shape where cuBLASLt's algorithms use a workspace (the call's workspace result)."""
     M, N, K = 2048, 1024, 4096
     rng = np.random.default_rng(stable_seed(M, N, K, blocks))
     qa = jf.quantize_blockwise(data(rng, (M, K), BF16), block=blocks[0])

@@ -150,4 +150,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     return std::make_pair(version, message);
   });
   m.attr("cublaslt_header_checked") = bool(JF_CUBLASLT_HEADER_CHECKED);
+  // The workspace result jf_fp8_gemm's lowering allocates, and how many candidates `algo` picks from.
+  m.attr("cublaslt_workspace_bytes") = jf::kGemmWorkspaceBytes + 256;
+  m.attr("cublaslt_candidates") = jf::kGemmCandidates;
 }

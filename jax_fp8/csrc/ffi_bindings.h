@@ -63,7 +63,6 @@ auto bind_partial_cast(Binding b) {
 template <class Binding>
 auto bind_fp8_gemm(Binding b) {
   return std::move(b)
-      .template Ctx<ffi::ScratchAllocator>()  // the cuBLASLt workspace
       .template Ctx<ffi::DeviceOrdinal>()     // keys the handle and algorithm caches
       .template Arg<ffi::AnyBuffer>()         // a (M, K) fp8
       .template Arg<ffi::AnyBuffer>()         // a_scale, GEMM-ready fp32
@@ -71,8 +70,10 @@ auto bind_fp8_gemm(Binding b) {
       .template Arg<ffi::AnyBuffer>()         // b_scale, GEMM-ready fp32
       .RemainingArgs()                        // c (M, N), only when accumulating
       .template Ret<ffi::AnyBuffer>()         // out (M, N) bfloat16 / float32
+      .template Ret<ffi::AnyBuffer>()         // the cuBLASLt workspace, uint8 (fp8_gemm.h)
       .template Attr<int64_t>("a_block_rows")  // rows per scale block of a: 1 (1x128 blocks) or 128 (128x128)
-      .template Attr<int64_t>("b_block_rows"); // of b likewise
+      .template Attr<int64_t>("b_block_rows")  // of b likewise
+      .template Attr<int64_t>("algo");         // -1: the heuristic's choice; i: its i-th candidate
 }
 
 }  // namespace jf

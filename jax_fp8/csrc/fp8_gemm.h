@@ -4,12 +4,13 @@
 // cuBLASLt is column-major and Hopper's FP8 GEMM is "TN" only, so: cuBLAS A = our b (transa = T,
 // m = N), cuBLAS B = our a (transb = N, n = M), k = K, lda = ldb = K, and D column-major (N, M) with
 // ld = N, which is our row-major (M, N). The scale pointer and mode of cuBLAS A are b's, of B a's.
-// Per call: the descriptors (host objects, microseconds), the algorithm from a cache keyed by device
-// and problem (the heuristic query is the slow part), a workspace from XLA's scratch allocator, and
-// one cublasLtMatmul on XLA's stream. No host synchronisation, no cudaMalloc. The handler is not
-// declared command-buffer compatible: a CUDA graph would capture the scratch workspace's address, and
-// the scratch is freed when the handler returns (TE's JAX GEMM takes its workspace as an output buffer
-// instead; the way to get there, untried).
+// Per call: the descriptors (host objects, microseconds), the algorithm from a cache keyed by device,
+// problem and `algo` (the heuristic query is the slow part), and one cublasLtMatmul on XLA's stream.
+// The workspace is a result buffer of the call (kGemmWorkspaceBytes + 256, aligned here to 256), not
+// XLA's scratch, which is freed when the handler returns and so could not be captured in a CUDA graph.
+// `algo` picks the algorithm: -1 the heuristic's first choice, i >= 0 its i-th candidate (of at most
+// kGemmCandidates), as an autotuner measured them (jax_fp8/gemm_table.py). No host synchronisation, no
+// cudaMalloc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,6 +28,8 @@ namespace {
 
 // The workspace cuBLASLt may ask for; the heuristic picks algorithms that fit (TE gives Hopper 32 MiB).
 constexpr uint64_t kGemmWorkspaceBytes = 32ull << 20;
+// How many of the heuristic's candidates the `algo` attribute may pick from.
+constexpr int kGemmCandidates = 16;
 
 inline std::string lt_failure(const char* what, lt::Status s) {
   return std::string("jax_fp8: cuBLASLt ") + what + " failed: " + lt::status_name(s);
@@ -60,8 +63,8 @@ struct GemmDescs {
 
 // Everything the algorithm choice depends on: device, M, N, K, the three types, the two scale modes,
 // accumulation, and the alignment of A, B, C, D (an algorithm chosen for aligned buffers may need it).
-using GemmKey =
-    std::tuple<int32_t, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+using GemmKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int, int, int, int, int, bool, uint32_t, uint32_t,
+                           uint32_t, uint32_t, int64_t>;
 
 struct GemmCache {
   std::mutex mu;
@@ -86,10 +89,12 @@ inline ffi::Error cuda_type_of(ffi::DataType t, cudaDataType_t* out) {
 
 // a: (M, K), b: (N, K) FP8; a_scale, b_scale: their GEMM-ready fp32 scales; c: none, or (M, N) of the
 // output's type (out = a·bᵀ + c). a_block_rows, b_block_rows: rows per scale block of a and b, 1 (1x128
-// blocks) or 128 (128x128 blocks).
-ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer a,
-                       ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::RemainingArgs c,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t a_block_rows, int64_t b_block_rows) {
+// blocks) or 128 (128x128 blocks); workspace: uint8, at least kGemmWorkspaceBytes + 256 bytes; algo: -1
+// or a candidate's index (see above).
+ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                       ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::RemainingArgs c, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> workspace, int64_t a_block_rows, int64_t b_block_rows,
+                       int64_t algo) {
   const lt::Api* api = lt::api();
   if (!api) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_fp8: " + lt::error());
   if (api->version < lt::kMinVersion)
@@ -103,6 +108,11 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
       (a_block_rows == 128 && b_block_rows == 128))
     return bad("fp8 gemm: a_block_rows, b_block_rows must be 1 or 128, not both 128; got " +
                std::to_string(a_block_rows) + ", " + std::to_string(b_block_rows));
+  if (algo < -1 || algo >= kGemmCandidates)
+    return bad("fp8 gemm: algo must be -1 (the heuristic's choice) or a candidate index below " +
+               std::to_string(kGemmCandidates) + ", got " + std::to_string(algo));
+  if (workspace->size_bytes() < kGemmWorkspaceBytes + 256)
+    return bad("fp8 gemm: the workspace result must hold " + std::to_string(kGemmWorkspaceBytes + 256) + " bytes");
   if (a_scale.element_type() != ffi::DataType::F32 || b_scale.element_type() != ffi::DataType::F32)
     return bad("fp8 gemm: a_scale and b_scale must be float32");
   const void* c_ptr = nullptr;
@@ -153,49 +163,47 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, int32
   const uint32_t align[4] = {alignment_of(b.untyped_data()), alignment_of(a.untyped_data()), alignment_of(c_buf),
                              alignment_of(out->untyped_data())};
   const GemmKey key{device, M,     N,     K,      int(ta), int(tb), int(tout), mode_a, mode_b, c_ptr != nullptr,
-                    align[0], align[1], align[2], align[3]};
-  lt::Heuristic algo;
+                    align[0], align[1], align[2], align[3], algo};
+  lt::Heuristic chosen;
   bool cached;
   {
     std::lock_guard<std::mutex> lock(cache.mu);
     auto it = cache.algos.find(key);
     cached = it != cache.algos.end();
-    if (cached) algo = it->second;
+    if (cached) chosen = it->second;
   }
   if (!cached) {
     lt::Preference pref = nullptr;
     JF_LT(api->MatmulPreferenceCreate(&pref), "MatmulPreferenceCreate");
     int found = 0;
+    const int want = algo < 0 ? 1 : int(algo) + 1;
+    lt::Heuristic found_algos[kGemmCandidates];
     lt::Status s = api->MatmulPreferenceSetAttribute(pref, lt::kPrefMaxWorkspace, &kGemmWorkspaceBytes,
                                                      sizeof(kGemmWorkspaceBytes));
     for (int i = 0; i < 4 && s == lt::kSuccess; ++i)
       s = api->MatmulPreferenceSetAttribute(pref, lt::kPrefMinAlignA + i, &align[i], sizeof(align[i]));
-    if (s == lt::kSuccess) s = api->MatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.c, g.d, pref, 1, &algo, &found);
+    if (s == lt::kSuccess)
+      s = api->MatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.c, g.d, pref, want, found_algos, &found);
     api->MatmulPreferenceDestroy(pref);
     if (s != lt::kNotSupported) JF_LT(s, "MatmulAlgoGetHeuristic");
-    if (s == lt::kNotSupported || found == 0 || algo.state != lt::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        "jax_fp8: cuBLASLt has no block-scaled FP8 algorithm for " + std::to_string(M) + "x" +
-                            std::to_string(N) + "x" + std::to_string(K) + " on this GPU (needs sm_90, cuBLAS >= 12.9)");
+    const std::string mnk = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
+    if (s == lt::kNotSupported || found == 0 || found_algos[0].state != lt::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_fp8: cuBLASLt has no block-scaled FP8 algorithm for " +
+                                                            mnk + " on this GPU (needs sm_90, cuBLAS >= 12.9)");
+    if (found < want || found_algos[want - 1].state != lt::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kOutOfRange, "jax_fp8: cuBLASLt offers " + std::to_string(found) +
+                                                         " algorithm(s) for " + mnk + ", not algo=" + std::to_string(algo));
+    chosen = found_algos[want - 1];
     std::lock_guard<std::mutex> lock(cache.mu);
-    cache.algos.emplace(key, algo);
+    cache.algos.emplace(key, chosen);
   }
 
-  void* workspace = nullptr;
-  if (algo.workspace_size > 0) {
-    // XLA's FFI allocator takes alignments up to 16 (256 was refused on the H200); its BFC allocator hands
-    // out 256-byte aligned buffers, which cuBLASLt wants for the workspace: check, do not assume.
-    auto w = scratch.Allocate(algo.workspace_size, 16);
-    if (!w.has_value())
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jax_fp8: XLA's scratch allocator gave no " + std::to_string(algo.workspace_size) +
-                            "-byte cuBLASLt workspace");
-    if (reinterpret_cast<uintptr_t>(*w) % 256 != 0) return bad("fp8 gemm: cuBLASLt workspace not 256-byte aligned");
-    workspace = *w;
-  }
+  // cuBLASLt wants a 256-byte aligned workspace; the buffer has 256 bytes to spare for it
+  const uintptr_t w = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  void* ws = reinterpret_cast<void*>((w + 255) / 256 * 256);
   const float alpha = 1.0f, beta = c_ptr ? 1.0f : 0.0f;
   JF_LT(api->Matmul(handle, g.op, &alpha, b.untyped_data(), g.a, a.untyped_data(), g.b, &beta, c_buf, g.c,
-                    out->untyped_data(), g.d, &algo.algo, workspace, algo.workspace_size, stream),
+                    out->untyped_data(), g.d, &chosen.algo, ws, chosen.workspace_size, stream),
         "cublasLtMatmul");
   return ffi::Error::Success();
 }

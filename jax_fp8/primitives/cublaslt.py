@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi
-from .._compat import ffi
+from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
 from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend
 
@@ -62,9 +62,21 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     return (Mp, Np, Kp), None
 
 
-def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate):
-    return ffi.ffi_lowering("jf_fp8_gemm")(ctx, a, a_scale, b, b_scale, *c,
-                                           a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]))
+#: The workspace result of every call (the CUDA module's ``cublaslt_workspace_bytes``: the 32 MiB
+#: cuBLASLt may use, TE's figure for Hopper, + 256 to align it). A result buffer, not XLA's scratch, so
+#: that a CUDA graph may capture the call; XLA reuses its memory once the call has run.
+WORKSPACE_BYTES = (32 << 20) + 256
+#: How many of cuBLASLt's heuristic candidates ``CUBLASLT.with_options(algo=i)`` picks from.
+CANDIDATES = 16
+
+
+def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, algo=-1):
+    """``algo``: -1, the heuristic's first choice; i, its i-th candidate (an autotuner's pick)."""
+    workspace = ShapedArray((WORKSPACE_BYTES,), np.uint8)
+    out, _ = ffi.ffi_lowering("jf_fp8_gemm")(ctx.replace(avals_out=[*ctx.avals_out, workspace]), a, a_scale, b,
+                                             b_scale, *c, a_block_rows=np.int64(a_block[0]),
+                                             b_block_rows=np.int64(b_block[0]), algo=np.int64(algo))
+    return [out]
 
 
 # ---- loading cuBLASLt -------------------------------------------------------------------------------

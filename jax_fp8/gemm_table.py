@@ -1,0 +1,71 @@
+"""Which kernel runs a Float8 blockwise GEMM, per GPU and shape: a table measured on the GPU and checked
+in (``bench/bench_gemm_tune.py`` times every candidate: each of cuBLASLt's heuristic algorithms, each
+CUTLASS configuration, and prints the rows).
+
+A checked-in table rather than a first-call autotuner: the choice is made when a function is traced
+(the plan), where timing kernels would mean running them on the device, a host sync and a choice that
+varies from run to run (so from compile to compile); a table gives every process of a multi-host job
+the same kernels, costs nothing at run time, and is reviewed like code. A GEMM whose GPU has no table
+runs the first backend of :data:`jax_fp8.gemm_plan.BACKENDS` that takes it, on that library's own
+choice (cuBLASLt's heuristic). Users with another GPU add their rows with :func:`load`.
+
+A row: ``((M, N, K), backend name, options)`` for a pair of blocks, ``"1D2D"`` (a 1x128, b 128x128:
+fprop and dgrad) or ``"1D1D"`` (both 1x128: wgrad); a problem takes the row nearest to it in
+(log M, log N, log K).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from typing import Optional
+
+#: device kind (``jax.Device.device_kind``) -> pair -> rows ((M, N, K), backend, options)
+TABLE: dict[str, dict[str, list]] = {}
+
+
+def pair(a_block, b_block) -> str:
+    """The table's name of a block pair: ``"1D2D"``, ``"1D1D"`` or ``"2D1D"``."""
+    return "".join("1D" if tuple(b)[0] == 1 else "2D" for b in (a_block, b_block))
+
+
+def nearest(rows: list, M: int, N: int, K: int):
+    """The row whose (M, N, K) is nearest to the problem in log space (ties: the first)."""
+    at = [math.log2(max(v, 1)) for v in (M, N, K)]
+    return min(rows, key=lambda r: sum((math.log2(max(v, 1)) - x) ** 2 for v, x in zip(r[0], at)))
+
+
+def choose(M: int, N: int, K: int, a_block, b_block, device_kind: Optional[str] = None) -> Optional[tuple]:
+    """``(backend name, options dict)`` measured fastest for the nearest shape on ``device_kind`` (the
+    first local device's when None), or None where no row covers the GPU or the pair."""
+    kind = _local_device_kind() if device_kind is None else device_kind
+    rows = TABLE.get(kind, {}).get(pair(a_block, b_block))
+    if not rows:
+        return None
+    _, name, options = nearest(rows, M, N, K)
+    return name, dict(options)
+
+
+def load(path_or_rows, device_kind: Optional[str] = None) -> None:
+    """Adds rows to :data:`TABLE` (replacing the device's rows for the pairs given): a JSON file as
+    ``bench/bench_gemm_tune.py --out`` writes it (``{"device_kind": ..., "rows": {pair: [[[M, N, K],
+    backend, {options}], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
+    data = path_or_rows
+    if not isinstance(data, dict):
+        with open(path_or_rows) as f:
+            data = json.load(f)
+    kind = device_kind or data.get("device_kind")
+    if not kind or not isinstance(data.get("rows"), dict):
+        raise ValueError("gemm_table.load: needs 'device_kind' (or the device_kind argument) and 'rows': "
+                         "{pair: [[[M, N, K], backend, {options}], ...]}")
+    for p, rows in data["rows"].items():
+        if p not in ("1D2D", "1D1D", "2D1D"):
+            raise ValueError(f"gemm_table.load: unknown pair {p!r} (1D2D, 1D1D or 2D1D)")
+        TABLE.setdefault(kind, {})[p] = [(tuple(int(v) for v in mnk), str(b), dict(o)) for mnk, b, o in rows]
+
+
+@functools.lru_cache(maxsize=None)
+def _local_device_kind() -> str:
+    import jax
+
+    return jax.local_devices()[0].device_kind
