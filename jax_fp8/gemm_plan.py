@@ -193,7 +193,7 @@ class DotPlan:
         return [f"{s.name}: {s.gemm.reason}" for s in self.steps if not s.gemm.ok]
 
 
-def _contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[bool, Optional[str]]:
+def contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[bool, Optional[str]]:
     """``(rhs_kn, None)``: the recipe's GEMM takes these dimension numbers, the rhs being (K, N) when
     ``rhs_kn`` else (N, K); ``(False, why not)`` otherwise."""
     (lc, rc), (lb, rb) = dimension_numbers
@@ -261,7 +261,7 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
     shapes, dtypes and (pre-quantized) usages decide. ``sequences_may_split``: the lhs's sequences may
     be split over devices (stack them when every GEMM takes them unpadded)."""
     lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
-    rhs_kn, why = _contraction(len(lshape), len(rshape), dimension_numbers)
+    rhs_kn, why = contraction(len(lshape), len(rshape), dimension_numbers)
     mx = recipe.scheme("lhs").e8m0
     why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx)
     if why is not None:

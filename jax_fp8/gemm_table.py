@@ -38,7 +38,7 @@ def nearest(rows: list, M: int, N: int, K: int):
 def choose(M: int, N: int, K: int, a_block, b_block, device_kind: Optional[str] = None) -> Optional[tuple]:
     """``(backend name, options dict)`` measured fastest for the nearest shape on ``device_kind`` (the
     first local device's when None), or None where no row covers the GPU or the pair."""
-    kind = _local_device_kind() if device_kind is None else device_kind
+    kind = local_device_kind() if device_kind is None else device_kind
     rows = TABLE.get(kind, {}).get(pair(a_block, b_block))
     if not rows:
         return None
@@ -65,7 +65,8 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _local_device_kind() -> str:
+def local_device_kind() -> str:
+    """The first local device's kind (``jax.Device.device_kind``), e.g. ``"NVIDIA H200"``."""
     import jax
 
     return jax.local_devices()[0].device_kind

@@ -126,12 +126,16 @@ namespace ffi = xla::ffi;
 
 // The CUDA handlers' binding: XLA's stream first, then the handler's own (ffi_bindings.h).
 static auto cuda_binding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+// Every handler may run inside a CUDA graph (XLA's command buffers): each only launches kernels (and
+// cuBLASLt's) on XLA's stream, with no host sync, no allocation (the GEMM's workspace is a result
+// buffer), and caches filled outside capture (the cuBLASLt handles: cublaslt_prepare, at lowering).
+#define JF_GRAPH_SAFE {ffi::Traits::kCmdBufferCompatible}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda, jf::bind_quantize(cuda_binding()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda, jf::bind_dequantize(cuda_binding()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda, jf::bind_partial_amax(cuda_binding()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda, jf::bind_partial_cast(cuda_binding()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda, jf::bind_fp8_gemm(cuda_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda, jf::bind_quantize(cuda_binding()), JF_GRAPH_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda, jf::bind_dequantize(cuda_binding()), JF_GRAPH_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda, jf::bind_partial_amax(cuda_binding()), JF_GRAPH_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda, jf::bind_partial_cast(cuda_binding()), JF_GRAPH_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda, jf::bind_fp8_gemm(cuda_binding()), JF_GRAPH_SAFE);
 
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
@@ -149,6 +153,8 @@ NB_MODULE(_jax_fp8_cuda, m) {
     const size_t version = jf::lt::load(paths, &message);
     return std::make_pair(version, message);
   });
+  // Makes the cuBLASLt handles of these devices now, outside any CUDA graph capture: "" or what failed.
+  m.def("cublaslt_prepare", [](const std::vector<int32_t>& devices) { return jf::prepare_handles(devices); });
   m.attr("cublaslt_header_checked") = bool(JF_CUBLASLT_HEADER_CHECKED);
   // The workspace result jf_fp8_gemm's lowering allocates, and how many candidates `algo` picks from.
   m.attr("cublaslt_workspace_bytes") = jf::kGemmWorkspaceBytes + 256;

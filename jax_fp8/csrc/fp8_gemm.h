@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cublaslt.h"
 #include "ffi_common.h"
@@ -76,6 +77,37 @@ inline GemmCache& gemm_cache() {
   return c;
 }
 
+// The device's cuBLASLt handle, made on first use (cublaslt_prepare makes them all at lowering, so that
+// none is made while XLA captures the call into a CUDA graph).
+inline lt::Status handle_for(const lt::Api& api, int32_t device, lt::Handle* handle) {
+  GemmCache& cache = gemm_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  auto it = cache.handles.find(device);
+  if (it == cache.handles.end()) {
+    if (lt::Status s = api.Create(handle); s != lt::kSuccess) return s;
+    it = cache.handles.emplace(device, *handle).first;
+  }
+  *handle = it->second;
+  return lt::kSuccess;
+}
+
+// Makes the handles of `devices` (ordinals) outside any capture, each with its device current: "" or
+// what failed.
+inline std::string prepare_handles(const std::vector<int32_t>& devices) {
+  const lt::Api* api = lt::api();
+  if (!api) return lt::error();
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return "cudaGetDevice failed";
+  std::string failed;
+  for (int32_t d : devices) {
+    lt::Handle h;
+    if (cudaSetDevice(d) != cudaSuccess) failed = "cudaSetDevice(" + std::to_string(d) + ") failed";
+    else if (lt::Status s = handle_for(*api, d, &h); s != lt::kSuccess) failed = lt_failure("cublasLtCreate", s);
+  }
+  cudaSetDevice(previous);
+  return failed;
+}
+
 inline ffi::Error cuda_type_of(ffi::DataType t, cudaDataType_t* out) {
   switch (t) {
     case ffi::DataType::F8E4M3FN: *out = CUDA_R_8F_E4M3; break;
@@ -130,15 +162,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
 
   GemmCache& cache = gemm_cache();
   lt::Handle handle;
-  {
-    std::lock_guard<std::mutex> lock(cache.mu);
-    auto it = cache.handles.find(device);
-    if (it == cache.handles.end()) {
-      JF_LT(api->Create(&handle), "cublasLtCreate");
-      it = cache.handles.emplace(device, handle).first;
-    }
-    handle = it->second;
-  }
+  JF_LT(handle_for(*api, device, &handle), "cublasLtCreate");
 
   GemmDescs g{*api};
   const int32_t op_t = lt::kOpT, op_n = lt::kOpN;

@@ -3,12 +3,15 @@ takes, and its CUDA lowering to our handler (csrc/fp8_gemm.h), which calls cuBLA
 time (:func:`cublaslt`)."""
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import os
 import re
+import warnings
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -72,6 +75,7 @@ CANDIDATES = 16
 
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, algo=-1):
     """``algo``: -1, the heuristic's first choice; i, its i-th candidate (an autotuner's pick)."""
+    _prepare_handles()
     workspace = ShapedArray((WORKSPACE_BYTES,), np.uint8)
     out, _ = ffi.ffi_lowering("jf_fp8_gemm")(ctx.replace(avals_out=[*ctx.avals_out, workspace]), a, a_scale, b,
                                              b_scale, *c, a_block_rows=np.int64(a_block[0]),
@@ -127,6 +131,19 @@ def _load_cublaslt() -> tuple[int, str]:
     _ffi.cuda_device_present()
     version, message = load(_cublaslt_candidates())
     return int(version), str(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_handles() -> None:
+    """Makes cuBLASLt's handle for every local CUDA device now, when the first GEMM lowers: a call that
+    XLA captures into a CUDA graph then makes none (the handler would otherwise make it on first use)."""
+    try:
+        devices = [d.local_hardware_id for d in jax.local_devices(backend="cuda")]
+    except RuntimeError:  # no CUDA backend: lowered for export only, nothing runs here
+        return
+    failed = importlib.import_module("jax_fp8._jax_fp8_cuda").cublaslt_prepare(devices)
+    if failed:  # the handler makes the handle itself then, and reports the same failure
+        warnings.warn(f"jax_fp8: could not make cuBLASLt handles ahead of use: {failed}", stacklevel=2)
 
 
 def unavailable(platform: str = "cuda") -> Optional[str]:

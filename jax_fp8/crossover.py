@@ -1,0 +1,100 @@
+"""Where FP8 pays: per GPU and recipe, the linear-layer shapes (M rows, K in, N out) at which a layer's
+forward + backward on :func:`jax_fp8.fp8_dot_general`, quantization included, ran faster than the same
+layer in bf16 (``python bench/bench_gemm.py --crossover``, measured side by side, rows checked in
+below with the shapes they were measured at). ``where="auto"`` (:mod:`jax_fp8.flax_utils`) asks
+:func:`fp8_pays` when it traces each projection and keeps ``lax.dot_general`` where the nearest
+measured shape, in (log M, log K, log N), did not gain, as torchao's float8 training filters layers.
+
+The shapes asked about are one device's GEMM: inside ``shard_map`` the local arrays'; under ``jit``
+each device's share where the operands' types say how they are split (Explicit mesh axes), else the
+global shapes (Auto axes are split only when XLA compiles).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from typing import Optional
+
+from .gemm_plan import contraction
+from .gemm_table import local_device_kind, nearest
+from .primitives.partitioning import explicit_sharding
+from .tensors import QUANTIZED_TENSORS
+from .warn import warn
+
+#: device kind (``jax.Device.device_kind``) -> recipe ("blockwise" or "mxfp8") -> rows
+#: ((M, K, N), bf16 time / FP8 time of the layer's forward + backward); FP8 pays where the ratio > 1.
+TABLES: dict[str, dict[str, list]] = {}
+
+
+class CrossoverWarning(UserWarning):
+    """``where="auto"`` found no crossover table for this GPU and recipe: every projection runs in FP8."""
+
+
+def recipe_name(recipe) -> str:
+    """The tables' key of a recipe: ``"mxfp8"`` for MXFP8 (E8M0 scales), else ``"blockwise"``."""
+    return "mxfp8" if recipe is not None and recipe.scheme("lhs").e8m0 else "blockwise"
+
+
+def fp8_pays(M: int, K: int, N: int, recipe=None, device_kind: Optional[str] = None) -> bool:
+    """Whether a linear layer of (M, K) x (K, N) gained in FP8 on this GPU (``device_kind``: the first
+    local device's when None) with ``recipe`` (None: Float8 blockwise): the nearest measured shape's
+    answer. Without a table for the GPU and recipe: True (FP8 everywhere), with one
+    :class:`CrossoverWarning` per GPU and recipe."""
+    kind = local_device_kind() if device_kind is None else device_kind
+    name = recipe_name(recipe)
+    rows = TABLES.get(kind, {}).get(name)
+    if not rows:
+        _warn_unmeasured(kind, name)
+        return True
+    return nearest(rows, M, K, N)[1] > 1.0
+
+
+def layer_pays(lhs, rhs, dimension_numbers, recipe=None) -> bool:
+    """:func:`fp8_pays` for one ``dot_general(lhs, rhs, dimension_numbers)`` call, at the shapes of one
+    device's GEMM (module doc); True where the call is no linear layer the recipe's GEMM takes (then
+    ``fp8_dot_general`` decides, as it would without ``where``)."""
+    rhs_kn, why = contraction(len(lhs.shape), len(rhs.shape), dimension_numbers)
+    if why is not None or isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
+        return True
+    lshape, rshape = _device_share(lhs), _device_share(rhs)
+    M = math.prod(lshape[:-1])
+    if min(M, lshape[-1], rshape[0], rshape[1]) <= 0:
+        return True
+    return fp8_pays(M, lshape[-1], rshape[1] if rhs_kn else rshape[0], recipe)
+
+
+def load(path_or_rows, device_kind: Optional[str] = None) -> None:
+    """Adds rows to :data:`TABLES` (replacing the GPU's rows for the recipes given): a JSON file as
+    ``bench/bench_gemm.py --crossover-out`` writes it (``{"device_kind": ..., "rows": {recipe: [[[M, K,
+    N], ratio], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
+    data = path_or_rows
+    if not isinstance(data, dict):
+        with open(path_or_rows) as f:
+            data = json.load(f)
+    kind = device_kind or data.get("device_kind")
+    if not kind or not isinstance(data.get("rows"), dict):
+        raise ValueError("crossover.load: needs 'device_kind' (or the device_kind argument) and 'rows': "
+                         "{recipe: [[[M, K, N], ratio], ...]}")
+    for name, rows in data["rows"].items():
+        if name not in ("blockwise", "mxfp8"):
+            raise ValueError(f"crossover.load: unknown recipe {name!r} ('blockwise' or 'mxfp8')")
+        TABLES.setdefault(kind, {})[name] = [(tuple(int(v) for v in mkn), float(r)) for mkn, r in rows]
+
+
+def _device_share(x) -> tuple:
+    """``x``'s shape, each dim divided by the mesh axes its Explicit type splits it over."""
+    s = explicit_sharding(x)
+    if s is None:
+        return tuple(x.shape)
+    spec = tuple(s.spec) + (None,) * (len(x.shape) - len(tuple(s.spec)))
+    sizes = dict(s.mesh.shape)
+    split = [math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in spec]
+    return tuple(-(-d // n) for d, n in zip(x.shape, split))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unmeasured(kind: str, name: str) -> None:
+    warn(f"jax_fp8: where='auto' has no crossover table for {kind!r} and the {name} recipe: every projection "
+         "runs in FP8 (measure one with `python bench/bench_gemm.py --crossover --crossover-out F` on this GPU "
+         "and pass it to jax_fp8.crossover.load)", CrossoverWarning)
