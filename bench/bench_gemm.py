@@ -1,21 +1,29 @@
 """The FP8 blockwise GEMM against what JAX users pick instead, in one run with one timing harness.
 
 Per shape (M, K, N), y (M, N) = x (M, K) · W:
-  GEMM alone (operands already quantized; out bf16):
-    bf16 ``lax.dot_general``; ours 1x128 x 128x128 and 1x128 x 1x128 (``jax_fp8.gemm.fp8_gemm``);
-    PyTorch ``F.scaled_mm`` blockwise (the same cuBLASLt kernels: the ceiling).
+  GEMM alone (operands already quantized; out bf16), for the layer's fprop (GEMM (M, N, K), x 1x128 x
+  W 128x128: pair 1D2D) and its wgrad (dW = dyᵀ·x, GEMM (N, K, M), 1x128 x 1x128 along M: pair 1D1D):
+    bf16 ``lax.dot_general`` at the same GEMM; ours (``jax_fp8.gemm.fp8_gemm``) on cuBLASLt's heuristic,
+    on the tuned cuBLASLt algorithm and the tuned CUTLASS config (``--table``'s ``best_per_backend``, as
+    bench_gemm_tune.py writes it; CUTLASS's defaults without), and on the plan's choice (the GEMM table:
+    ``--table`` loaded, else ``gemm_table.TABLE``); PyTorch ``F.scaled_mm`` blockwise (the same cuBLASLt
+    kernels) and per-tensor (TensorWise scales, E4M3, with and without fast accumulation).
   One linear layer, forward + backward (y, dx, dW from x, W, dy), all quantization included:
-    bf16; ours (``fp8_dot_general``, Float8BlockScaling); flax's per-tensor FP8 (``Fp8DirectDotGeneralOp``,
-    delayed scaling, what JAX users pick today).
+    bf16; ours (``fp8_dot_general``, Float8BlockScaling: its GEMMs as the plan picks them, so the table's
+    kernels when it has rows; and with the table's rows removed, cuBLASLt's heuristic); flax's per-tensor
+    FP8 (``Fp8DirectDotGeneralOp``, delayed scaling, what JAX users pick today).
 Timing, JAX and PyTorch alike: many back-to-back calls over 3 rotating input sets, one sync, median of reps.
 Also: relative error against fp64 of blockwise vs per-tensor FP8 on activations with outlier channels.
 
-  python bench/bench_gemm.py [--shapes 4096x4096x4096,...] [--iters 30]
+  python bench/bench_gemm.py [--shapes 4096x4096x4096,...] [--iters 30] [--table gemm_table.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
+import sys
 import time
 import warnings
 
@@ -27,9 +35,18 @@ from jax import lax
 import jax_fp8 as jf
 from _timing import jax_time
 from jax_fp8 import gemm as G
+from jax_fp8 import gemm_table
 from jax_fp8.primitives import cublaslt
+from jax_fp8.primitives.cublaslt import CUBLASLT
 
-SHAPES = "4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096"  # MxKxN
+try:
+    from jax_fp8.primitives.cutlass import CUTLASS
+except ImportError as e:  # not written / not installed yet
+    CUTLASS, CUTLASS_MISSING = None, f"jax_fp8.primitives.cutlass: {e}"
+
+SHAPES = ("2048x2048x2048,4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,"
+          "16384x512x4096")  # MxKxN
+PAIRS = {"1D2D": ((1, 128), (128, 128)), "1D1D": ((1, 128), (1, 128))}
 NT = (((1,), (1,)), ((), ()))  # x (M, K) . W (N, K): contract the last dims
 KN = (((1,), (0,)), ((), ()))  # x (M, K) . W (K, N): flax's Dense layout
 
@@ -81,6 +98,39 @@ def torch_blockwise(M: int, K: int, N: int, b_tiles: bool, iters: int):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+def torch_per_tensor(M: int, K: int, N: int, fast_accum: bool, iters: int):
+    """PyTorch's per-tensor FP8 GEMM (``F.scaled_mm`` with TensorWise scales, else ``torch._scaled_mm``):
+    E4M3 x (M, K) . w (N, K)ᵀ, one fp32 scale each, bf16 out, on 3 operand sets: seconds per call, or
+    the error it raised."""
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        dev = "cuda"
+        sets = [(torch.randn(M, K, device=dev).to(torch.float8_e4m3fn),
+                 torch.randn(N, K, device=dev).to(torch.float8_e4m3fn).t(),
+                 torch.tensor(1.0, device=dev), torch.tensor(1.0, device=dev)) for _ in range(3)]
+        tensorwise = getattr(getattr(F, "ScalingType", None), "TensorWise", None)
+
+        def new(x, w, sa, sb):
+            return F.scaled_mm(x, w, sa, tensorwise, sb, tensorwise, output_dtype=torch.bfloat16,
+                               use_fast_accum=fast_accum)
+
+        def old(x, w, sa, sb):
+            return torch._scaled_mm(x, w, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+        fn = old
+        if tensorwise is not None:
+            try:
+                new(*sets[0])
+                fn = new
+            except Exception:  # noqa: BLE001 - an older F.scaled_mm: the private op
+                pass
+        return torch_time(fn, sets, iters)
+    except Exception as e:  # report, do not stop the run
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 def flax_per_tensor():
     """flax's per-tensor FP8 dot module (``Fp8DirectDotGeneralOp``) and None, or None and why not."""
     try:
@@ -111,18 +161,91 @@ def per_gemm(gemm, sets, iters):
     return one, all_sets
 
 
-def gemm_alone(xs, ws, iters):
-    """Seconds per GEMM: bf16, ours 1x128x128x128, ours 1x128x1x128 (operands quantized beforehand);
-    also each with the 3 operand sets' GEMMs in one jitted call ("3 per call")."""
+def gemm_problems(xs, ws, dys):
+    """The layer's fprop and wgrad GEMMs: (role, pair, a operands (Mg, Kg), b operands (Ng, Kg)), bf16,
+    materialized K-major (the transposes done here, outside the timed calls)."""
     wt = [w.T for w in ws]  # (N, K)
+    dyt = [jnp.asarray(dy.T) for dy in dys]  # (N, M): wgrad's a, contraction over M
+    xt = [jnp.asarray(x.T) for x in xs]  # (K, M): wgrad's b
+    return [("fprop", "1D2D", xs, wt), ("wgrad", "1D1D", dyt, xt)]
+
+
+def backend_of(name: str):
+    return {CUBLASLT.name: CUBLASLT, **({CUTLASS.name: CUTLASS} if CUTLASS is not None else {})}.get(name)
+
+
+def tuned(best_per_backend: dict, pair: str, name: str, M: int, N: int, K: int):
+    """The backend (with options) bench_gemm_tune.py measured fastest of backend ``name`` for the
+    nearest problem of ``pair``, and that problem; or (None, None)."""
+    rows = [r for r in best_per_backend.get(pair, []) if r[1] == name]
+    base = backend_of(name)
+    if not rows or base is None:
+        return None, None
+    mnk, _, options, _ = gemm_table.nearest(rows, M, N, K)
+    return base.with_options(**options), tuple(mnk)
+
+
+def gemm_alone(pair, a_hi, b_hi, iters, best_per_backend):
+    """Seconds per GEMM a (Mg, Kg) . b (Ng, Kg)ᵀ of one pair (or why not): bf16; ours on cuBLASLt's
+    heuristic, the tuned cuBLASLt and CUTLASS kernels and the plan's choice (operands quantized
+    beforehand); bf16 and the heuristic also with the 3 operand sets' GEMMs in one jitted call."""
+    (Mg, Kg), Ng = a_hi[0].shape, b_hi[0].shape[0]
+    a_block, b_block = PAIRS[pair]
     t = {}
-    t["bf16"], t["bf16, 3 per call"] = per_gemm(lambda x, w: lax.dot_general(x, w, NT), list(zip(xs, wt)), iters)
-    xq = [jf.quantize_blockwise(x, layout="gemm_ready") for x in xs]
-    for name, block in (("ours 1x128 x 128x128", (128, 128)), ("ours 1x128 x 1x128", (1, 128))):
-        wq = [jf.quantize_blockwise(w, block=block, layout="gemm_ready") for w in wt]
-        ops = [(G.gemm_operand(a), G.gemm_operand(b)) for a, b in zip(xq, wq)]
-        t[name], t[name + ", 3 per call"] = per_gemm(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16), ops, iters)
+    t["bf16"], t["bf16, 3 per call"] = per_gemm(lambda x, w: lax.dot_general(x, w, NT), list(zip(a_hi, b_hi)), iters)
+    a_q = [jf.quantize_blockwise(a, block=a_block, layout="gemm_ready") for a in a_hi]
+    b_q = [jf.quantize_blockwise(b, block=b_block, layout="gemm_ready") for b in b_hi]
+    ops = [(G.gemm_operand(a), G.gemm_operand(b)) for a, b in zip(a_q, b_q)]
+    timed = {}  # backend object -> seconds (each kernel timed once)
+
+    def ours(label, backend, three=False):
+        if backend not in timed:
+            gemm = lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16, backend=backend)
+            name = f"ours {label} {backend!r}"
+            if three:
+                t[name], t[name + ", 3 per call"] = per_gemm(gemm, ops, iters)
+            else:
+                t[name] = jax_time(gemm, ops, iters)
+            timed[backend] = t[name]
+        else:
+            t[f"ours {label} {backend!r}"] = f"= {timed[backend] * 1e6:.1f} us (timed above)"
+
+    ours("heuristic", CUBLASLT, three=True)
+    tag = lambda at: "tuned" if at == (Mg, Ng, Kg) else f"tuned@{'x'.join(map(str, at))}"  # the nearest row's
+    lt, at = tuned(best_per_backend, pair, CUBLASLT.name, Mg, Ng, Kg)
+    if lt is not None:
+        ours(tag(at), lt)
+    if CUTLASS is None:
+        t["ours cutlass"] = f"unavailable: {CUTLASS_MISSING}"
+    elif CUTLASS.unavailable("cuda") is not None and jax.default_backend() == "gpu":
+        t["ours cutlass"] = f"unavailable: {CUTLASS.unavailable('cuda')}"
+    else:
+        cut, at = tuned(best_per_backend, pair, CUTLASS.name, Mg, Ng, Kg)
+        ours(tag(at) if cut is not None else "default", cut or CUTLASS)
+    plan = G.plan_gemm(Mg, Ng, Kg, a_block, b_block)
+    if plan.backend is not None:
+        pick = gemm_table.choose(Mg, Ng, Kg, a_block, b_block)
+        if pick is None:
+            note = "(no table row)"
+        else:
+            want = backend_of(pick[0])
+            want = want.with_options(**pick[1]) if want is not None else f"{pick[0]}{pick[1]}"
+            note = "(table)" if want is plan.backend else f"(table's {want!r} not taken)"
+        ours(f"plan {note}", plan.backend)
+    else:
+        t["ours plan"] = f"no backend: {plan.reason}"
     return t
+
+
+@contextlib.contextmanager
+def without_table(kind: str):
+    """The GEMM table without ``kind``'s rows (the plan then runs each backend's own choice)."""
+    rows = gemm_table.TABLE.pop(kind, None)
+    try:
+        yield
+    finally:
+        if rows is not None:
+            gemm_table.TABLE[kind] = rows
 
 
 def linear_fwd_bwd(xs, ws, dys, iters):
@@ -134,8 +257,15 @@ def linear_fwd_bwd(xs, ws, dys, iters):
         return f
 
     sets = list(zip(xs, ws, dys))
-    t = {"bf16": jax_time(step(lambda x, w, d: lax.dot_general(x, w, d)), sets, iters),
-         "ours fp8 blockwise": jax_time(step(lambda x, w, d: jf.fp8_dot_general(x, w, d)), sets, iters)}
+    ours = step(lambda x, w, d: jf.fp8_dot_general(x, w, d))
+    t = {"bf16": jax_time(step(lambda x, w, d: lax.dot_general(x, w, d)), sets, iters)}
+    kind = jax.devices()[0].device_kind
+    if gemm_table.TABLE.get(kind):
+        t["ours fp8 blockwise (table)"] = jax_time(ours, sets, iters)
+        with without_table(kind):
+            t["ours fp8 blockwise (heuristic)"] = jax_time(ours, sets, iters)
+    else:
+        t["ours fp8 blockwise"] = jax_time(ours, sets, iters)
     op, why = flax_per_tensor()
     if op is None:
         t["flax per-tensor fp8"] = f"unavailable: {why}"
@@ -179,43 +309,62 @@ def outlier_error(M=2048, K=4096, N=2048):
     return {"fp8 blockwise (ours)": rel(ours), "fp8 MXFP8 (ours)": rel(mx), "fp8 per-tensor": rel(pt), "bf16": rel(bf)}
 
 
+def show(section: str, t: dict, flops: float, base_name: str = "bf16", what: str = ""):
+    """One line per measurement: section, name, us, TFLOP/s, ratio to bf16 (or the reason it has none)."""
+    base = t[base_name]
+    for name, s in t.items():
+        if isinstance(s, str):
+            print(f"  {section} {name:56s} {s}")
+        else:
+            print(f"  {section} {name:56s} {s * 1e6:9.1f} us {flops / s / 1e12:7.1f} TFLOP/s  {base / s:5.2f}x bf16{what}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated MxKxN")
     ap.add_argument("--iters", type=int, default=30, help="calls per timed run (5 runs, median)")
+    ap.add_argument("--table", default=None, help="bench_gemm_tune.py's JSON: loaded into gemm_table.TABLE")
+    ap.add_argument("--no-linear", action="store_true", help="GEMMs alone only")
     args = ap.parse_args()
     warnings.simplefilter("always", G.Fp8GemmFallbackWarning)
-    print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
+    kind = jax.devices()[0].device_kind
+    print(f"backend={jax.default_backend()} device={kind} jax={jax.__version__} "
           f"cuBLASLt={cublaslt.cublaslt()} fp8 GEMM on CUDA unavailable because: {cublaslt.unavailable()}")
+    best_per_backend = {}
+    if args.table:
+        gemm_table.load(args.table)
+        with open(args.table) as f:
+            data = json.load(f)
+        best_per_backend = data.get("best_per_backend", {}) if data.get("device_kind") == kind else {}
+        print(f"table {args.table}: device {data.get('device_kind')}, rows "
+              f"{ {p: len(r) for p, r in data.get('rows', {}).items()} }"
+              + ("" if data.get("device_kind") == kind else f" (not this device: {kind}, unused)"))
+    print(f"GEMM table rows for {kind}: { {p: len(r) for p, r in gemm_table.TABLE.get(kind, {}).items()} or 'none'}; "
+          f"CUTLASS: {CUTLASS_MISSING if CUTLASS is None else CUTLASS.unavailable('cuda') or 'runs here'}")
     gpu = jax.default_backend() == "gpu"
     for shape in args.shapes.split(","):
         M, K, N = map(int, shape.split("x"))
         flops = 2 * M * K * N
         xs, ws, dys = inputs(M, K, N)
-        print(f"\n== M={M} K={K} N={N}")
-        t = gemm_alone(xs, ws, args.iters)
-        if gpu:
-            t["torch scaled_mm 1x128 x 128x128"] = torch_blockwise(M, K, N, True, args.iters)
-            t["torch scaled_mm 1x128 x 1x128"] = torch_blockwise(M, K, N, False, args.iters)
-        base = t["bf16"]
-        for name, s in t.items():
-            if isinstance(s, str):
-                print(f"  GEMM   {name:34s} {s}")
-            else:
-                print(f"  GEMM   {name:34s} {s * 1e6:9.1f} us {flops / s / 1e12:7.1f} TFLOP/s  {base / s:5.2f}x bf16")
-        for ours, theirs in (("ours 1x128 x 128x128", "torch scaled_mm 1x128 x 128x128"),
-                             ("ours 1x128 x 1x128", "torch scaled_mm 1x128 x 1x128")):
-            if isinstance(t.get(theirs), float):
-                print(f"  GEMM   {ours} / torch: {t[ours] / t[theirs]:.3f} (time ratio; "
-                      f"{t[ours + ', 3 per call'] / t[theirs]:.3f} with 3 per call)")
-        t = linear_fwd_bwd(xs, ws, dys, args.iters)
-        base = t["bf16"]
-        for name, s in t.items():
-            if isinstance(s, str):
-                print(f"  LINEAR {name:34s} {s}")
-            else:
-                print(f"  LINEAR {name:34s} {s * 1e6:9.1f} us {3 * flops / s / 1e12:7.1f} TFLOP/s  "
-                      f"{base / s:5.2f}x bf16 (fwd+bwd)")
+        print(f"\n== M={M} K={K} N={N}", flush=True)
+        for role, pair, a_hi, b_hi in gemm_problems(xs, ws, dys):
+            (Mg, Kg), Ng = a_hi[0].shape, b_hi[0].shape[0]
+            t = gemm_alone(pair, a_hi, b_hi, args.iters, best_per_backend)
+            if gpu:
+                t["torch scaled_mm blockwise"] = torch_blockwise(Mg, Kg, Ng, pair == "1D2D", args.iters)
+                t["torch scaled_mm per-tensor"] = torch_per_tensor(Mg, Kg, Ng, False, args.iters)
+                t["torch scaled_mm per-tensor fast-accum"] = torch_per_tensor(Mg, Kg, Ng, True, args.iters)
+            show(f"GEMM {role} {pair} {Mg}x{Ng}x{Kg}", t, flops)
+            theirs = t.get("torch scaled_mm blockwise")
+            if isinstance(theirs, float):
+                mine = f"ours heuristic {CUBLASLT!r}"
+                print(f"  GEMM {role} {pair} {Mg}x{Ng}x{Kg} {mine} / torch blockwise: {t[mine] / theirs:.3f} "
+                      f"(time ratio; {t[mine + ', 3 per call'] / theirs:.3f} with 3 per call)")
+            del t
+        sys.stdout.flush()
+        if not args.no_linear:
+            show("LINEAR", linear_fwd_bwd(xs, ws, dys, args.iters), 3 * flops, what=" (fwd+bwd)")
+        sys.stdout.flush()
     print("\nmean relative error per token vs fp64, x (2048, 4096) with token scales 10^U(-5, 0) and 16 outlier "
           "channels (x20), W (4096, 2048):")
     for name, e in outlier_error().items():

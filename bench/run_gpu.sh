@@ -2,41 +2,88 @@
 # One lease call: build for sm_90, run every test on the GPU backend (CUDA kernels vs the reference,
 # bit for bit), dump the compiler's resource report and SASS facts, then time everything: through
 # JAX against the XLA-fused reference (bench_kernels.py) and per kernel with CUDA events (kernel_bench.cu).
-# Usage (device machine): bash bench/run_gpu.sh   -- logs go to $OUT (or ./gpu_logs).
+# Usage (device machine): bash bench/run_gpu.sh   -- output goes to $OUT (or ./gpu_logs): run.log (every
+# stage), logs.tgz (each stage's full log), gemm_table.json (TUNE=1), ncu_*.txt (NCU=1).
 # Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
-# KB=1 (kernel_bench), KB_PREBUILT; stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs, MODEL=1 adds bench_model.py.
-# Everything at once outruns one 600 s call (build ~100 s, tests ~260 s, kernels ~70 s, kernel_bench ~60 s,
-# GEMM ~200 s, model ~150 s): split it over two calls with the stage knobs.
+# TUNE_ARGS (bench_gemm_tune.py), NCU_ARGS (ncu), NCU_MNK (M,N,K of the profiled fprop GEMM, 8192,8192,8192),
+# NCU_KERNEL (ncu's kernel-name regex), TABLE (a gemm_table.json from an earlier call: copied to $OUT, so that
+# TUNE_ARGS=--resume continues it and GEMM / NCU use it), KB=1 (kernel_bench), KB_PREBUILT;
+# stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build; CUTLASS=1 builds the CUTLASS
+# module too (the nvidia-cutlass wheel from .whl/: carry .whl); BACKENDS=1 tests/test_gemm_backends.py;
+# TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one fprop GEMM,
+# cuBLASLt and CUTLASS (each at the table's best options when there is one); MODEL=1 bench_model.py.
+# Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
+# kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
+#   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+L=$(mktemp -d /tmp/jf_logs.XXXXXX)  # each stage's full log; packed into $OUT/logs.tgz at the end
+trap 'tar -czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
+log() { tee -a "$L/$1" "$OUT/run.log"; }  # a stage's output: its own log and run.log (and stdout)
+stage() { echo "=== $* ($(date +%T))" | tee -a "$OUT/run.log"; }
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-rm -rf build
-# kernel_bench (~3 min to build) compiles in the background while the module builds and the tests run
-# KB=1 builds and runs it (KB_PREBUILT=1: use bench/.bin/kernel_bench as carried, if it runs here).
-# (Runs 24-25 stopped at SIGILL: a division by zero in its MXFP8 columnwise case, fixed since.)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | log gpu.txt
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | log gpu.txt
 kb_pid=
-if [ -n "${KB:-}" ] && { [ -z "${KB_PREBUILT:-}" ] || ! bench/.bin/kernel_bench 256 256 > /dev/null 2>&1; }; then
-  bash bench/build_kernel_bench.sh > "$OUT/kernel_bench_build.log" 2>&1 & kb_pid=$!
-else  # the memcpy target that bench_kernels.py times (seconds)
-  bash bench/build_kernel_bench.sh --copy-only > "$OUT/kernel_bench_build.log" 2>&1 & kb_pid=$!
+if [ "${BUILD:-1}" != 0 ]; then
+  stage build
+  rm -rf build
+  # kernel_bench (~3 min to build) compiles in the background while the module builds and the tests run
+  # KB=1 builds and runs it (KB_PREBUILT=1: use bench/.bin/kernel_bench as carried, if it runs here).
+  # (Runs 24-25 stopped at SIGILL: a division by zero in its MXFP8 columnwise case, fixed since.)
+  if [ -n "${KB:-}" ] && { [ -z "${KB_PREBUILT:-}" ] || ! bench/.bin/kernel_bench 256 256 > /dev/null 2>&1; }; then
+    bash bench/build_kernel_bench.sh > "$L/kernel_bench_build.log" 2>&1 & kb_pid=$!
+  else  # the memcpy target that bench_kernels.py times (seconds)
+    bash bench/build_kernel_bench.sh --copy-only > "$L/kernel_bench_build.log" 2>&1 & kb_pid=$!
+  fi
+  build_env=()
+  if [ "${CUTLASS:-0}" != 0 ]; then  # no network there: the nvidia-cutlass wheel (its headers) travels in .whl/
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | log build.log
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    build_env=(JAX_FP8_CUTLASS=1 CMAKE_BUILD_PARALLEL_LEVEL=16)
+  fi
+  env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$L/build.log" 2>&1 \
+    || { tail -50 "$L/build.log" | tee -a "$OUT/run.log"; exit 1; }
+  grep -E "ptxas info|spill" "$L/build.log" | sort | uniq -c | sort -rn | head -20 | log ptxas_summary.txt
+  so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
+  cuobjdump --dump-sass "$so" > /tmp/sass.txt 2>/dev/null  # too large to bring back
+  echo "SASS: $(grep -c 'LDG.E.128' /tmp/sass.txt) LDG.E.128, $(grep -c -E 'LDL|STL' /tmp/sass.txt) local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' /tmp/sass.txt)" | log sass_summary.txt
+  rm -f /tmp/sass.txt
 fi
-python3 -m pip install --no-build-isolation --no-deps -e . -v > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-grep -E "ptxas info|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20 | tee "$OUT/ptxas_summary.txt"
-so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
-cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
-echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c -E 'LDL|STL' "$OUT/sass.txt") local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' "$OUT/sass.txt")" | tee "$OUT/sass_summary.txt"
-rm -f "$OUT/sass.txt"  # too large to bring back
-python3 -c "import jax_fp8.primitives.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" | tee -a "$OUT/gpu.txt"
+python3 -c "import jax_fp8.primitives.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" 2>&1 | log gpu.txt
+python3 -c "from jax_fp8.primitives.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
 # no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
-[ "${TESTS:-1}" != 0 ] && python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
-[ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$OUT/kernel_bench_build.log"; }
-[ "${KERNELS:-1}" != 0 ] && python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+[ "${TESTS:-1}" != 0 ] && { stage tests; python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15; }
+[ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py -q -p no:cacheprovider 2>&1 | log backends.log | tail -15; }
+[ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$L/kernel_bench_build.log" | tee -a "$OUT/run.log"; }
+[ "${KERNELS:-1}" != 0 ] && { stage kernels; python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | log bench.log; }
 # kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
-[ -n "${KB:-}" ] && for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | tee "$OUT/kernel_bench.log"
-# the FP8 GEMM against bf16, flax's per-tensor FP8 and PyTorch's cuBLAS blockwise GEMM
-[ "${GEMM:-1}" != 0 ] && python3 bench/bench_gemm.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log"
+[ -n "${KB:-}" ] && { stage kernel_bench; for size in "32768 16384" "8192 8192"; do bench/.bin/kernel_bench $size; done 2>&1 | log kernel_bench.log; }
+# the GEMM table: every cuBLASLt algorithm and CUTLASS config per problem (written after each problem)
+[ -n "${TABLE:-}" ] && [ -f "$TABLE" ] && [ ! -f "$OUT/gemm_table.json" ] && cp "$TABLE" "$OUT/gemm_table.json"
+# (it stops by itself CALL_S (570) seconds after this script started, keeping what it measured; TUNE_ARGS may
+# override with --max-seconds)
+[ "${TUNE:-0}" != 0 ] && { stage tune; python3 bench/bench_gemm_tune.py --out "$OUT/gemm_table.json" \
+  --max-seconds $(( ${CALL_S:-570} - SECONDS > 30 ? ${CALL_S:-570} - SECONDS : 30 )) ${TUNE_ARGS:-} 2>&1 | log tune.log; }
+table=(); [ -f "$OUT/gemm_table.json" ] && table=(--table "$OUT/gemm_table.json")
+# the FP8 GEMM against bf16, flax's per-tensor FP8 and PyTorch's cuBLAS GEMMs (blockwise, per-tensor)
+[ "${GEMM:-1}" != 0 ] && { stage gemm; python3 bench/bench_gemm.py ${table[@]+"${table[@]}"} ${GEMM_ARGS:-} 2>&1 | log bench_gemm.log; }
+# Nsight Compute on one fprop GEMM per backend: ncu_gemm.py runs it between cuProfilerStart/Stop after a warm-up
+if [ "${NCU:-0}" != 0 ]; then
+  stage ncu
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for b in cublaslt cutlass; do
+    ${ncu_bin:-ncu} --profile-from-start off --kernel-name-base demangled \
+      --kernel-name "regex:${NCU_KERNEL:-nvjet|xmma|gemm|Gemm|cutlass}" --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --print-summary per-kernel \
+      ${NCU_ARGS:-} python3 bench/ncu_gemm.py --backend $b --mnk "${NCU_MNK:-8192,8192,8192}" --runs 2 \
+      ${table[@]+"${table[@]}"} > "$OUT/ncu_$b.txt" 2>&1
+    cp "$OUT/ncu_$b.txt" "$L/"; tee -a "$OUT/run.log" < "$OUT/ncu_$b.txt"
+  done
+fi
 # the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8
-[ "${MODEL:-0}" != 0 ] && python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/bench_model.log"
+[ "${MODEL:-0}" != 0 ] && { stage model; python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | log bench_model.log; }
 true
