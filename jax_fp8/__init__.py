@@ -28,7 +28,7 @@ def kernels_available() -> dict:
             "cuda": cuda_module and cuda_device}
 
 
-__all__ = ["distributed", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
+__all__ = ["crossover", "distributed", "gemm_table", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
            "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
            "kernels_available"]
 __all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands",

@@ -13,7 +13,7 @@ from ._compat import ffi
 
 #: platform name for lowering -> True when our compiled module for it loaded and registered its FFI
 #: targets (says nothing about whether such a device exists; see ``cuda_device_present``)
-AVAILABLE: dict[str, bool] = {"cpu": False, "cuda": False}
+AVAILABLE: dict[str, bool] = {"cpu": False, "cuda": False, "cutlass": False}
 LOAD_ERRORS: dict[str, str] = {}
 
 
@@ -30,6 +30,7 @@ def _register(module_name: str, platform: str, xla_platform: str) -> None:
 
 _register("_jax_fp8_cpu", "cpu", "cpu")
 _register("_jax_fp8_cuda", "cuda", "CUDA")  # XLA wants "CUDA" exactly; lowercase registers nothing
+_register("_jax_fp8_cutlass", "cutlass", "CUDA")  # optional (JAX_FP8_CUTLASS=1): jf_fp8_gemm_cutlass
 
 if not AVAILABLE["cpu"]:
     warnings.warn("jax_fp8: the CPU FFI module is not built (" + LOAD_ERRORS.get("cpu", "?") + "); "

@@ -12,12 +12,11 @@ global shapes (Auto axes are split only when XLA compiles).
 from __future__ import annotations
 
 import functools
-import json
 import math
 from typing import Optional
 
 from .gemm_plan import contraction
-from .gemm_table import local_device_kind, nearest
+from .gemm_table import local_device_kind, nearest, read_rows
 from .primitives.partitioning import explicit_sharding
 from .tensors import QUANTIZED_TENSORS
 from .warn import warn
@@ -68,18 +67,9 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
     """Adds rows to :data:`TABLES` (replacing the GPU's rows for the recipes given): a JSON file as
     ``bench/bench_gemm.py --crossover-out`` writes it (``{"device_kind": ..., "rows": {recipe: [[[M, K,
     N], ratio], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
-    data = path_or_rows
-    if not isinstance(data, dict):
-        with open(path_or_rows) as f:
-            data = json.load(f)
-    kind = device_kind or data.get("device_kind")
-    if not kind or not isinstance(data.get("rows"), dict):
-        raise ValueError("crossover.load: needs 'device_kind' (or the device_kind argument) and 'rows': "
-                         "{recipe: [[[M, K, N], ratio], ...]}")
-    for name, rows in data["rows"].items():
-        if name not in ("blockwise", "mxfp8"):
-            raise ValueError(f"crossover.load: unknown recipe {name!r} ('blockwise' or 'mxfp8')")
-        TABLES.setdefault(kind, {})[name] = [(tuple(int(v) for v in mkn), float(r)) for mkn, r in rows]
+    kind, rows = read_rows(path_or_rows, device_kind, "crossover.load", ("blockwise", "mxfp8"), "[[M, K, N], ratio]")
+    for name, entries in rows.items():
+        TABLES.setdefault(kind, {})[name] = [(tuple(int(v) for v in mkn), float(r)) for mkn, r in entries]
 
 
 def _device_share(x) -> tuple:

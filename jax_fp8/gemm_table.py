@@ -50,18 +50,27 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
     """Adds rows to :data:`TABLE` (replacing the device's rows for the pairs given): a JSON file as
     ``bench/bench_gemm_tune.py --out`` writes it (``{"device_kind": ..., "rows": {pair: [[[M, N, K],
     backend, {options}], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
+    kind, rows = read_rows(path_or_rows, device_kind, "gemm_table.load", ("1D2D", "1D1D", "2D1D"),
+                           "[[M, N, K], backend, {options}]")
+    for p, entries in rows.items():
+        TABLE.setdefault(kind, {})[p] = [(tuple(int(v) for v in mnk), str(b), dict(o)) for mnk, b, o in entries]
+
+
+def read_rows(path_or_rows, device_kind: Optional[str], who: str, keys: tuple, row: str) -> tuple[str, dict]:
+    """``(device kind, {key: rows})`` of a measured table given as a JSON file or its dict
+    (``{"device_kind": ..., "rows": {key: [row, ...]}}``), checked: ``who`` names the caller in errors,
+    ``keys`` are the keys allowed, ``row`` says in words what a row is."""
     data = path_or_rows
     if not isinstance(data, dict):
         with open(path_or_rows) as f:
             data = json.load(f)
     kind = device_kind or data.get("device_kind")
     if not kind or not isinstance(data.get("rows"), dict):
-        raise ValueError("gemm_table.load: needs 'device_kind' (or the device_kind argument) and 'rows': "
-                         "{pair: [[[M, N, K], backend, {options}], ...]}")
-    for p, rows in data["rows"].items():
-        if p not in ("1D2D", "1D1D", "2D1D"):
-            raise ValueError(f"gemm_table.load: unknown pair {p!r} (1D2D, 1D1D or 2D1D)")
-        TABLE.setdefault(kind, {})[p] = [(tuple(int(v) for v in mnk), str(b), dict(o)) for mnk, b, o in rows]
+        raise ValueError(f"{who}: needs 'device_kind' (or the device_kind argument) and 'rows': {{key: [{row}, ...]}}")
+    for key in data["rows"]:
+        if key not in keys:
+            raise ValueError(f"{who}: unknown key {key!r} in rows (one of {', '.join(keys)})")
+    return kind, data["rows"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,7 +63,7 @@ def test_load(tmp_path, monkeypatch):
     path.write_text(json.dumps({"device_kind": "G", "rows": {"blockwise": [[[4096, 1024, 1024], 1.4]]}}))
     crossover.load(str(path))
     assert crossover.TABLES == {"G": {"blockwise": [((4096, 1024, 1024), 1.4)]}}
-    with pytest.raises(ValueError, match="unknown recipe"):
+    with pytest.raises(ValueError, match="unknown key .per-tensor."):
         crossover.load({"device_kind": "G", "rows": {"per-tensor": []}})
     with pytest.raises(ValueError, match="device_kind"):
         crossover.load({"rows": {}})
