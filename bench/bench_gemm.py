@@ -16,6 +16,8 @@ Timing, JAX and PyTorch alike: many back-to-back calls over 3 rotating input set
 Also: relative error against fp64 of blockwise vs per-tensor FP8 on activations with outlier channels.
 
   python bench/bench_gemm.py [--shapes 4096x4096x4096,...] [--iters 30] [--table gemm_table.json]
+  python bench/bench_gemm.py --crossover [--grid-m ...] [--grid-kn ...] [--crossover-out crossover.json]
+    (the crossover table of jax_fp8.crossover: a linear layer bf16 vs FP8 over a grid of shapes)
 """
 from __future__ import annotations
 
@@ -319,12 +321,58 @@ def show(section: str, t: dict, flops: float, base_name: str = "bf16", what: str
             print(f"  {section} {name:56s} {s * 1e6:9.1f} us {flops / s / 1e12:7.1f} TFLOP/s  {base / s:5.2f}x bf16{what}")
 
 
+#: the crossover grid (issue 31's widths: d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
+CROSSOVER_M, CROSSOVER_KN = (4096, 8192, 16384), (512, 1024, 2048, 4096, 8192, 14336)
+
+
+def crossover(args) -> None:
+    """The crossover table of ``jax_fp8.crossover``: per shape of a grid, a linear layer's forward +
+    backward (quantization included) in bf16 and on ``fp8_dot_general`` (this GPU's GEMM table in use),
+    side by side; prints each ratio (bf16 time / FP8 time) and writes the rows (--crossover-out)."""
+    from jax_fp8 import crossover as X
+
+    ms = [int(v) for v in args.grid_m.split(",")]
+    kns = [int(v) for v in args.grid_kn.split(",")]
+    kind = jax.devices()[0].device_kind
+    rows, out = [], {"device_kind": kind, "rows": {"blockwise": []}, "iters": args.iters, "command": " ".join(sys.argv)}
+
+    def step(dot):
+        def f(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: dot(x, w, KN), x, w)
+            return y, *vjp(dy)
+        return f
+
+    bf16, ours = step(lambda x, w, d: lax.dot_general(x, w, d)), step(lambda x, w, d: jf.fp8_dot_general(x, w, d))
+    for M in ms:
+        for K in kns:
+            for N in kns:
+                if max(K, N) > 4 * min(K, N):  # the model's projections: d x d, d x 4d, 4d x d (about)
+                    continue
+                xs, ws, dys = inputs(M, K, N)
+                sets = list(zip(xs, ws, dys))
+                tb, to = jax_time(bf16, sets, args.iters), jax_time(ours, sets, args.iters)
+                rows.append([[M, K, N], round(tb / to, 4)])
+                print(f"  CROSSOVER {M}x{K}x{N}  bf16 {tb * 1e6:9.1f} us  fp8 {to * 1e6:9.1f} us  "
+                      f"bf16/fp8 {tb / to:5.3f} {'FP8 pays' if tb > to else 'bf16 kept'}", flush=True)
+                out["rows"]["blockwise"] = rows
+                if args.crossover_out:  # written as it goes: the machine may be taken back
+                    with open(args.crossover_out, "w") as f:
+                        json.dump(out, f, indent=1)
+    X.load(out)
+    print(f"crossover rows for {kind}: {len(rows)}, FP8 pays at {sum(r[1] > 1 for r in rows)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated MxKxN")
     ap.add_argument("--iters", type=int, default=30, help="calls per timed run (5 runs, median)")
     ap.add_argument("--table", default=None, help="bench_gemm_tune.py's JSON: loaded into gemm_table.TABLE")
     ap.add_argument("--no-linear", action="store_true", help="GEMMs alone only")
+    ap.add_argument("--crossover", action="store_true",
+                    help="measure the crossover table (jax_fp8.crossover) instead: a linear layer bf16 vs FP8 on a grid")
+    ap.add_argument("--crossover-out", default=None, help="write the crossover rows to this JSON (crossover.load)")
+    ap.add_argument("--grid-m", default=",".join(map(str, CROSSOVER_M)), help="--crossover: the M values")
+    ap.add_argument("--grid-kn", default=",".join(map(str, CROSSOVER_KN)), help="--crossover: the K and N values")
     args = ap.parse_args()
     warnings.simplefilter("always", G.Fp8GemmFallbackWarning)
     kind = jax.devices()[0].device_kind
@@ -341,6 +389,8 @@ def main():
               + ("" if data.get("device_kind") == kind else f" (not this device: {kind}, unused)"))
     print(f"GEMM table rows for {kind}: { {p: len(r) for p, r in gemm_table.TABLE.get(kind, {}).items()} or 'none'}; "
           f"CUTLASS: {CUTLASS_MISSING if CUTLASS is None else CUTLASS.unavailable('cuda') or 'runs here'}")
+    if args.crossover:
+        return crossover(args)
     gpu = jax.default_backend() == "gpu"
     for shape in args.shapes.split(","):
         M, K, N = map(int, shape.split("x"))
