@@ -7,6 +7,9 @@ the arithmetic, and nothing else changes between the variants:
 - ``"fp8"``: ``nn.Dense(dot_general=jax_fp8.fp8_dot_general)``, Float8 blockwise (1x128 activations
   and gradients, 128x128 weights) on the FP8 GEMM in forward and backward; no FP8 state;
 - ``"bf16"``: ``lax.dot_general`` (bf16 operands, as flax's mixed precision gives them);
+- ``"fp8-auto"``: as ``"fp8"`` through ``fp8_dot_general_for(recipe, where="auto")``: each projection
+  runs in FP8 only where :mod:`jax_fp8.crossover`'s measured table says a layer of its shapes gains on
+  this GPU, else as ``lax.dot_general`` (no table for the GPU: FP8 everywhere, with a warning);
 - ``"flax-fp8"``: flax's per-tensor FP8 (``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``), whose
   scales and amax histories live in the ``_overwrite_with_gradient`` collection: its "gradients" are
   the new values (flax's ``TrainState.apply_gradients`` handles that, so every variant uses it).
@@ -35,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8.flax_utils import fp8_dot_general_for
 
-VARIANTS = ("fp8", "bf16", "flax-fp8")
+VARIANTS = ("fp8", "bf16", "flax-fp8", "fp8-auto")
 ATTENTION = ("auto", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -87,6 +90,8 @@ def dense_options(variant: str, recipe: Optional[jf.Float8BlockScaling | jf.MXFP
     """The ``nn.Dense`` keyword arguments of a variant (see the module docstring)."""
     if variant == "fp8":
         return {"dot_general": fp8_dot_general_for(recipe)}
+    if variant == "fp8-auto":
+        return {"dot_general": fp8_dot_general_for(recipe, where="auto")}
     if variant == "bf16":
         return {}
     if variant == "flax-fp8":

@@ -124,7 +124,7 @@ def test_bench_model_smoke(capsys):
 
     res = bench_model.main(TINY[:-4] + ["--seq", "64", "--batch", "2", "--vocab", "128", "--steps", "4", "--untimed",
                                         "1", "--dispatch", "3", "--loss-window", "2"])
-    assert set(res) == {"fp8", "bf16", "flax-fp8"}
+    assert set(res) == {"fp8", "bf16", "flax-fp8", "fp8-auto"}
     for v, r in res.items():
         assert len(r["losses"]) == 4 and np.isfinite(r["losses"]).all() and r["step_s"] > 0, v
         assert not r["fallbacks"], r["fallbacks"]
