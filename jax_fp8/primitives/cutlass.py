@@ -1,0 +1,157 @@
+"""The CUTLASS backend of ``jf_fp8_gemm`` (Hopper, sm_90a): CUTLASS's blockwise-scaled FP8 mainloop
+(``KernelTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise``, CUTLASS >= 4.2), compiled into the
+optional module ``_jax_fp8_cutlass`` (build with ``JAX_FP8_CUTLASS=1``; csrc/cutlass_gemm.cuh, the handler
+in csrc/cutlass_module.cu). The contract is :mod:`.gemm`'s, the same as cuBLASLt's
+(:mod:`.cublaslt`), for ``a`` in 1x128 blocks and ``b`` in 128x128 ("1D x 2D": fprop, dgrad) or 1x128
+blocks ("1D x 1D": wgrad); ``a`` in 128x128 blocks is not implemented.
+
+Options (``CUTLASS.with_options(...)``; each absent one takes its default):
+
+- ``config`` (default 0): the kernel configuration, an index into :data:`CONFIGS`
+  (``"128x128x128_c1x1_coop"``, ``"128x128x128_c1x2_coop"``, ``"64x128x128_c1x1_pingpong"``,
+  ``"256x128x128_c1x2_coop"``: CTA tile M x N x K, cluster shape M x N, cooperative or ping-pong
+  warp-specialized schedule);
+- ``raster`` (default 0): the persistent tile scheduler's raster order, 0 CUTLASS's heuristic (along M
+  when the problem has more tiles along N than along M, else along N), 1 along M, 2 along N;
+- ``swizzle`` (default 1): the scheduler's swizzle size, 1, 2, 4 or 8 (tiles walked in groups of that
+  many along the raster's minor dimension, for L2 reuse).
+
+The kernel's workspace is a result buffer of the custom call (``WORKSPACE_BYTES``, the lowering adds it),
+not XLA's scratch allocator, so the handler is declared command-buffer compatible (CUDA graphs).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi
+from .._compat import ShapedArray, ffi
+from ..arrays import cdiv
+from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+
+#: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
+#: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
+CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "64x128x128_c1x1_pingpong", "256x128x128_c1x2_coop")
+#: Options and their defaults (see the module docstring).
+DEFAULT_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
+RASTERS = {0: "heuristic", 1: "along M", 2: "along N"}
+SWIZZLES = (1, 2, 4, 8)
+
+#: The kernel's alignment (TMA: 16-byte strides): K % 16 (FP8 rows of a and b); N % 8 (bfloat16 output
+#: rows; 4 would do for float32, but ``sizes`` does not know the output dtype); M % 4 when b has 128x128
+#: blocks (a's scale rows, roundup(M, 4) floats, are loaded by TMA then, which CUTLASS's can_implement
+#: checks as M % 4). Zero padding to them changes no product and no scale grid (4, 8, 16 divide 128).
+K_ALIGN, N_ALIGN, M_ALIGN_2D = 16, 8, 4
+MAX_DIM = 2**31 - 1  # CUTLASS's problem shape is int
+#: As cuBLASLt's (:data:`jax_fp8.primitives.cublaslt.MAX_PAD_GROWTH`): padding is taken while the padded
+#: GEMM does at most this many times the work.
+MAX_PAD_GROWTH = 16
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+
+
+def _load():
+    """(module, why not): the compiled module when it loaded and matches this file, else (None, why)."""
+    if not _ffi.AVAILABLE.get("cutlass"):
+        why = _ffi.LOAD_ERRORS.get("cutlass")
+        return None, ("the jax_fp8 CUTLASS module is not built (rebuild with JAX_FP8_CUTLASS=1 and "
+                      "`pip install nvidia-cutlass`: see the README)" + (f"; import error: {why}" if why else ""))
+    try:
+        mod = importlib.import_module("jax_fp8._jax_fp8_cutlass")
+        configs = tuple(mod.configs)
+        workspace = int(mod.workspace_bytes)
+        pairs = tuple((jnp.dtype(a), jnp.dtype(b)) for a, b in mod.dtype_pairs)
+    except Exception as e:  # an old build without the attributes
+        return None, f"the jax_fp8 CUTLASS module is stale ({e}): rebuild it"
+    if configs != CONFIGS:
+        return None, (f"the jax_fp8 CUTLASS module's configurations {configs} are not this version's {CONFIGS}: "
+                      "rebuild it")
+    return (mod, workspace, pairs), None
+
+
+_MODULE, _MODULE_WHY = _load()
+#: Bytes of the uint8 workspace result the lowering allocates (the module's constant; it checks per call
+#: that the kernel needs no more).
+WORKSPACE_BYTES = _MODULE[1] if _MODULE else 256
+#: (a dtype, b dtype) pairs with kernels: E4M3 x E4M3; with a build of JAX_FP8_CUTLASS_E5M2=1 also
+#: E5M2 x E4M3 and E4M3 x E5M2.
+DTYPE_PAIRS = _MODULE[2] if _MODULE else ((E4M3, E4M3),)
+
+
+def _round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[Optional[tuple], Optional[str]]:
+    """The (M, N, K) to run ``a`` (M, K) x ``b`` (N, K)ᵀ at on the CUTLASS kernels (zero-padded, >= the
+    problem's), or why they cannot take it.
+
+    Rules: ``a`` in 1x128 blocks, ``b`` in 128x128 or 1x128 blocks; operand dtypes one of
+    :data:`DTYPE_PAIRS` (never both E5M2); K % 16 == 0; N % 8 == 0; M % 4 == 0 when ``b`` has 128x128
+    blocks; dims below 2**31. Misaligned dims are padded with zeros when the padded GEMM does at most
+    ``MAX_PAD_GROWTH`` times the work."""
+    if max(M, N, K) > MAX_DIM:
+        return None, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
+    a_block, b_block = tuple(a_block), tuple(b_block)
+    if a_block != BLOCK_1D:
+        return None, "128x128 blocks on a (the CUTLASS kernels take a in 1x128 blocks: 1D x 2D and 1D x 1D)"
+    if b_block not in (BLOCK_1D, BLOCK_2D):
+        return None, f"{b_block[0]}x{b_block[1]} blocks on b"
+    dtypes = (jnp.dtype(a_dtype), jnp.dtype(b_dtype))
+    if dtypes == (E5M2, E5M2):
+        return None, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
+    if dtypes not in DTYPE_PAIRS:
+        return None, (f"{dtypes[0].name} x {dtypes[1].name} operands (this build has kernels for "
+                      f"{', '.join(f'{a.name} x {b.name}' for a, b in DTYPE_PAIRS)}; rebuild with "
+                      "JAX_FP8_CUTLASS_E5M2=1 for an E5M2 operand)")
+    Mp = _round_up(M, M_ALIGN_2D) if b_block == BLOCK_2D else M
+    Np, Kp = _round_up(N, N_ALIGN), _round_up(K, K_ALIGN)
+    growth = (Mp * Np * Kp) / (M * N * K)
+    if growth > MAX_PAD_GROWTH:
+        return None, (f"padding {M}x{N}x{K} to CUTLASS's alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
+                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
+    return (Mp, Np, Kp), None
+
+
+def check_options(config: int, raster: int, swizzle: int) -> None:
+    """Raises ValueError naming the first option out of range."""
+    if not 0 <= int(config) < len(CONFIGS):
+        raise ValueError(f"jf_fp8_gemm on cutlass: config must be in [0, {len(CONFIGS)}) (CONFIGS: {CONFIGS}), "
+                         f"got {config}")
+    if int(raster) not in RASTERS:
+        raise ValueError(f"jf_fp8_gemm on cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), "
+                         f"got {raster}")
+    if int(swizzle) not in SWIZZLES:
+        raise ValueError(f"jf_fp8_gemm on cutlass: swizzle must be one of {SWIZZLES}, got {swizzle}")
+
+
+def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate,
+           config=DEFAULT_OPTIONS["config"], raster=DEFAULT_OPTIONS["raster"], swizzle=DEFAULT_OPTIONS["swizzle"]):
+    check_options(config, raster, swizzle)
+    # the kernel's workspace: a second result (graph-safe, unlike XLA's scratch), dropped here
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((WORKSPACE_BYTES,), np.uint8)])
+    results = ffi.ffi_lowering("jf_fp8_gemm_cutlass")(
+        ctx, a, a_scale, b, b_scale, *c, a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
+        config=np.int64(config), raster=np.int64(raster), swizzle=np.int64(swizzle))
+    return results[:1]
+
+
+def unavailable(platform: str = "cuda") -> Optional[str]:
+    """None when ``jf_fp8_gemm`` runs on the CUTLASS kernels here (the module built and loaded, every CUDA
+    device sm_90: the kernels are sm_90a code); else why not, in words. Never raises."""
+    if _MODULE is None:
+        return _MODULE_WHY
+    try:
+        import jax
+
+        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
+    except Exception as e:  # no CUDA backend
+        return f"no CUDA device ({e})"
+    if not caps or caps != {"9.0"}:
+        return f"the CUTLASS FP8 kernels are built for sm_90a (H100/H200); the CUDA devices are sm {sorted(caps)}"
+    return None
+
+
+CUTLASS = GemmBackend("cutlass", sizes, unavailable, {"cuda": _lower})
