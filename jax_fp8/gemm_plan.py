@@ -25,14 +25,17 @@ import numpy as np
 from . import gemm_table
 from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
+from .primitives.cutlass import CUTLASS
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
 from .scheme import check_block
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 
 #: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
 MX_BLOCK_1D = (1, MX_BLOCK)
-#: The GEMM backends, in order of preference: the first that takes a GEMM (and runs here) runs it.
-BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT,)
+#: The GEMM backends, in order of preference where the GEMM table has no row for this GPU: the first
+#: that takes a GEMM (and runs here) runs it. cuBLASLt first: it takes every pair and dtype and needs no
+#: extra build; CUTLASS (built on request) runs where the table measured it faster.
+BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT, CUTLASS)
 E4M3 = FP8_DTYPES[0]
 
 
