@@ -9,6 +9,7 @@
 #   bash bench/check_cutlass_kernel.sh 1d1d_f32   # by name
 #   bash bench/check_cutlass_kernel.sh all        # every one, one after the other (~2 min each on 2 cores)
 #   bash bench/check_cutlass_kernel.sh --list
+#   NVCC_FLAGS=-DJF_CUTLASS_BUILD_CONFIGS=1 bash bench/check_cutlass_kernel.sh 0   # its first kernel only (CI)
 #
 # CUTLASS's headers (>= 4.2): $CUTLASS_INCLUDE_DIR (the dir holding cutlass/cutlass.h), else those of an
 # importable nvidia-cutlass (cutlass_library), else the nvidia-cutlass wheel in .whl/ unpacked (unzip)
