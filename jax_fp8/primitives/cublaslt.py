@@ -12,30 +12,16 @@ import warnings
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi
 from .._compat import ShapedArray, ffi
-from ..arrays import cdiv
-from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, padded_sizes, refused
 
 #: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
 #: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
 #: 2-byte output); M a multiple of 8 when the (M, K) operand has 1x128 blocks.
 K_ALIGN, MN_ALIGN = 16, 8
-MAX_DIM = 2**31 - 1  # cuBLASLt / TE take GEMM dims as 32-bit ints
-#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
-#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
-#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
-#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
-#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
-#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
-MAX_PAD_GROWTH = 16
-
-
-def _round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
 
 
 def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[Optional[tuple], Optional[str]]:
@@ -46,23 +32,15 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
     output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
     are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
-    padded GEMM does at most ``MAX_PAD_GROWTH`` times the work. M, N, K >= 1 (the plan and the
+    padded GEMM does at most :data:`~jax_fp8.primitives.gemm.MAX_PAD_GROWTH` times the work. M, N, K >= 1 (the plan and the
     primitive refuse empty problems before asking a backend).
     """
-    if max(M, N, K) > MAX_DIM:
-        return None, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
     if a_block == b_block == BLOCK_2D:
         return None, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)"
-    e5m2 = jnp.dtype(jnp.float8_e5m2)
-    if jnp.dtype(a_dtype) == e5m2 and jnp.dtype(b_dtype) == e5m2:
-        return None, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
-    Mp = _round_up(M, MN_ALIGN) if a_block == BLOCK_1D else M
-    Np, Kp = _round_up(N, MN_ALIGN), _round_up(K, K_ALIGN)
-    growth = (Mp * Np * Kp) / (M * N * K)
-    if growth > MAX_PAD_GROWTH:
-        return None, (f"padding {M}x{N}x{K} to cuBLASLt's alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
-                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
-    return (Mp, Np, Kp), None
+    why = refused(M, N, K, a_dtype, b_dtype)
+    if why is not None:
+        return None, why
+    return padded_sizes("cuBLASLt", M, N, K, (MN_ALIGN if a_block == BLOCK_1D else 1, MN_ALIGN, K_ALIGN))
 
 
 #: The workspace result of every call (the CUDA module's ``cublaslt_workspace_bytes``: the 32 MiB

@@ -29,8 +29,7 @@ import numpy as np
 
 from .. import _ffi
 from .._compat import ShapedArray, ffi
-from ..arrays import cdiv
-from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, padded_sizes, refused
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
@@ -45,10 +44,6 @@ SWIZZLES = (1, 2, 4, 8)
 #: blocks (a's scale rows, roundup(M, 4) floats, are loaded by TMA then, which CUTLASS's can_implement
 #: checks as M % 4). Zero padding to them changes no product and no scale grid (4, 8, 16 divide 128).
 K_ALIGN, N_ALIGN, M_ALIGN_2D = 16, 8, 4
-MAX_DIM = 2**31 - 1  # CUTLASS's problem shape is int
-#: As cuBLASLt's (:data:`jax_fp8.primitives.cublaslt.MAX_PAD_GROWTH`): padding is taken while the padded
-#: GEMM does at most this many times the work.
-MAX_PAD_GROWTH = 16
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 
 
@@ -80,10 +75,6 @@ WORKSPACE_BYTES = _MODULE[1] if _MODULE else 256
 DTYPE_PAIRS = _MODULE[2] if _MODULE else ((E4M3, E4M3),)
 
 
-def _round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
-
-
 def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[Optional[tuple], Optional[str]]:
     """The (M, N, K) to run ``a`` (M, K) x ``b`` (N, K)ᵀ at on the CUTLASS kernels (zero-padded, >= the
     problem's), or why they cannot take it.
@@ -91,28 +82,21 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     Rules: ``a`` in 1x128 blocks, ``b`` in 128x128 or 1x128 blocks; operand dtypes one of
     :data:`DTYPE_PAIRS` (never both E5M2); K % 16 == 0; N % 8 == 0; M % 4 == 0 when ``b`` has 128x128
     blocks; dims below 2**31. Misaligned dims are padded with zeros when the padded GEMM does at most
-    ``MAX_PAD_GROWTH`` times the work."""
-    if max(M, N, K) > MAX_DIM:
-        return None, f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
+    :data:`~jax_fp8.primitives.gemm.MAX_PAD_GROWTH` times the work."""
     a_block, b_block = tuple(a_block), tuple(b_block)
     if a_block != BLOCK_1D:
         return None, "128x128 blocks on a (the CUTLASS kernels take a in 1x128 blocks: 1D x 2D and 1D x 1D)"
     if b_block not in (BLOCK_1D, BLOCK_2D):
         return None, f"{b_block[0]}x{b_block[1]} blocks on b"
+    why = refused(M, N, K, a_dtype, b_dtype)
+    if why is not None:
+        return None, why
     dtypes = (jnp.dtype(a_dtype), jnp.dtype(b_dtype))
-    if dtypes == (E5M2, E5M2):
-        return None, "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
     if dtypes not in DTYPE_PAIRS:
         return None, (f"{dtypes[0].name} x {dtypes[1].name} operands (this build has kernels for "
                       f"{', '.join(f'{a.name} x {b.name}' for a, b in DTYPE_PAIRS)}; rebuild with "
                       "JAX_FP8_CUTLASS_E5M2=1 for an E5M2 operand)")
-    Mp = _round_up(M, M_ALIGN_2D) if b_block == BLOCK_2D else M
-    Np, Kp = _round_up(N, N_ALIGN), _round_up(K, K_ALIGN)
-    growth = (Mp * Np * Kp) / (M * N * K)
-    if growth > MAX_PAD_GROWTH:
-        return None, (f"padding {M}x{N}x{K} to CUTLASS's alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
-                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
-    return (Mp, Np, Kp), None
+    return padded_sizes("CUTLASS", M, N, K, (M_ALIGN_2D if b_block == BLOCK_2D else 1, N_ALIGN, K_ALIGN))
 
 
 def check_options(config: int, raster: int, swizzle: int) -> None:

@@ -58,6 +58,38 @@ BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+#: GEMM dims are 32-bit ints in cuBLASLt, TE and CUTLASS.
+MAX_DIM = 2**31 - 1
+#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
+#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
+#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
+#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
+#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
+#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
+MAX_PAD_GROWTH = 16
+
+
+def refused(M: int, N: int, K: int, a_dtype, b_dtype) -> Optional[str]:
+    """What no backend's FP8 GEMM takes: a dim over :data:`MAX_DIM`, both operands E5M2; else None."""
+    if max(M, N, K) > MAX_DIM:
+        return f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
+    if jnp.dtype(a_dtype) == jnp.dtype(jnp.float8_e5m2) == jnp.dtype(b_dtype):
+        return "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
+    return None
+
+
+def padded_sizes(library: str, M: int, N: int, K: int, align: tuple) -> tuple[Optional[tuple], Optional[str]]:
+    """``((Mp, Np, Kp), None)``: M, N, K rounded up to ``align`` = (M's, N's, K's multiple), which a
+    backend's ``sizes`` gives when zero padding to them is cheap (:data:`MAX_PAD_GROWTH`); else
+    ``(None, why not)`` naming ``library``."""
+    Mp, Np, Kp = (cdiv(v, m) * m for v, m in zip((M, N, K), align))
+    growth = (Mp * Np * Kp) / (M * N * K)
+    if growth > MAX_PAD_GROWTH:
+        return None, (f"padding {M}x{N}x{K} to {library}'s alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
+                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
+    return (Mp, Np, Kp), None
+
+
 def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
     """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
     return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
