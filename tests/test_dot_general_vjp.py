@@ -383,7 +383,7 @@ def test_fallback_per_gemm_keeps_the_rest_in_fp8():
 
     xt = jf.quantize_blockwise(x, block=B2)  # 128x128 x and the recipe's 128x128 W: fprop 2D x 2D
     y, _ = one_warning(lambda: jax.jit(lambda x, w: jf.fp8_dot_general(x, w, NK))(xt, w),
-                       "fprop: 128x128 blocks on both")
+                       "fprop: cublaslt: 128x128 blocks on both")
     check_gemm(y, deq(xt), _wq(w, False), F32)
     x5 = jf.quantize_blockwise(x, dtype=E5M2)  # pre-quantized E5M2 x and W: fprop E5M2 x E5M2
     w5 = jf.quantize_blockwise(w, dtype=E5M2, colwise=True)
