@@ -11,7 +11,8 @@ choice (cuBLASLt's heuristic). Users with another GPU add their rows with :func:
 
 A row: ``((M, N, K), backend name, options)`` for a pair of blocks, ``"1D2D"`` (a 1x128, b 128x128:
 fprop and dgrad) or ``"1D1D"`` (both 1x128: wgrad); a problem takes the row nearest to it in
-(log M, log N, log K).
+(log M, log N, log K), but a row naming one of cuBLASLt's heuristic candidates (``algo``: an index into
+the list cuBLASLt makes for each problem) only its own shape.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from typing import Optional
 
 #: device kind (``jax.Device.device_kind``) -> pair -> rows ((M, N, K), backend, options)
 TABLE: dict[str, dict[str, list]] = {}
+#: (backend, option) pairs that index a list made per problem (cuBLASLt's heuristic candidates for that
+#: M, N, K): a row with one answers for its own shape only, never for the nearest.
+PER_PROBLEM = {("cublaslt", "algo")}
 
 
 def pair(a_block, b_block) -> str:
@@ -39,7 +43,8 @@ def choose(M: int, N: int, K: int, a_block, b_block, device_kind: Optional[str] 
     """``(backend name, options dict)`` measured fastest for the nearest shape on ``device_kind`` (the
     first local device's when None), or None where no row covers the GPU or the pair."""
     kind = local_device_kind() if device_kind is None else device_kind
-    rows = TABLE.get(kind, {}).get(pair(a_block, b_block))
+    rows = [r for r in TABLE.get(kind, {}).get(pair(a_block, b_block), ())
+            if r[0] == (M, N, K) or not any((r[1], o) in PER_PROBLEM for o in r[2])]
     if not rows:
         return None
     _, name, options = nearest(rows, M, N, K)

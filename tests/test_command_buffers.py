@@ -1,7 +1,7 @@
 """Our CUDA custom calls inside XLA's command buffers (CUDA graphs): a linear layer's forward + backward
-on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs) compiled with command buffers on has every one of
-its custom calls inside a command-buffer computation of the optimized HLO, and replaying the graph on
-fresh inputs gives the bits of the same step compiled with command buffers off. GPU only (the flags
+on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs, on cuBLASLt or CUTLASS) compiled with command buffers
+on has every one of its custom calls inside a command-buffer computation of the optimized HLO, and
+replaying the graph on fresh inputs gives the bits of the same step compiled with command buffers off. GPU only (the flags
 must be set before jax starts: each setting runs in its own process)."""
 import json
 import os
@@ -20,6 +20,10 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_fp8 as jf
 
+    backend = sys.argv[2]  # every GEMM on this backend, by a GEMM table for this GPU
+    kind = jax.local_devices()[0].device_kind
+    jf.gemm_table.TABLE[kind] = {p: [((256, 256, 256), backend, {})] for p in ("1D2D", "1D1D")}
+
     def step(x, w, dy):
         y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))), x, w)
         return (y, *vjp(dy))
@@ -33,28 +37,37 @@ SCRIPT = textwrap.dedent("""
     in_cb = [m for b in bodies if b.split("(")[0].lstrip("%").startswith("command_buffer")
              for m in re.findall(r'custom_call_target="(jf_[a-z0-9_]+)"', b)]
     ours = re.findall(r'custom_call_target="(jf_[a-z0-9_]+)"', hlo)
+    ours = [o.replace("jf_fp8_gemm_cutlass", "jf_fp8_gemm") for o in ours]
+    in_cb = [o.replace("jf_fp8_gemm_cutlass", "jf_fp8_gemm") for o in in_cb]
+    assert all(("cutlass" in t) == (backend == "cutlass") for t in re.findall(r'custom_call_target="(jf_fp8_gemm[a-z_]*)"', hlo))
     outs = [np.asarray(o).view(np.uint16).tolist() for seed in (1, 2, 3) for o in f(*args(seed))]
     cb_lines = [line[:200] for line in hlo.splitlines() if "command_buffer" in line][:8]
     json.dump({"ours": ours, "in_command_buffers": in_cb, "outs": outs, "cb_lines": cb_lines}, open(sys.argv[1], "w"))
 """)
 
 
-def _run(tmp_path, name, flags):
+def _run(tmp_path, name, flags, backend):
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.skipif(not jf.kernels_available().get("cuda"), reason="needs our CUDA kernels on a GPU")
-def test_custom_calls_captured_and_replays_bit_exact(tmp_path):
+@pytest.mark.parametrize("backend", ["cublaslt", "cutlass"])
+def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend):
+    from jax_fp8.gemm_plan import BACKENDS
+
     if jax.default_backend() != "gpu":
         pytest.skip("no GPU backend")
+    why = next(b for b in BACKENDS if b.name == backend).unavailable("cuda")
+    if why is not None:
+        pytest.skip(f"{backend} does not run here: {why}")
     on = _run(tmp_path, "on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT "
-                              "--xla_gpu_graph_min_graph_size=1")
-    off = _run(tmp_path, "off", "--xla_gpu_enable_command_buffer=")
+                              "--xla_gpu_graph_min_graph_size=1", backend)
+    off = _run(tmp_path, "off", "--xla_gpu_enable_command_buffer=", backend)
     assert sorted(on["ours"]) == ["jf_fp8_gemm"] * 3 + ["jf_quantize"] * 3, on["ours"]
     assert sorted(on["in_command_buffers"]) == sorted(on["ours"]), (on["in_command_buffers"], on["cb_lines"])
     assert off["in_command_buffers"] == []

@@ -51,6 +51,12 @@ WORKSPACE_BYTES = (32 << 20) + 256
 CANDIDATES = 16
 
 
+def check_options(algo: int = -1) -> None:
+    """``algo``: -1 (the heuristic's choice) or a candidate index below :data:`CANDIDATES`."""
+    if not -1 <= int(algo) < CANDIDATES:
+        raise ValueError(f"cublaslt: algo must be -1 (the heuristic's choice) or in [0, {CANDIDATES}), got {algo}")
+
+
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, algo=-1):
     """``algo``: -1, the heuristic's first choice; i, its i-th candidate (an autotuner's pick)."""
     _prepare_handles()
@@ -145,4 +151,4 @@ def unavailable(platform: str = "cuda") -> Optional[str]:
     return None
 
 
-CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, {"cuda": _lower})
+CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, {"cuda": _lower}, check_options)

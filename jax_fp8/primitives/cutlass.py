@@ -99,7 +99,8 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     return padded_sizes("CUTLASS", M, N, K, (M_ALIGN_2D if b_block == BLOCK_2D else 1, N_ALIGN, K_ALIGN))
 
 
-def check_options(config: int, raster: int, swizzle: int) -> None:
+def check_options(config: int = DEFAULT_OPTIONS["config"], raster: int = DEFAULT_OPTIONS["raster"],
+                  swizzle: int = DEFAULT_OPTIONS["swizzle"]) -> None:
     """Raises ValueError naming the first option out of range."""
     if not 0 <= int(config) < len(CONFIGS):
         raise ValueError(f"jf_fp8_gemm on cutlass: config must be in [0, {len(CONFIGS)}) (CONFIGS: {CONFIGS}), "
@@ -138,4 +139,4 @@ def unavailable(platform: str = "cuda") -> Optional[str]:
     return None
 
 
-CUTLASS = GemmBackend("cutlass", sizes, unavailable, {"cuda": _lower})
+CUTLASS = GemmBackend("cutlass", sizes, unavailable, {"cuda": _lower}, check_options)

@@ -115,29 +115,27 @@ class GemmBackend:
       ``ffi_rules`` too (elsewhere the reference lowers it);
     - ``options``: ``((name, int), ...)``, which of the backend's kernels runs (a cuBLASLt algorithm,
       a CUTLASS configuration); ``()``: the backend's own choice. :meth:`with_options` makes them, one
-      object per choice (the primitive's params compare backends by identity)."""
+      object per choice (the primitive's params compare backends by identity);
+    - ``check_options(**options)``: raises ValueError or TypeError naming an option the backend does
+      not know or a value out of its range."""
 
     name: str
     sizes: Callable
     unavailable: Callable
     lowerings: dict
+    check_options: Callable = dataclasses.field(default=lambda **options: None, repr=False)
     options: tuple = ()
-
-    def __post_init__(self):
-        if not self.options:
-            _BASES.setdefault(self.name, self)
+    base: Optional["GemmBackend"] = dataclasses.field(default=None, repr=False)
 
     def with_options(self, **options: int) -> "GemmBackend":
-        """This backend running the kernel ``options`` name (the same object for the same options;
-        none: the backend itself)."""
+        """This backend running the kernel ``options`` name, checked (the same object for the same
+        options; none: the backend with its own choice)."""
+        root = self.base or self
         opts = tuple(sorted((k, int(v)) for k, v in options.items()))
-        base = self.base
-        return base if not opts else _VARIANTS.setdefault((self.name, opts), dataclasses.replace(base, options=opts))
-
-    @property
-    def base(self) -> "GemmBackend":
-        """The backend with its own choice of kernel (no options)."""
-        return _BASES[self.name]
+        if not opts:
+            return root
+        root.check_options(**dict(opts))
+        return _VARIANTS.setdefault((id(root), opts), dataclasses.replace(root, options=opts, base=root))
 
     def __repr__(self) -> str:  # the backend as the jaxpr prints it
         if not self.options:
@@ -145,7 +143,7 @@ class GemmBackend:
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options)})"
 
 
-_BASES: dict = {}
+#: (id of a backend, options) -> its variant; backends live as long as the process (module constants)
 _VARIANTS: dict = {}
 
 
