@@ -23,7 +23,15 @@ from .warn import warn
 
 #: device kind (``jax.Device.device_kind``) -> recipe ("blockwise" or "mxfp8") -> rows
 #: ((M, K, N), bf16 time / FP8 time of the layer's forward + backward); FP8 pays where the ratio > 1.
-TABLES: dict[str, dict[str, list]] = {}
+#: The H200's: the LINEAR lines of ``python3 bench/bench_gemm.py --iters 20`` (the same quantity as
+#: ``--crossover``, at its square and model shapes), 2026-12-05, jax 0.11.2, cuBLASLt's heuristic kernels
+#: (bench/RESULTS.md, "Issues 30-31"). Four shapes only: a denser grid (``--crossover``) is to be measured.
+TABLES: dict[str, dict[str, list]] = {
+    "NVIDIA H200": {
+        "blockwise": [((2048, 2048, 2048), 0.88), ((4096, 4096, 4096), 1.24), ((8192, 8192, 8192), 1.41),
+                      ((16384, 4096, 4096), 1.37)],
+    },
+}
 
 
 class CrossoverWarning(UserWarning):

@@ -21,8 +21,33 @@ import json
 import math
 from typing import Optional
 
-#: device kind (``jax.Device.device_kind``) -> pair -> rows ((M, N, K), backend, options)
-TABLE: dict[str, dict[str, list]] = {}
+#: device kind (``jax.Device.device_kind``) -> pair -> rows ((M, N, K), backend, options). The H200's:
+#: ``python3 bench/bench_gemm_tune.py`` (run_gpu.sh TUNE=1), 2026-12-05, jax 0.11.2, cuBLASLt 13.1, every
+#: cuBLASLt candidate and CUTLASS configuration timed per problem (bench/RESULTS.md, "Issues 30-31"); a
+#: row picks another kernel than cuBLASLt's heuristic where it measured at least 1% faster (the gain in
+#: the comment).
+TABLE: dict[str, dict[str, list]] = {
+    "NVIDIA H200": {
+        "1D2D": [
+            ((2048, 2048, 2048), "cutlass", {"config": 0, "raster": 2, "swizzle": 8}),  # 1.020x
+            ((4096, 4096, 4096), "cublaslt", {}),
+            ((8192, 8192, 8192), "cublaslt", {}),
+            ((16384, 4096, 512), "cublaslt", {"algo": 0}),  # 1.025x
+            ((16384, 4096, 4096), "cutlass", {"config": 0}),  # 1.061x
+            ((16384, 4096, 14336), "cublaslt", {}),
+            ((16384, 14336, 4096), "cublaslt", {}),
+        ],
+        "1D1D": [
+            ((2048, 2048, 2048), "cutlass", {"config": 0, "raster": 2, "swizzle": 4}),  # 1.016x
+            ((4096, 512, 16384), "cublaslt", {"algo": 0}),  # 1.028x
+            ((4096, 4096, 4096), "cublaslt", {}),
+            ((4096, 4096, 16384), "cublaslt", {"algo": 0}),  # 1.010x
+            ((4096, 14336, 16384), "cublaslt", {}),
+            ((8192, 8192, 8192), "cublaslt", {}),
+            ((14336, 4096, 16384), "cublaslt", {}),
+        ],
+    },
+}
 #: (backend, option) pairs that index a list made per problem (cuBLASLt's heuristic candidates for that
 #: M, N, K): a row with one answers for its own shape only, never for the nearest.
 PER_PROBLEM = {("cublaslt", "algo")}
