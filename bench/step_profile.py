@@ -17,7 +17,8 @@ What it relies on (check these on a new jax / GPU):
 - Event -> HLO instruction: ``args["hlo_op"]`` (XLA's GPU annotation ``name:#hlo_op=...,hlo_module=...#``
   decoded into stats/args), else the ``%name`` at the start of ``args["long_name"]``, else the event name
   itself, else the event name up to its first ``:`` -- when that name is an instruction of the HLO text.
-  Everything else counts as unmapped (reported, and its time goes to ``rest``). Events whose
+  Everything else counts as unmapped (reported; its time goes to a category by its kernel name,
+  KERNEL_RULES, else to ``rest``). Events whose
   ``hlo_module`` arg names another module (``jit_dynamic_slice``, ...) are left out and reported apart.
   While profiling, XLA runs command buffers (CUDA graphs) thunk by thunk (unless
   ``--xla_enable_command_buffers_during_profiling``), so kernels keep their own ``hlo_op``; time mapped
@@ -72,7 +73,8 @@ from typing import Optional
 FP8_FPROP, FP8_DGRAD, FP8_WGRAD = "fp8 GEMM fprop", "fp8 GEMM dgrad", "fp8 GEMM wgrad"
 OURS_Q, XLA_FP8, BF16, FLAX_Q = "our quantize", "XLA FP8 GEMMs", "bf16 GEMMs", "FP8 quantize fusions (flax)"
 ATTN, AROUND, MOVE, REST = "attention", "XLA around our calls", "other data movement", "rest"
-CATEGORIES = (FP8_FPROP, FP8_DGRAD, FP8_WGRAD, OURS_Q, XLA_FP8, FLAX_Q, BF16, ATTN, AROUND, MOVE, REST)
+CATEGORIES = (FP8_FPROP, FP8_DGRAD, "fp8 GEMM fprop+dgrad (by kernel name)", FP8_WGRAD, OURS_Q, XLA_FP8, FLAX_Q, BF16,
+              ATTN, AROUND, MOVE, REST)
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
         "opt-barrier", "domain"}
@@ -84,6 +86,18 @@ ATTN_RE = re.compile(r"dot_product_attention|BTNH|BNTS|fmha|flash_attention")
 FLAX_RE = re.compile(r"Fp8\w*Op|fp8_ops")
 F8_RE = re.compile(r"\bf8e\d")
 CHAIN_DEPTH = 4
+#: Kernel names, for device events the trace does not tie to an HLO instruction (the H200 trace of
+#: 2026-12-05 named most GPU events by kernel only): cuBLASLt's block-scaled FP8 kernels carry the scale
+#: mode of their A operand (our b): Ablk128 (128x128 tiles: fprop or dgrad), Avec128 (1x128: wgrad);
+#: "qq"/"qr"/"rq" nvjet kernels without one are per-tensor FP8 (flax's), "tst" alone bf16.
+KERNEL_RULES = (
+    (re.compile(r"nvjet\w*_Ablk128|cutlass\w*Blockwise|GemmUniversal"), "fp8 GEMM fprop+dgrad (by kernel name)"),
+    (re.compile(r"nvjet\w*_Avec128"), FP8_WGRAD),
+    (re.compile(r"jf::"), OURS_Q),
+    (re.compile(r"sdpa|fmha|flash"), ATTN),
+    (re.compile(r"nvjet_sm\d+_(qq|qr|rq)"), XLA_FP8),
+    (re.compile(r"nvjet|gemm|Gemm|cutlass"), BF16),
+)
 
 
 # ---- HLO text --------------------------------------------------------------------------------------
@@ -500,7 +514,7 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
         if ins is None:
             n_unmapped += 1
             unmapped[name[:60]] += dur
-            per_cat[REST] += dur
+            per_cat[next((c for rx, c in KERNEL_RULES if rx.search(name)), REST)] += dur
             continue
         n_mapped += 1
         if hlo.instrs[ins].opcode in CALLERS:
