@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from .. import _ffi
-from .._compat import ShapedArray, ffi
-from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, padded_sizes, refused
+from .gemm import (BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes,
+                   refused)
 
 #: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
 #: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
@@ -44,8 +44,7 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
 
 
 #: The workspace result of every call (the CUDA module's ``cublaslt_workspace_bytes``: the 32 MiB
-#: cuBLASLt may use, TE's figure for Hopper, + 256 to align it). A result buffer, not XLA's scratch, so
-#: that a CUDA graph may capture the call; XLA reuses its memory once the call has run.
+#: cuBLASLt may use, TE's figure for Hopper, + 256 to align it; :func:`~.gemm.lower_with_workspace`).
 WORKSPACE_BYTES = (32 << 20) + 256
 #: How many of cuBLASLt's heuristic candidates ``CUBLASLT.with_options(algo=i)`` picks from.
 CANDIDATES = 16
@@ -60,11 +59,9 @@ def check_options(algo: int = -1) -> None:
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, algo=-1):
     """``algo``: -1, the heuristic's first choice; i, its i-th candidate (an autotuner's pick)."""
     _prepare_handles()
-    workspace = ShapedArray((WORKSPACE_BYTES,), np.uint8)
-    out, _ = ffi.ffi_lowering("jf_fp8_gemm")(ctx.replace(avals_out=[*ctx.avals_out, workspace]), a, a_scale, b,
-                                             b_scale, *c, a_block_rows=np.int64(a_block[0]),
-                                             b_block_rows=np.int64(b_block[0]), algo=np.int64(algo))
-    return [out]
+    return lower_with_workspace("jf_fp8_gemm", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
+                                a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
+                                algo=np.int64(algo))
 
 
 # ---- loading cuBLASLt -------------------------------------------------------------------------------
@@ -135,13 +132,10 @@ def unavailable(platform: str = "cuda") -> Optional[str]:
     every CUDA device a Hopper, sm_90); else why not, in words. Never raises."""
     if not _ffi.AVAILABLE["cuda"]:
         return cublaslt()[1]
-    try:
-        import jax
-
-        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
-    except Exception as e:  # no CUDA backend
-        return f"no CUDA device ({e})"
-    if not caps or any(not c.startswith("9.") for c in caps):
+    caps, why = cuda_capabilities()
+    if why is not None:
+        return why
+    if any(not c.startswith("9.") for c in caps):
         return f"cuBLASLt's FP8 block scaling needs Hopper (sm_90); the CUDA devices are sm {sorted(caps)}"
     version, message = cublaslt()
     if not version:

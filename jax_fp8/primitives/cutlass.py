@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi
-from .._compat import ShapedArray, ffi
-from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, padded_sizes, refused
+from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes, refused
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
@@ -113,13 +112,10 @@ def check_options(config: int = DEFAULT_OPTIONS["config"], raster: int = DEFAULT
 
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate,
            config=DEFAULT_OPTIONS["config"], raster=DEFAULT_OPTIONS["raster"], swizzle=DEFAULT_OPTIONS["swizzle"]):
-    check_options(config, raster, swizzle)
-    # the kernel's workspace: a second result (graph-safe, unlike XLA's scratch), dropped here
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((WORKSPACE_BYTES,), np.uint8)])
-    results = ffi.ffi_lowering("jf_fp8_gemm_cutlass")(
-        ctx, a, a_scale, b, b_scale, *c, a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
-        config=np.int64(config), raster=np.int64(raster), swizzle=np.int64(swizzle))
-    return results[:1]
+    # the options were checked when the variant was made (CUTLASS.with_options)
+    return lower_with_workspace("jf_fp8_gemm_cutlass", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
+                                a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
+                                config=np.int64(config), raster=np.int64(raster), swizzle=np.int64(swizzle))
 
 
 def unavailable(platform: str = "cuda") -> Optional[str]:
@@ -127,13 +123,10 @@ def unavailable(platform: str = "cuda") -> Optional[str]:
     device sm_90: the kernels are sm_90a code); else why not, in words. Never raises."""
     if _MODULE is None:
         return _MODULE_WHY
-    try:
-        import jax
-
-        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
-    except Exception as e:  # no CUDA backend
-        return f"no CUDA device ({e})"
-    if not caps or caps != {"9.0"}:
+    caps, why = cuda_capabilities()
+    if why is not None:
+        return why
+    if caps != {"9.0"}:
         return f"the CUTLASS FP8 kernels are built for sm_90a (H100/H200); the CUDA devices are sm {sorted(caps)}"
     return None
 

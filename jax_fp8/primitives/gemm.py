@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._compat import ShapedArray, ad
+from .._compat import ShapedArray, ad, ffi
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from .. import contracts
@@ -90,6 +90,24 @@ def padded_sizes(library: str, M: int, N: int, K: int, align: tuple) -> tuple[Op
     return (Mp, Np, Kp), None
 
 
+def cuda_capabilities() -> tuple[set, Optional[str]]:
+    """The compute capabilities of this process's CUDA devices (``{"9.0"}`` on an H100/H200), and None;
+    or an empty set and why there are none. Never raises (a backend's ``unavailable`` asks it)."""
+    try:
+        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
+    except Exception as e:  # no CUDA backend
+        return set(), f"no CUDA device ({e})"
+    return caps, None if caps else "no CUDA device"
+
+
+def lower_with_workspace(target: str, ctx, workspace_bytes: int, *operands, **attrs) -> list:
+    """The lowering of a GEMM backend's custom call ``target`` that takes its workspace as one more
+    result, ``workspace_bytes`` of uint8, dropped here: a result buffer, unlike XLA's scratch, lives
+    while a CUDA graph that captured the call replays, and XLA reuses its memory once the call has run."""
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((workspace_bytes,), np.uint8)])
+    return ffi.ffi_lowering(target)(ctx, *operands, **attrs)[:1]
+
+
 def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
     """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
     return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
@@ -134,8 +152,11 @@ class GemmBackend:
         opts = tuple(sorted((k, int(v)) for k, v in options.items()))
         if not opts:
             return root
-        root.check_options(**dict(opts))
-        return _VARIANTS.setdefault((id(root), opts), dataclasses.replace(root, options=opts, base=root))
+        key = (id(root), opts)
+        if key not in _VARIANTS:
+            root.check_options(**dict(opts))
+            _VARIANTS[key] = dataclasses.replace(root, options=opts, base=root)
+        return _VARIANTS[key]
 
     def __repr__(self) -> str:  # the backend as the jaxpr prints it
         if not self.options:
