@@ -250,14 +250,16 @@ def without_table(kind: str):
             gemm_table.TABLE[kind] = rows
 
 
+def step(dot):
+    """One linear layer's forward + backward (y, dx, dW from x, W (K, N), dy) on ``dot``."""
+    def f(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: dot(x, w, KN), x, w)
+        return y, *vjp(dy)
+    return f
+
+
 def linear_fwd_bwd(xs, ws, dys, iters):
     """Seconds per forward + backward of one linear layer (W (K, N), flax's layout)."""
-    def step(dot):
-        def f(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: dot(x, w, KN), x, w)
-            return y, *vjp(dy)
-        return f
-
     sets = list(zip(xs, ws, dys))
     ours = step(lambda x, w, d: jf.fp8_dot_general(x, w, d))
     t = {"bf16": jax_time(step(lambda x, w, d: lax.dot_general(x, w, d)), sets, iters)}
@@ -335,12 +337,6 @@ def crossover(args) -> None:
     kns = [int(v) for v in args.grid_kn.split(",")]
     kind = jax.devices()[0].device_kind
     rows, out = [], {"device_kind": kind, "rows": {"blockwise": []}, "iters": args.iters, "command": " ".join(sys.argv)}
-
-    def step(dot):
-        def f(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: dot(x, w, KN), x, w)
-            return y, *vjp(dy)
-        return f
 
     bf16, ours = step(lambda x, w, d: lax.dot_general(x, w, d)), step(lambda x, w, d: jf.fp8_dot_general(x, w, d))
     for M in ms:
