@@ -21,7 +21,7 @@ from jax_fp8 import gemm as G
 from jax_fp8.primitives.cublaslt import CANDIDATES, CUBLASLT, WORKSPACE_BYTES
 from jax_fp8.primitives.gemm import GemmBackend
 from helpers import deq, stable_seed
-from test_gemm import BF16, F32, B1, B2, data, f64, gemm_bound
+from test_gemm import BF16, F32, B1, B2, assert_within, data, f64, gemm_bound
 
 try:
     from jax_fp8.primitives.cutlass import CONFIGS, CUTLASS
@@ -75,12 +75,6 @@ def _problem(shape_id: str, pair_id: str):
 _RUN = jax.jit(G.fp8_gemm, static_argnames=("out_dtype", "backend"))
 
 
-def _check(got, exact, bound, what):
-    err = np.abs(f64(got) - exact)
-    bad = ~(err <= bound)
-    assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} outside the bound, worst err/bound {np.nanmax(err / bound):.3g}"
-
-
 def _check_backend(backend, shape_id, pair_id):
     qa, qb, c, bounds = _problem(shape_id, pair_id)
     with warnings.catch_warnings():
@@ -88,9 +82,9 @@ def _check_backend(backend, shape_id, pair_id):
         for out_dtype in (BF16, F32):
             got = _RUN(qa, qb, out_dtype=out_dtype, backend=backend)
             assert got.dtype == out_dtype
-            _check(got, *bounds[out_dtype], f"{backend!r} {shape_id} {pair_id} {out_dtype}")
+            assert_within(got, *bounds[out_dtype], f"{backend!r} {shape_id} {pair_id} {out_dtype}")
         got = _RUN(qa, qb, out_dtype=F32, c=c, backend=backend)
-        _check(got, *bounds["acc"], f"{backend!r} {shape_id} {pair_id} accumulate")
+        assert_within(got, *bounds["acc"], f"{backend!r} {shape_id} {pair_id} accumulate")
 
 
 @pytest.mark.parametrize("pair_id", PAIRS)
@@ -112,7 +106,7 @@ def test_cublaslt_every_candidate_within_bound(shape_id, pair_id):
     first = f64(_RUN(qa, qb, out_dtype=F32, backend=CUBLASLT))
     for i in range(CANDIDATES):
         got = _RUN(qa, qb, out_dtype=F32, backend=CUBLASLT.with_options(algo=i))
-        _check(got, *bounds[F32], f"cuBLASLt algo={i} {shape_id} {pair_id}")
+        assert_within(got, *bounds[F32], f"cuBLASLt algo={i} {shape_id} {pair_id}")
     assert np.array_equal(f64(_RUN(qa, qb, out_dtype=F32, backend=CUBLASLT.with_options(algo=0))), first)
 
 
