@@ -152,7 +152,7 @@ def test_table_nearest_row_and_load(tmp_path, monkeypatch):
 def test_plan_takes_the_tables_kernel(monkeypatch):
     """plan_gemm runs the backend and options the table names for this device's kind, where that backend
     takes the problem and runs here; else the first backend of BACKENDS, on its own choice."""
-    runs_here = dataclasses.replace(CUBLASLT, name="test-runs-here", unavailable=lambda platform: None)
+    runs_here = dataclasses.replace(CUBLASLT, name="test-runs-here", unavailable=lambda platform, devices=None: None)
     monkeypatch.setattr(gemm_plan, "BACKENDS", (CUBLASLT, runs_here))
     kind = jax.local_devices()[0].device_kind
     monkeypatch.setattr(gemm_table, "TABLE", {kind: {"1D2D": [((256, 256, 256), "test-runs-here", {"algo": 3})]}})
@@ -192,7 +192,7 @@ def _lowers_here(backend):
     """The backend with its kernel's CUDA lowering used on any machine (as where it runs)."""
     if not _ffi.AVAILABLE["cuda"]:
         pytest.skip("the CUDA module is not built: the CUDA lowering is the reference")
-    return dataclasses.replace(backend, name=backend.name + "-lowered", unavailable=lambda platform: None)
+    return dataclasses.replace(backend, name=backend.name + "-lowered", unavailable=lambda platform, devices=None: None)
 
 
 def test_cublaslt_lowering_passes_algo_and_a_workspace_result():
@@ -216,3 +216,38 @@ def test_cutlass_lowering_passes_its_options():
     call = next(line for line in text.splitlines() if "custom_call @jf_fp8_gemm_cutlass(" in line)
     for attr in (f"config = {len(CONFIGS) - 1} : i64", "raster = 1 : i64", "swizzle = 8 : i64", "b_block_rows = 1 :"):
         assert attr in call, (attr, call)
+
+
+class _Device:
+    """A device as a lowering names it (a compile-only topology's GPUs carry these attributes)."""
+
+    def __init__(self, platform, compute_capability=None):
+        self.platform, self.compute_capability = platform, compute_capability
+
+
+class _Context:
+    def __init__(self, axis_context):
+        self.module_context = type("ModuleContext", (), {"axis_context": axis_context})()
+
+
+def test_backends_judge_the_devices_compiled_for():
+    """The backends ask whether their kernels run on the GPUs a lowering compiles for (jit's device
+    assignment, shard_map's mesh), also ahead of time on a machine without them; with none named (an
+    export), on this process's CUDA devices."""
+    from jax_fp8.primitives.gemm import cuda_capabilities
+    from jax_fp8.primitives.registration import lowering_devices
+
+    assert cuda_capabilities([_Device("gpu", "9.0"), _Device("gpu", "9.0")]) == ({"9.0"}, None)
+    assert cuda_capabilities([_Device("cuda", "10.0")]) == ({"10.0"}, None)
+    here = cuda_capabilities()
+    assert cuda_capabilities([_Device("cpu")]) == here and cuda_capabilities(None) == here
+    if jax.devices()[0].platform != "gpu":
+        assert here[0] == set() and "no CUDA device" in here[1]
+    if _ffi.AVAILABLE["cuda"] and CUTLASS is not None and CUTLASS.unavailable("cuda") is None:
+        assert "sm ['8.0']" in CUTLASS.unavailable("cuda", [_Device("gpu", "8.0")])
+
+    gpus = (_Device("gpu", "9.0"),)
+    assert lowering_devices(_Context(type("ShardingContext", (), {"device_assignment": gpus})())) == gpus
+    mesh = type("Mesh", (), {"devices": np.array(gpus * 2).reshape(1, 2)})()
+    assert lowering_devices(_Context(type("SPMDAxisContext", (), {"mesh": mesh})())) == gpus * 2
+    assert lowering_devices(_Context(type("ShardingContext", (), {"device_assignment": None})())) is None

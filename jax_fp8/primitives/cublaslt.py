@@ -9,7 +9,7 @@ import importlib
 import os
 import re
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -127,12 +127,13 @@ def _prepare_handles() -> None:
         warnings.warn(f"jax_fp8: could not make cuBLASLt handles ahead of use: {failed}", stacklevel=2)
 
 
-def unavailable(platform: str = "cuda") -> Optional[str]:
-    """None when ``jf_fp8_gemm`` runs on cuBLASLt here (the CUDA module built, cuBLASLt >= 12.9 loaded,
-    every CUDA device a Hopper, sm_90); else why not, in words. Never raises."""
+def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> Optional[str]:
+    """None when ``jf_fp8_gemm`` runs on cuBLASLt (the CUDA module built, cuBLASLt >= 12.9 loaded, every
+    GPU of ``devices``, those compiled for, else of this process, a Hopper, sm_90); else why not, in
+    words. Never raises."""
     if not _ffi.AVAILABLE["cuda"]:
         return cublaslt()[1]
-    caps, why = cuda_capabilities()
+    caps, why = cuda_capabilities(devices)
     if why is not None:
         return why
     if any(not c.startswith("9.") for c in caps):

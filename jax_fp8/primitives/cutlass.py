@@ -21,7 +21,7 @@ not XLA's scratch allocator, so the handler is declared command-buffer compatibl
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -118,12 +118,13 @@ def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumul
                                 config=np.int64(config), raster=np.int64(raster), swizzle=np.int64(swizzle))
 
 
-def unavailable(platform: str = "cuda") -> Optional[str]:
-    """None when ``jf_fp8_gemm`` runs on the CUTLASS kernels here (the module built and loaded, every CUDA
-    device sm_90: the kernels are sm_90a code); else why not, in words. Never raises."""
+def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> Optional[str]:
+    """None when ``jf_fp8_gemm`` runs on the CUTLASS kernels (the module built and loaded, every GPU of
+    ``devices``, those compiled for, else of this process, sm_90: the kernels are sm_90a code); else why
+    not, in words. Never raises."""
     if _MODULE is None:
         return _MODULE_WHY
-    caps, why = cuda_capabilities()
+    caps, why = cuda_capabilities(devices)
     if why is not None:
         return why
     if caps != {"9.0"}:

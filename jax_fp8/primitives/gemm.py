@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,13 +90,17 @@ def padded_sizes(library: str, M: int, N: int, K: int, align: tuple) -> tuple[Op
     return (Mp, Np, Kp), None
 
 
-def cuda_capabilities() -> tuple[set, Optional[str]]:
-    """The compute capabilities of this process's CUDA devices (``{"9.0"}`` on an H100/H200), and None;
-    or an empty set and why there are none. Never raises (a backend's ``unavailable`` asks it)."""
+def cuda_capabilities(devices: Optional[Sequence] = None) -> tuple[set, Optional[str]]:
+    """The compute capabilities (``{"9.0"}`` on an H100/H200) of the GPUs among ``devices`` (those a
+    lowering compiles for, also ahead of time on a machine without them), else of this process's CUDA
+    devices; and None, or an empty set and why there are none. Never raises (a backend's
+    ``unavailable`` asks it)."""
+    gpus = [d for d in devices or () if d.platform in ("gpu", "cuda")]
     try:
-        caps = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("cuda")}
+        gpus = gpus or jax.devices("cuda")
     except Exception as e:  # no CUDA backend
         return set(), f"no CUDA device ({e})"
+    caps = {str(getattr(d, "compute_capability", "?")) for d in gpus}
     return caps, None if caps else "no CUDA device"
 
 
@@ -125,8 +129,9 @@ class GemmBackend:
 
     - ``sizes(M, N, K, a_block, b_block, a_dtype, b_dtype)``: ``((M, N, K) to run at, None)`` (zero
       padding up to those sizes changes no product), or ``(None, why it cannot take the problem)``;
-    - ``unavailable(platform)``: asked when lowering: None where it runs, else why not (the
-      reference then lowers the call, with one :class:`Fp8GemmFallbackWarning`);
+    - ``unavailable(platform, devices=None)``: asked when lowering: None where it runs on ``devices``
+      (those the lowering compiles for; None: this process's), else why not (the reference then
+      lowers the call, with one :class:`Fp8GemmFallbackWarning`);
     - ``lowerings``: platform -> MLIR lowering rule of its kernel, with the primitive's operands and
       params (``backend`` excepted) and the backend's ``options`` as keywords. ``gemm_p`` dispatches
       to them on ``cuda``; a backend for another platform adds that platform to ``gemm_p``'s
@@ -488,11 +493,11 @@ def _backend_lowering(platform: str):
     return lower
 
 
-def _backend_unavailable(platform: str, params) -> Optional[str]:
+def _backend_unavailable(platform: str, params, devices) -> Optional[str]:
     backend = params["backend"]
     if platform not in backend.lowerings:
         return f"{backend.name} has no {platform} kernel"
-    return backend.unavailable(platform)
+    return backend.unavailable(platform, devices)
 
 
 gemm_p = define_primitive(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Optional
 
+import numpy as np
+
 from .. import _ffi
 from .._compat import Primitive, ad, apply_primitive, batching, mlir
 from ..warn import warn
@@ -33,8 +35,9 @@ def define_primitive(name: str, *, abstract: Callable, reference: Callable, ffi_
     - ``reference(*args, **params)``: its jax.numpy contract, lowered on every platform without ours;
     - ``ffi_rules``: platform -> MLIR lowering rule ``(ctx, *args, **params)`` of our FFI kernel, used
       where ``_ffi.AVAILABLE[platform]`` (the compiled module for it loaded);
-    - ``unavailable(platform, params)``: asked at lowering time, why the FFI kernel cannot run here
-      after all (None: it can); then the reference lowers it, with one ``fallback_warning`` saying why;
+    - ``unavailable(platform, params, devices)``: asked at lowering time, why the FFI kernel cannot run
+      on ``devices`` (:func:`lowering_devices`) after all (None: it can); then the reference lowers it,
+      with one ``fallback_warning`` saying why;
     - ``batch``: its batching rule; ``rule``: how it partitions under ``jax.jit`` (None: it does not);
     - ``no_jvp_hint``: what the error of a differentiation attempt recommends.
     """
@@ -60,9 +63,21 @@ def define_primitive(name: str, *, abstract: Callable, reference: Callable, ffi_
     return prim
 
 
+def lowering_devices(ctx) -> Optional[tuple]:
+    """The devices the module being lowered is compiled for: jit's device assignment (where jax compiles
+    ahead of time for devices this machine lacks, a compile-only topology's), or shard_map's mesh; None
+    where the lowering names none (``jax.export``)."""
+    axis = ctx.module_context.axis_context
+    devices = getattr(axis, "device_assignment", None)
+    if devices is None:
+        mesh_devices = getattr(getattr(axis, "mesh", None), "devices", None)  # a concrete Mesh's array
+        devices = None if mesh_devices is None else tuple(np.asarray(mesh_devices).flat)
+    return devices
+
+
 def _checked(name, platform, ffi_rule, reference_rule, unavailable, warning):
     def lower(ctx, *args, **params):
-        why = unavailable(platform, params)
+        why = unavailable(platform, params, lowering_devices(ctx))
         if why is not None:  # e.g. an old library or another GPU: the same numbers, from the reference
             warn(f"jax_fp8: {name} runs as its reference (fp32 math) on this {platform} device: {why}", warning)
             return reference_rule(ctx, *args, **params)
