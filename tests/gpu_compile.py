@@ -9,9 +9,9 @@ On a machine with a CUDA GPU the step compiles for it; elsewhere, where jax's CU
 XLA keeps custom calls in command buffers as on the H200 machine's driver 580). Each compile runs in a
 process of its own (``--xla_dump_to`` is read when jax starts).
 
-Also a script, printing one line per thunk kind and kernel kind of each variant::
+Also a script, printing :func:`summary` of each variant's step::
 
-    python tests/gpu_compile.py 4096x14336x2x2   # d_model x FFN x layers x batch (seq 4096)
+    python tests/gpu_compile.py 4096x14336x2x2 [GPUS]   # d_model x FFN x layers x batch (seq 4096)
 """
 from __future__ import annotations
 
@@ -67,10 +67,12 @@ def _cuda_plugin() -> bool:
     return spec is not None and any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(spec.submodule_search_locations))
 
 
-def compile_step(variant: str, sizes: str, flags: str = "") -> dict:
+def compile_step(variant: str, sizes: str, flags: str = "", devices: int = 1) -> dict:
     """The step of ``variant`` ("fp8", "bf16", "flax-fp8") at ``sizes`` (d_model x FFN x layers x
-    batch, seq 4096 unless a fifth number gives it) compiled for a GPU with the XLA ``flags`` added:
-    :func:`read_dump` of its thunks. Raises AssertionError with the process's output if it fails."""
+    batch, seq 4096 unless a fifth number gives it) compiled for ``devices`` GPUs (more than one: the
+    example's mesh, batch over "data", FSDP weights over "fsdp" of 2, plain ``jax.jit``) with the XLA
+    ``flags`` added: :func:`read_dump` of its thunks. Raises AssertionError with the process's output
+    if it fails."""
     with tempfile.TemporaryDirectory() as dump:
         # one host device, as on a GPU machine (the test session simulates 8 CPU devices)
         inherited = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
@@ -79,21 +81,24 @@ def compile_step(variant: str, sizes: str, flags: str = "") -> dict:
 
         if not _ffi.cuda_device_present():
             env["JAX_PLATFORMS"] = "cpu"  # the compile-only H200 needs no GPU backend
-        proc = subprocess.run([sys.executable, __file__, "--compile", variant, sizes], env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.run([sys.executable, __file__, "--compile", variant, sizes, str(devices)], env=env,
+                              capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return read_dump(dump)
 
 
 def read_dump(dump: str) -> dict:
-    """The thunks of the one ``jit_step`` module in ``dump``: ``{"thunks": [(name, kind, in a command
-    buffer), ...], "command_buffers": n}``, after XLA's thunk passes (which form the command buffers).
+    """The thunks of the ``jit_step`` module in ``dump`` (the first, where it was compiled more than
+    once): ``{"thunks": [(name, kind, in a command buffer), ...], "command_buffers": n}``, after XLA's
+    thunk passes (which form the command buffers).
     ``name``: a custom call's or kernel's name (a custom call named by its HLO instruction, e.g.
     ``jf_quantize_local.3``), else the thunk kind."""
     files = sorted(os.listdir(dump))
     seq = [f for f in files if "jit_step" in f and f.endswith("thunk_sequence_after_thunk_passes.txt")] or \
           [f for f in files if "jit_step" in f and f.endswith("thunk_sequence.txt")]
     meta = [f for f in files if "jit_step" in f and f.endswith("thunk_metadata.txt")]
+    assert seq and meta, files
+    seq, meta = [f for f in seq if f.startswith(seq[0].split(".")[0])], [f for f in meta if f.startswith(seq[0].split(".")[0])]
     assert len(seq) == 1 and len(meta) == 1, files
     annotations = dict((int(i), a) for a, i in re.findall(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)',
                                                             open(os.path.join(dump, meta[0])).read()))
@@ -135,42 +140,46 @@ def summary(dump: dict) -> dict:
     return s
 
 
-def _compile(variant: str, sizes: str) -> None:
+def _compile(variant: str, sizes: str, devices: str = "1") -> None:
     """In the child process: build and compile the step (no array is made: shapes only)."""
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
 
     import _transformer as T
 
+    n = int(devices)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         from jax.experimental import topologies
 
-        device = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1").devices[0]
+        gpus = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology=f"1x1x{n}").devices
     else:
-        device = jax.devices("cuda")[0]
+        gpus = jax.devices("cuda")[:n]
     d, f, layers, batch, *seq = map(int, sizes.split("x"))
     cfg = T.Config(d_model=d, ffn=f, heads=max(1, d // 128), layers=layers, seq=seq[0] if seq else 4096, vocab=1024,
                    attention="cudnn")
-    one = NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), PartitionSpec())
     state = jax.eval_shape(lambda: T.init_state(cfg, variant, T.init_params(cfg, 0), T.optimizer()))
-    state = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state)
-    tokens = jax.ShapeDtypeStruct((batch, cfg.seq + 1), jnp.int32, sharding=one)
-    T.make_train_step().lower(state, tokens).compile()
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq + 1), jnp.int32)
+    # the example's layout on n GPUs: batch over "data", FSDP weights over "fsdp" (one GPU: both 1)
+    fsdp = 2 if n % 2 == 0 else 1
+    mesh = jax.make_mesh((n // fsdp, fsdp), T.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=list(gpus))
+    shardings = T.mesh_shardings(state, mesh)
+    typed = lambda tree, sh: jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                                    tree, sh)
+    T.make_train_step(shardings=shardings).lower(typed(state, shardings[0]), typed(tokens, shardings[1])).compile()
 
 
 def main(argv: list) -> None:
     if argv[:1] == ["--compile"]:
         return _compile(*argv[1:])
-    sizes = argv[0] if argv else "4096x14336x2x2"
+    sizes, devices = (argv + ["4096x14336x2x2", "1"][len(argv):])[:2]
     why = why_not()
     if why is not None:
         sys.exit(f"gpu_compile: {why}")
     for variant in ("fp8", "bf16", "flax-fp8"):
-        s = summary(compile_step(variant, sizes))
-        print(json.dumps({"variant": variant, "sizes": sizes, **s}))
+        s = summary(compile_step(variant, sizes, devices=int(devices)))
+        print(json.dumps({"variant": variant, "sizes": sizes, "gpus": int(devices), **s}))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Our CUDA custom calls inside XLA's command buffers (CUDA graphs): a linear layer's forward + backward
 on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs, on cuBLASLt or CUTLASS) compiled with command buffers
 on has every one of its custom calls inside a command buffer (a ``kCommandBuffer`` thunk of XLA's thunk
-dump: XLA forms command buffers from the thunk sequence, so the optimized HLO does not show them; the
-H200 run of 2026-12-05 found none there, and this way of reading them has not run on a GPU yet), and
-replaying the graph on fresh inputs gives the bits of the same step compiled with command buffers off. GPU only (the flags
-must be set before jax starts: each setting runs in its own process)."""
+dump, read as ``tests/gpu_compile.py`` reads it: XLA forms command buffers from the thunk sequence, so
+the optimized HLO does not show them), and replaying the graph on fresh inputs gives the bits of the
+same step compiled with command buffers off. GPU only (the flags must be set before jax starts: each
+setting runs in its own process). ``tests/test_compiled_for_gpu.py`` checks the whole training step's
+calls, also without a GPU."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
+import gpu_compile
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, re, sys
@@ -37,31 +40,22 @@ SCRIPT = textwrap.dedent(r"""
     ours = re.findall(r'custom_call_target="(jf_[a-z0-9_]+)"', hlo)
     ours = [o.replace("jf_fp8_gemm_cutlass", "jf_fp8_gemm") for o in ours]
     assert all(("cutlass" in t) == (backend == "cutlass") for t in re.findall(r'custom_call_target="(jf_fp8_gemm[a-z_]*)"', hlo))
-    # XLA forms command buffers from the thunk sequence, after the HLO: its thunk dumps (--xla_dump_to)
-    # say which thunks went into one (kind kCommandBuffer). Ours: our custom calls named after it.
-    calls = dict(re.findall(r'(?m)^\s*%?([\w.-]+) = [^\n]*custom_call_target="(jf_[a-z0-9_]+)"', hlo))
-    in_cb, files = set(), []
-    for root, _, fs in os.walk(sys.argv[3]):
-        for fn in (fn for fn in fs if "thunk" in fn.lower()):
-            files.append(fn)
-            text = open(os.path.join(root, fn), errors="replace").read()
-            start = text.find("kCommandBuffer")
-            if start >= 0:
-                in_cb |= {n for n in calls if re.search(r"(?<![\w.-])" + re.escape(n) + r"(?![\w.-])", text[start:])}
-    in_cb = [calls[n].replace("jf_fp8_gemm_cutlass", "jf_fp8_gemm") for n in sorted(in_cb)]
-    cb_lines = files[:8]  # the thunk dumps read (what to look at when this finds none)
     outs = [np.asarray(o).view(np.uint16).tolist() for seed in (1, 2, 3) for o in f(*args(seed))]
-    json.dump({"ours": ours, "in_command_buffers": in_cb, "outs": outs, "cb_lines": cb_lines}, open(sys.argv[1], "w"))
+    json.dump({"ours": ours, "outs": outs}, open(sys.argv[1], "w"))
 """)
 
 
 def _run(tmp_path, name, flags, backend):
     out, dump = tmp_path / f"{name}.json", tmp_path / f"dump_{name}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags} --xla_dump_to={dump}")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend, str(dump)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    # XLA forms command buffers from the thunk sequence, after the HLO: its thunk dump says which
+    # thunks went into one (tests/gpu_compile.py reads it)
+    captured = [re.sub(r"(_local)?(\.\d+)*$", "", name) for name, _, inside in gpu_compile.read_dump(str(dump))["thunks"]
+                if name.startswith("jf_") and inside]
+    return {**json.loads(out.read_text()), "in_command_buffers": captured}
 
 
 @pytest.mark.skipif(not jf.kernels_available().get("cuda"), reason="needs our CUDA kernels on a GPU")
@@ -78,8 +72,8 @@ def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend):
                               "--xla_gpu_graph_min_graph_size=1", backend)
     off = _run(tmp_path, "off", "--xla_gpu_enable_command_buffer=", backend)
     assert sorted(on["ours"]) == ["jf_fp8_gemm"] * 3 + ["jf_quantize"] * 3, on["ours"]
-    assert sorted(on["in_command_buffers"]) == sorted(on["ours"]), (on["in_command_buffers"], on["cb_lines"])
-    assert off["in_command_buffers"] == [], off["cb_lines"]
+    assert sorted(on["in_command_buffers"]) == sorted(on["ours"]), on["in_command_buffers"]
+    assert off["in_command_buffers"] == [], off["in_command_buffers"]
     assert len(on["outs"]) == 9
     for i, (a, b) in enumerate(zip(on["outs"], off["outs"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"output {i}")
