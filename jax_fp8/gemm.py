@@ -34,7 +34,7 @@ from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
 from .mx_gemm import MXFP8GemmFallbackWarning, warn_reference
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
 from .gemm_plan import DotPlan, GemmPlan, Step, plan_dot_general, plan_gemm, usage_read
-from .layout import PRIMITIVES, quantize_stacked
+from .layout import quantize_stacked
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
 from .primitives.partitioning import explicit_sharding
 from .scheme import Scheme
@@ -117,16 +117,17 @@ class _Linear:
 
 @dataclasses.dataclass(frozen=True)
 class _Stacked:
-    """A (B, S, K) activation or gradient quantized sequence by sequence (the kernels' batch dim), so
-    that a split S stays split under jit: rowwise data (B, S, K) with scales (B, K/128, S), columnwise
-    data (B, K, S) with scales (B, S/128, K); the stacked operands of ``jf_fp8_gemm``. With S % 128 == 0
-    every block lies inside one sequence: the same blocks, bits and GEMMs as the (B*S, K) tensor's."""
+    """A (B, S, K) activation or gradient quantized as its B*S rows with B and S kept apart, so that a
+    split S stays split under jit (:func:`~jax_fp8.layout.quantize_stacked`): rowwise data (B, S, K)
+    with scales (K/128, B, S), columnwise data (K, B, S) with scales (B, S/128, K); the stacked
+    operands of ``jf_fp8_gemm``, folded by reshapes. With S % 128 == 0 every block lies inside one
+    sequence: the same blocks, bits and GEMMs as the (B*S, K) tensor's."""
 
     usages: dict  # usage -> (FP8 data, fp32 scale)
 
     @classmethod
     def of(cls, x3, scheme: Scheme) -> "_Stacked":
-        return cls(quantize_stacked(x3, scheme, PRIMITIVES))
+        return cls(quantize_stacked(x3, scheme))
 
     def operand(self, contract: str) -> GemmOperand:
         data, scale = self.usages[usage_read(contract)]
@@ -134,11 +135,11 @@ class _Stacked:
 
 
 def _sequences_may_split(x) -> bool:
-    """Stacking pays only where ``x``'s sequences may be split over devices: elsewhere the folded GEMMs
-    are the same bits, and cheaper (the stacked weight gradient transposes its FP8 operands, about 3%
-    of the H200 model step, bench/RESULTS.md). An Explicit type says whether an inner leading dim is
-    split; inside shard_map the arrays are local; otherwise (Auto axes: the split is decided when XLA
-    compiles) it may be wherever jit has more than one device."""
+    """Stacking is needed only where ``x``'s sequences may be split over devices: elsewhere the folded
+    GEMMs are the same kernels and bits (stacked operands fold by reshapes), with fewer constraints
+    (no padding). An Explicit type says whether an inner leading dim is split; inside shard_map the
+    arrays are local; otherwise (Auto axes: the split is decided when XLA compiles) it may be wherever
+    jit has more than one device."""
     s = explicit_sharding(x)
     if s is not None:
         spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))

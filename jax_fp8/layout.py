@@ -74,11 +74,12 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
-def quantize_stacked(x3, scheme: Scheme, kernels: Kernels) -> dict:
-    """Each usage's (FP8 data, scale) of the (B, M, K) array ``x3`` quantized matrix by matrix with
-    ``scheme`` on ``kernels``, the batch dim kept: data (B, M, K), or (B, K, M) for GEMM-ready
-    columnwise data, and scales with a leading B (the stacked operands of ``jf_fp8_gemm``)."""
-    return dict(zip(scheme.kernel_usages, _kernel_pairs(scheme, kernels.quantize(x3, scheme=scheme))))
+def quantize_stacked(x3, scheme: Scheme) -> dict:
+    """Each usage's (FP8 data, scale) of the (B, S, K) array ``x3`` (S % 128 == 0) quantized with the
+    GEMM-ready 1x128 ``scheme`` as its B*S rows, B kept as a dim of its own beside S: rowwise data
+    (B, S, K) and scales (K/128, B, S), columnwise data (K, B, S) and scales (B, S/128, K) (the stacked
+    operands of ``jf_fp8_gemm``, which folds them by reshapes)."""
+    return dict(zip(scheme.kernel_usages, _kernel_pairs(scheme, quantize_p.bind(x3, scheme=scheme, stacked=True))))
 
 
 def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):

@@ -74,13 +74,15 @@ def compile_step(variant: str, sizes: str, flags: str = "", devices: int = 1) ->
     ``flags`` added: :func:`read_dump` of its thunks. Raises AssertionError with the process's output
     if it fails."""
     with tempfile.TemporaryDirectory() as dump:
-        # one host device, as on a GPU machine (the test session simulates 8 CPU devices)
         inherited = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
         env = dict(os.environ, XLA_FLAGS=f"{inherited} {flags} --xla_dump_to={dump}")
         from jax_fp8 import _ffi
 
         if not _ffi.cuda_device_present():
-            env["JAX_PLATFORMS"] = "cpu"  # the compile-only H200 needs no GPU backend
+            # the compile-only H200s need no GPU backend; as many host devices as GPUs, so that
+            # jax.devices() counts what it counts on a machine with them (fp8_dot_general asks)
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
         proc = subprocess.run([sys.executable, __file__, "--compile", variant, sizes, str(devices)], env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -338,3 +338,58 @@ def test_a_split_over_two_axes_that_no_spec_can_name(mode):
         got = grad(_put(x, mesh, P(("a", "b"), None)), _put(w, mesh, P(("a", "b"), None)))
     for g, r, what in zip(got, grad(jax.device_put(x, _CPU), jax.device_put(w, _CPU)), ("dx", "dw")):
         assert_close_reassociated(np.asarray(g), np.asarray(r), what)
+
+
+# ---- the stacked quantize of fp8_dot_general's (B, S, K) operands ------------------------------------
+def _stacked_vs_folded(x3, scheme):
+    """The stacked outputs, and the folded (B*S, K) quantize's outputs reshaped to the stacked layout."""
+    from jax_fp8.layout import quantize_stacked
+
+    B, S, K = x3.shape
+    folded = jf.quantize(x3.reshape(B * S, K), scheme)
+    want = {"rowwise": (folded.rowwise_data.reshape(B, S, K), folded.rowwise_scale_inv.reshape(-1, B, S)),
+            "colwise": (folded.colwise_data.reshape(K, B, S), folded.colwise_scale_inv.reshape(B, S // 128, -1))}
+    return quantize_stacked(x3, scheme), want
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stacked_quantize_is_the_folded_one_reshaped_and_stays_split(mode):
+    """``fp8_dot_general``'s stacked operands: each output of the (B, S, K) quantize is the (B*S, K)
+    quantize's output reshaped (so the GEMM folds it back with no copy), bit for bit, on one device,
+    under vmap, and split over B and S (2 x 4 devices) with every output split and no data moved."""
+    scheme = jf.Float8BlockScaling().scheme("lhs")
+    x3 = jnp.asarray(random_input(np.random.default_rng(stable_seed("stacked quantize")), (4, 512, 384), jnp.bfloat16))
+    got, want = _stacked_vs_folded(x3, scheme)
+    for usage in ("rowwise", "colwise"):
+        for g, w, what in zip(got[usage], want[usage], ("data", "scales")):
+            assert_bits_equal(g, w, f"{usage} {what}")
+
+    batched = jax.vmap(lambda x: jf.layout.quantize_stacked(x, scheme))(jnp.stack([x3[:2], x3[2:]]))
+    b_dims = {"rowwise": (0, 1), "colwise": (1, 0)}  # where B sits in the data and the scales
+    for usage in ("rowwise", "colwise"):
+        for v, g, at in zip(batched[usage], got[usage], b_dims[usage]):
+            assert_bits_equal(jnp.concatenate([v[0], v[1]], axis=at), g, f"vmap {usage}")
+
+    mesh = _mesh((2, 4), ("b", "s"), mode)
+    xs = _put(x3, mesh, P("b", "s", None))
+    fn = jax.jit(lambda x: jf.layout.quantize_stacked(x, scheme))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingWarning)
+        compiled = fn.lower(xs).compile()
+    out = compiled(xs)
+    assert not _large(collectives(compiled.as_text()), "all-gather", "all-to-all", "collective-permute", "all-reduce")
+    specs = {"rowwise": (P("b", "s", None), P(None, "b", "s")), "colwise": (P(None, "b", "s"), P("b", "s", None))}
+    for usage in ("rowwise", "colwise"):
+        for o, w, spec, what in zip(out[usage], got[usage], specs[usage], ("data", "scales")):
+            assert_bits_equal(o, w, f"split {usage} {what}")
+            _assert_sharded_as(o, mesh, spec, f"{usage} {what}")
+
+
+def test_stacked_quantize_refuses_what_does_not_fold():
+    from jax_fp8.primitives import quantize_p
+
+    x3 = jnp.zeros((2, 192, 256), jnp.float32)
+    with pytest.raises(ValueError, match="stacked sequences take GEMM-ready 1x128 blocks and rows"):
+        quantize_p.bind(x3, scheme=jf.Float8BlockScaling().scheme("lhs"), stacked=True)  # S = 192
+    with pytest.raises(ValueError, match="stacked sequences"):
+        quantize_p.bind(x3[:, :128], scheme=jf.Float8BlockScaling().scheme("rhs"), stacked=True)  # 128x128 tiles

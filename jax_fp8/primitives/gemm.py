@@ -287,7 +287,7 @@ def _gemm_sizes(shapes, params) -> dict:
         return dict(m=a[0], n=b[0], k=a[1])
     if len(b) == 2:  # stacked rows: "s" sequences of "m" rows
         return dict(s=a[0], m=a[1], n=b[0], k=a[2])
-    return dict(j=a[0], m=a[1], n=b[1], k=a[2])  # stacked contraction: over "j" sequences of "k"
+    return dict(j=a[1], m=a[0], n=b[0], k=a[2])  # stacked contraction: over "j" sequences of "k"
 
 
 def _gemm_arrays(sizes, params):
@@ -296,15 +296,16 @@ def _gemm_arrays(sizes, params):
     if "s" not in sizes and "j" not in sizes:
         operands = [*_operand_dims("m", M, K, params["a_block"]), *_operand_dims("n", N, K, params["b_block"])]
         return operands + [out] * bool(params["accumulate"]), [out]
-    if "s" in sizes:  # a (S, M, K), its scales per sequence; out (S, M, N)
+    if "s" in sizes:  # a (S, M, K), its scales (K/128, S, M); out (S, M, N)
         seq = Dim("s", sizes["s"])
-        (a, a_scale), b = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, params["b_block"])
+        (a, (k_blocks, rows)), b = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, params["b_block"])
         out = (seq, *out)
-        return [(seq, *a), (seq, *a_scale), *b] + [out] * bool(params["accumulate"]), [out]
-    # a (J, M, K) and b (J, N, K): every sequence contracted
+        return [(seq, *a), (k_blocks, seq, rows), *b] + [out] * bool(params["accumulate"]), [out]
+    # a (M, J, K) and b (N, J, K), scales (J, K/128, M) and (J, K/128, N): every sequence contracted
     seq = Dim("j", sizes["j"])
     (a, a_scale), (b, b_scale) = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, BLOCK_1D)
-    return [(seq, *a), (seq, *a_scale), (seq, *b), (seq, *b_scale)] + [out] * bool(params["accumulate"]), [out]
+    return ([(a[0], seq, a[1]), (seq, *a_scale), (b[0], seq, b[1]), (seq, *b_scale)] + [out] * bool(params["accumulate"]),
+            [out])
 
 
 def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
@@ -365,12 +366,13 @@ def _gemm_bytes_abstract(a, a_scale, b, b_scale, *c, a_dtype, b_dtype, **params)
 
 
 # ---- stacked operands: sequences (B, S, K) kept apart, so a split S stays split under jit ---------
-#: Two stacked modes, each folded on every device into the 2-D GEMM of its shard:
-#: "rows": a (B, S, K) with per-sequence 1x128 scales (B, ceil(K/128), roundup(S, 4)) and a 2-D b;
-#: out (and c) (B, S, N): the GEMM of a's B*S rows. "contraction": a (B, R, S) and b (B, C, S), 1x128
-#: blocks along S, per-sequence scales (B, S/128, roundup(R, 4)) and (B, S/128, roundup(C, 4)); out
-#: (and c) (R, C): the GEMM contracting over all B*S. S % 128 == 0: every block lies inside one
-#: sequence, so the fold is the merged tensor's blocking (and no scale grid carries padding).
+#: Two stacked modes, each folded on every device into the 2-D GEMM of its shard by reshapes alone
+#: (the layouts of ``jf_quantize``'s stacked outputs):
+#: "rows": a (B, S, K) with 1x128 scales (ceil(K/128), B, S) and a 2-D b; out (and c) (B, S, N): the
+#: GEMM of a's B*S rows. "contraction": a (R, B, S) and b (C, B, S), 1x128 blocks along S, scales
+#: (B, S/128, roundup(R, 4)) and (B, S/128, roundup(C, 4)); out (and c) (R, C): the GEMM contracting
+#: over all B*S. S % 128 == 0: every block lies inside one sequence, so the fold is the merged
+#: tensor's blocking (and no scale grid carries padding).
 def _stacked_mode(a, b, params) -> Optional[str]:
     if a.ndim == 3 and b.ndim == 2:
         mode = "rows"
@@ -380,7 +382,7 @@ def _stacked_mode(a, b, params) -> Optional[str]:
         return None
     blocks = {tuple(params["a_block"])} | ({tuple(params["b_block"])} if mode == "contraction" else set())
     S, need = a.shape[1 if mode == "rows" else 2], FLOAT8_BLOCK
-    mismatch = mode == "contraction" and (a.shape[0], a.shape[2]) != (b.shape[0], b.shape[2])
+    mismatch = mode == "contraction" and a.shape[1:] != b.shape[1:]
     if blocks != {BLOCK_1D} or S % need or mismatch:
         raise ValueError(f"jf_fp8_gemm: a must be 2-D (rows, K), or stacked ({mode}) with 1x128 blocks and a stack "
                          f"dim S a multiple of {need}, one S for both; got a {a.shape}, b {b.shape}, blocks "
@@ -391,21 +393,21 @@ def _stacked_mode(a, b, params) -> Optional[str]:
 def _stacked_scale_shapes(mode, a_shape, b_shape, params):
     if mode == "rows":
         B, S, K = a_shape
-        return (B, *operand_scale_shape(S, K, BLOCK_1D)), operand_scale_shape(b_shape[0], K, params["b_block"])
-    B, R, S = a_shape
-    return (B, *operand_scale_shape(R, S, BLOCK_1D)), (B, *operand_scale_shape(b_shape[1], S, BLOCK_1D))
+        k_blocks, rows = operand_scale_shape(S, K, BLOCK_1D)
+        return (k_blocks, B, rows), operand_scale_shape(b_shape[0], K, params["b_block"])
+    R, B, S = a_shape
+    return (B, *operand_scale_shape(R, S, BLOCK_1D)), (B, *operand_scale_shape(b_shape[0], S, BLOCK_1D))
 
 
 def _fold(mode, a, a_scale, b, b_scale, *c):
-    """A shard's stacked operands as its 2-D GEMM's (the data of "contraction" transposed: a copy)."""
+    """A shard's stacked operands as its 2-D GEMM's: reshapes only."""
     if mode == "rows":
         B, S, K = a.shape
-        scale = jnp.swapaxes(a_scale[:, :, :S], 0, 1).reshape(-1, B * S)
-        return (a.reshape(B * S, K), scale, b, b_scale, *(x.reshape(B * S, -1) for x in c))
+        return (a.reshape(B * S, K), a_scale.reshape(a_scale.shape[0], B * S), b, b_scale,
+                *(x.reshape(B * S, -1) for x in c))
 
-    def rows(data, scale):  # (B, R, S) -> (R, B*S); scales (B, S/128, R4) -> (B*S/128, R4)
-        B, R, S = data.shape
-        return jnp.swapaxes(data, 0, 1).reshape(R, B * S), scale.reshape(-1, scale.shape[-1])
+    def rows(data, scale):  # (R, B, S) -> (R, B*S); scales (B, S/128, R4) -> (B*S/128, R4)
+        return data.reshape(data.shape[0], -1), scale.reshape(-1, scale.shape[-1])
 
     return (*rows(a, a_scale), *rows(b, b_scale), *c)
 

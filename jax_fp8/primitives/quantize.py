@@ -13,6 +13,7 @@ import numpy as np
 
 from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
+from ..formats import FLOAT8_BLOCK
 from .. import contracts
 from ..scheme import GEMM_SCALE_PAD
 from ..vma import out_aval
@@ -23,14 +24,54 @@ from .registration import define_primitive
 _FFI_RESULTS = 4  # the FFI target always has two (data, scale) result slots; unused ones are empty
 
 
-def _quantize_abstract(x, *, scheme):
+def _quantize_abstract(x, *, scheme, stacked=False):
     if x.ndim != 3:
         raise ValueError(f"jf_quantize takes a (batch, rows, cols) array, got shape {x.shape}")
     B, M, K = x.shape
+    if stacked and not (scheme.fmt == "blockwise" and scheme.block == (1, FLOAT8_BLOCK) and scheme.gemm_ready
+                        and M % FLOAT8_BLOCK == 0):
+        raise ValueError(f"jf_quantize: stacked sequences take GEMM-ready 1x{FLOAT8_BLOCK} blocks and rows (sequence "
+                         f"length) a multiple of {FLOAT8_BLOCK}; got {scheme} and shape {x.shape}")
     outs = []
-    for data, scale in scheme.kernel_outputs((M, K)):
-        outs += [out_aval((B, *data), np.uint8, x), out_aval((B, *scale), scheme.scale_dtype, x)]
+    for usage, (data, scale) in zip(scheme.output_usages, scheme.kernel_outputs((M, K))):
+        d_at, s_at = _stacked_at(scheme, usage) if stacked else (0, 0)
+        outs += [out_aval(_insert(data, d_at, B), np.uint8, x), out_aval(_insert(scale, s_at, B), scheme.scale_dtype, x)]
     return outs
+
+
+# Stacked sequences (``stacked=True``, for jf_fp8_gemm's stacked operands): the (B, S, K) input
+# quantized as the (B*S, K) rows it folds into, each output with its rows' dim split into (B, S) in
+# place: rowwise data (B, S, K) and scales (K/128, B, S); columnwise data (K, B, S) and scales
+# (B, S/128, K). Every output is a reshape of the folded tensor's (no copy when the GEMM folds them
+# back), and B and S stay separate dims, so a split S stays split under jit.
+def _stacked_at(scheme, usage: str) -> tuple[int, int]:
+    """Where the sequences dim of a stacked output sits: just before the rows of its data and scales."""
+    return int(scheme.transposed_data(usage)), int(scheme.transposed_scales(usage))
+
+
+def _insert(shape: tuple, at: int, b) -> tuple:
+    return (*shape[:at], b, *shape[at:])
+
+
+def _unfold(folded, at: int, B: int):
+    """A folded output with its dim ``at`` (B*S entries) split into (B, S)."""
+    shape = folded.shape
+    return folded.reshape(*shape[:at], B, shape[at] // B, *shape[at + 1:])
+
+
+def _quantize_on_shard(bind, reduce_axes, params):
+    """One device's quantize: the kernel on its (B, M, K) block; stacked, on its folded rows."""
+    scheme = params["scheme"]
+    if not params.get("stacked"):
+        return lambda x: tuple(bind(x, scheme=scheme))
+
+    def run(x):
+        B, S, K = x.shape
+        outs = bind(x.reshape(1, B * S, K), scheme=scheme)
+        ats = [at for u in scheme.output_usages for at in _stacked_at(scheme, u)]
+        return tuple(_unfold(o[0], at, B) for o, at in zip(outs, ats))
+
+    return run
 
 
 def _input_dims(sizes):
@@ -53,8 +94,9 @@ def _quantize_arrays(sizes, params):
     b, m, k = x = _input_dims(sizes)
     outs = []
     for usage in scheme.output_usages:
-        outs.append((b, k, m) if scheme.transposed_data(usage) else x)
-        outs.append((b, *scale_dims(scheme, m.size, k.size, usage)))
+        data, scale = ((k, m) if scheme.transposed_data(usage) else (m, k)), scale_dims(scheme, m.size, k.size, usage)
+        d_at, s_at = _stacked_at(scheme, usage) if params.get("stacked") else (0, 0)
+        outs += [_insert(data, d_at, b), _insert(scale, s_at, b)]
     return [x], outs
 
 
@@ -69,12 +111,14 @@ def _quantize_ffi_lowering(ctx, x, *, scheme):
     return outs[:n]
 
 
-def _quantize_batch(args, dims, *, scheme):
+def _quantize_batch(args, dims, *, scheme, **stacked):
     (x,), (d,) = args, dims
     x = jnp.moveaxis(x, d, 0)
     b, B = x.shape[:2]
-    outs = quantize_p.bind(x.reshape(b * B, *x.shape[2:]), scheme=scheme)
-    return [o.reshape(b, B, *o.shape[1:]) for o in outs], [0] * len(outs)
+    outs = quantize_p.bind(x.reshape(b * B, *x.shape[2:]), scheme=scheme, **stacked)
+    ats = [at for u in scheme.output_usages for at in _stacked_at(scheme, u)] if stacked.get("stacked") else \
+        [0] * len(outs)
+    return [_unfold(o, at, b) for o, at in zip(outs, ats)], ats
 
 
 _HINT = ("For a straight-through estimator use jax_fp8.quantize_dequantize (dequantize(quantize(x)) with an "
@@ -82,8 +126,8 @@ _HINT = ("For a straight-through estimator use jax_fp8.quantize_dequantize (dequ
 quantize_p = define_primitive(
     "jf_quantize", abstract=_quantize_abstract, reference=contracts.quantize_usages,
     ffi_rules=dict(cpu=_quantize_ffi_lowering, cuda=_quantize_ffi_lowering), batch=_quantize_batch,
-    rule=Rule(("b", "m", "k"), _NAMES, _SIZES, _quantize_arrays, pad_value=GEMM_SCALE_PAD), multiple_results=True,
-    no_jvp_hint=_HINT)
+    rule=Rule(("b", "m", "k"), _NAMES, _SIZES, _quantize_arrays, local=_quantize_on_shard, pad_value=GEMM_SCALE_PAD),
+    multiple_results=True, no_jvp_hint=_HINT)
 
 # ---- dequantize --------------------------------------------------------------------------------
 
