@@ -89,6 +89,23 @@ def compile_step(variant: str, sizes: str, flags: str = "", devices: int = 1) ->
         return read_dump(dump)
 
 
+def sequence_parallel_moves(devices: int = 8) -> list:
+    """The transposes and copies in the program of a sequence-parallel linear layer's forward and
+    backward (x (2, 4096, 4096) split along its sequences over 4 GPUs, W (4096, 4096) along N over 2;
+    ``fp8_dot_general`` under plain ``jax.jit``) compiled for ``devices`` GPUs: ``[(name, shape)]``."""
+    env = dict(os.environ, XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                                            os.environ.get("XLA_FLAGS", "")))
+    from jax_fp8 import _ffi
+
+    if not _ffi.cuda_device_present():
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run([sys.executable, __file__, "--linear", str(devices)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [tuple(m) for m in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def read_dump(dump: str) -> dict:
     """The thunks of the ``jit_step`` module in ``dump`` (the first, where it was compiled more than
     once): ``{"thunks": [(name, kind, in a command buffer), ...], "command_buffers": n}``, after XLA's
@@ -151,12 +168,7 @@ def _compile(variant: str, sizes: str, devices: str = "1") -> None:
     import _transformer as T
 
     n = int(devices)
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        from jax.experimental import topologies
-
-        gpus = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology=f"1x1x{n}").devices
-    else:
-        gpus = jax.devices("cuda")[:n]
+    gpus = _gpus(n)
     d, f, layers, batch, *seq = map(int, sizes.split("x"))
     cfg = T.Config(d_model=d, ffn=f, heads=max(1, d // 128), layers=layers, seq=seq[0] if seq else 4096, vocab=1024,
                    attention="cudnn")
@@ -172,9 +184,44 @@ def _compile(variant: str, sizes: str, devices: str = "1") -> None:
     T.make_train_step(shardings=shardings).lower(typed(state, shardings[0]), typed(tokens, shardings[1])).compile()
 
 
+def _gpus(n: int) -> list:
+    """``n`` GPUs to compile for: this machine's, else compile-only H200s."""
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        from jax.experimental import topologies
+
+        return list(topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology=f"1x1x{n}").devices)
+    return jax.devices("cuda")[:n]
+
+
+def _compile_linear(devices: str) -> None:
+    """In the child process: :func:`sequence_parallel_moves`' program, its moves printed as JSON."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import jax_fp8 as jf
+
+    mesh = jax.make_mesh((int(devices) // 2, 2), ("seq", "model"), axis_types=(AxisType.Auto,) * 2,
+                         devices=_gpus(int(devices)))
+    x = jax.ShapeDtypeStruct((2, 4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "seq", None)))
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+
+    def loss(x, w):
+        return jnp.sum(jf.fp8_dot_general(x, w, (((2,), (0,)), ((), ()))).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    moves = re.findall(r"(?m)^\s*%([\w.-]*(?:transpose|copy)[\w.-]*) = (\w+\[[\d,]*\])", entry)
+    print(json.dumps(moves))
+
+
 def main(argv: list) -> None:
     if argv[:1] == ["--compile"]:
         return _compile(*argv[1:])
+    if argv[:1] == ["--linear"]:
+        return _compile_linear(*argv[1:])
     sizes, devices = (argv + ["4096x14336x2x2", "1"][len(argv):])[:2]
     why = why_not()
     if why is not None:

@@ -8,7 +8,9 @@ read from XLA's thunk dump:
   can fail);
 - no extra passes over memory: besides our calls the FP8 step has no more kernels than the bf16 step
   has besides its GEMMs, and no more data-movement kernels of any kind (transposes, copies, pads,
-  slices, concatenates, converts, gathers, scatters): XLA adds nothing around our calls.
+  slices, concatenates, converts, gathers, scatters): XLA adds nothing around our calls;
+- on 8 GPUs, a sequence-parallel linear layer (S split under plain ``jax.jit``: the stacked operands)
+  has no transpose or copy at all: the stacked operands fold into the GEMMs by reshapes.
 
 Skipped where neither a GPU nor jax's CUDA plugin is present, or our CUDA module is not built."""
 import pytest
@@ -41,3 +43,17 @@ def test_no_kernel_added_around_our_calls(compiled):
     for kind in gpu_compile.MOVES:
         assert fp8["moves"][kind] <= bf16["moves"][kind], (kind, fp8["moves"], bf16["moves"])
     assert fp8["outside"] <= bf16["outside"], (fp8, bf16)
+
+
+def test_sequence_parallel_layer_moves_no_data():
+    why = gpu_compile.why_not()
+    if why is not None:
+        pytest.skip(why)
+    import jax_fp8
+
+    if jax_fp8._ffi.cuda_device_present():
+        import jax
+
+        if len(jax.devices("cuda")) < 8:
+            pytest.skip("needs 8 GPUs (or none: then 8 compile-only H200s)")
+    assert gpu_compile.sequence_parallel_moves(8) == []
