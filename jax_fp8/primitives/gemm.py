@@ -304,8 +304,8 @@ def _gemm_arrays(sizes, params):
     # a (M, J, K) and b (N, J, K), scales (J, K/128, M) and (J, K/128, N): every sequence contracted
     seq = Dim("j", sizes["j"])
     (a, a_scale), (b, b_scale) = _operand_dims("m", M, K, BLOCK_1D), _operand_dims("n", N, K, BLOCK_1D)
-    return ([(a[0], seq, a[1]), (seq, *a_scale), (b[0], seq, b[1]), (seq, *b_scale)] + [out] * bool(params["accumulate"]),
-            [out])
+    operands = [(a[0], seq, a[1]), (seq, *a_scale), (b[0], seq, b[1]), (seq, *b_scale)]
+    return operands + [out] * bool(params["accumulate"]), [out]
 
 
 def _gemm_why_not(label, local, sizes, params) -> Optional[str]:

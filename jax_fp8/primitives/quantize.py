@@ -49,6 +49,11 @@ def _stacked_at(scheme, usage: str) -> tuple[int, int]:
     return int(scheme.transposed_data(usage)), int(scheme.transposed_scales(usage))
 
 
+def _stacked_ats(scheme) -> list:
+    """:func:`_stacked_at` of every output, in the kernels' order (data, scale, data, scale)."""
+    return [at for usage in scheme.output_usages for at in _stacked_at(scheme, usage)]
+
+
 def _insert(shape: tuple, at: int, b) -> tuple:
     return (*shape[:at], b, *shape[at:])
 
@@ -68,8 +73,7 @@ def _quantize_on_shard(bind, reduce_axes, params):
     def run(x):
         B, S, K = x.shape
         outs = bind(x.reshape(1, B * S, K), scheme=scheme)
-        ats = [at for u in scheme.output_usages for at in _stacked_at(scheme, u)]
-        return tuple(_unfold(o[0], at, B) for o, at in zip(outs, ats))
+        return tuple(_unfold(o[0], at, B) for o, at in zip(outs, _stacked_ats(scheme)))
 
     return run
 
@@ -116,8 +120,7 @@ def _quantize_batch(args, dims, *, scheme, **stacked):
     x = jnp.moveaxis(x, d, 0)
     b, B = x.shape[:2]
     outs = quantize_p.bind(x.reshape(b * B, *x.shape[2:]), scheme=scheme, **stacked)
-    ats = [at for u in scheme.output_usages for at in _stacked_at(scheme, u)] if stacked.get("stacked") else \
-        [0] * len(outs)
+    ats = _stacked_ats(scheme) if stacked.get("stacked") else [0] * len(outs)
     return [_unfold(o, at, b) for o, at in zip(outs, ats)], ats
 
 
