@@ -10,7 +10,7 @@
 # TUNE_ARGS=--resume continues it and GEMM / NCU use it), KB=1 (kernel_bench), KB_PREBUILT;
 # stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build; CUTLASS=1 builds the CUTLASS
 # module too (the nvidia-cutlass wheel from .whl/: carry .whl); BACKENDS=1 tests/test_gemm_backends.py and
-# tests/test_command_buffers.py;
+# tests/test_command_buffers.py and tests/test_compiled_for_gpu.py;
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one fprop GEMM,
 # cuBLASLt and CUTLASS (each at the table's best options when there is one); MODEL=1 bench_model.py.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
@@ -58,7 +58,7 @@ python3 -c "import jax_fp8.primitives.cublaslt as f, jax_fp8._jax_fp8_cuda as m;
 python3 -c "from jax_fp8.primitives.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
 # no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
 [ "${TESTS:-1}" != 0 ] && { stage tests; python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15; }
-[ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py tests/test_command_buffers.py -q -p no:cacheprovider 2>&1 | log backends.log | tail -15; }
+[ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py tests/test_command_buffers.py tests/test_compiled_for_gpu.py -q -p no:cacheprovider 2>&1 | log backends.log | tail -15; }
 [ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$L/kernel_bench_build.log" | tee -a "$OUT/run.log"; }
 [ "${KERNELS:-1}" != 0 ] && { stage kernels; python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | log bench.log; }
 # kernel-level CUDA-event timing of the same kernels (no JAX dispatch), checked against the host math
