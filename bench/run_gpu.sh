@@ -6,13 +6,13 @@
 # stage), logs.tgz (each stage's full log), gemm_table.json (TUNE=1), ncu_*.txt (NCU=1).
 # Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
 # TUNE_ARGS (bench_gemm_tune.py), NCU_ARGS (ncu), NCU_MNK (M,N,K of the profiled fprop GEMM, 8192,8192,8192),
-# NCU_KERNEL (ncu's kernel-name regex), TABLE (a gemm_table.json from an earlier call: copied to $OUT, so that
+# NCU_KERNEL (ncu's kernel-name regex), NCU_PAIRS (1D2D and/or 1D1D), NCU_BACKENDS, TABLE (a gemm_table.json from an earlier call: copied to $OUT, so that
 # TUNE_ARGS=--resume continues it and GEMM / NCU use it), KB=1 (kernel_bench), KB_PREBUILT;
 # stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build; CUTLASS=1 builds the CUTLASS
 # module too (the nvidia-cutlass wheel from .whl/: carry .whl); BACKENDS=1 tests/test_gemm_backends.py and
 # tests/test_command_buffers.py and tests/test_compiled_for_gpu.py;
-# TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one fprop GEMM,
-# cuBLASLt and CUTLASS (each at the table's best options when there is one); MODEL=1 bench_model.py.
+# TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
+# (NCU_PAIRS) and backend (each at the table's best options when there is one); MODEL=1 bench_model.py.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
 #   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
@@ -76,13 +76,16 @@ table=(); [ -f "$OUT/gemm_table.json" ] && table=(--table "$OUT/gemm_table.json"
 if [ "${NCU:-0}" != 0 ]; then
   stage ncu
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for b in cublaslt cutlass; do
-    ${ncu_bin:-ncu} --profile-from-start off --kernel-name-base demangled \
-      --kernel-name "regex:${NCU_KERNEL:-nvjet|xmma|gemm|Gemm|cutlass}" --launch-count 2 \
-      --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --print-summary per-kernel \
-      ${NCU_ARGS:-} python3 bench/ncu_gemm.py --backend $b --mnk "${NCU_MNK:-8192,8192,8192}" --runs 2 \
-      ${table[@]+"${table[@]}"} > "$OUT/ncu_$b.txt" 2>&1
-    cp "$OUT/ncu_$b.txt" "$L/"; tee -a "$OUT/run.log" < "$OUT/ncu_$b.txt"
+  for pair in ${NCU_PAIRS:-1D2D}; do
+    for b in ${NCU_BACKENDS:-cublaslt cutlass}; do
+      # --clock-control none: the clocks as they run (H200.md), not ncu's base clocks
+      ${ncu_bin:-ncu} --profile-from-start off --clock-control none --kernel-name-base demangled \
+        --kernel-name "regex:${NCU_KERNEL:-nvjet|xmma|gemm|Gemm|cutlass}" --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --print-summary per-kernel \
+        ${NCU_ARGS:-} python3 bench/ncu_gemm.py --backend $b --pair $pair --mnk "${NCU_MNK:-8192,8192,8192}" --runs 2 \
+        ${table[@]+"${table[@]}"} > "$OUT/ncu_${b}_$pair.txt" 2>&1
+      cp "$OUT/ncu_${b}_$pair.txt" "$L/"; tee -a "$OUT/run.log" < "$OUT/ncu_${b}_$pair.txt"
+    done
   done
 fi
 # the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8

@@ -523,6 +523,8 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
         per_op[ins] += dur
     n = steps or len(run_ids) or 1
     busy = sum(per_cat.values()) / n / 1e3
+    gaps = _gaps([e for e in events if not (mod and str(e[3].get("hlo_module", "")) not in ("", mod)
+                                            and not str(e[3].get("hlo_module", "")).startswith(mod))])
     return dict(source=source, where=where, module=mod, steps=n, run_ids=len(run_ids), step_ms=step_ms, busy_ms=busy,
                 span_ms=(t_hi - t_lo) / n / 1e3 if n_mapped + n_unmapped else 0.0,
                 ms={c: per_cat[c] / n / 1e3 for c in CATEGORIES},
@@ -530,9 +532,22 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
                 unmapped_top=[(k, v / n / 1e3) for k, v in unmapped.most_common(5)],
                 other_modules_ms={k: v / n / 1e3 for k, v in other_modules.most_common(5)},
                 command_buffer_ms=calls_time / n / 1e3,
+                gap_ms=sum(g for g, _, _ in gaps) / n / 1e3, gaps_top=[(g / 1e3, a, b) for g, a, b in gaps[:5]],
                 top_ops={c: [(op, per_op[op] / n / 1e3, _describe(hlo, hlo.instrs[op]))
                              for op, _ in per_op.most_common() if cats.get(op) == c][:4] for c in CATEGORIES},
                 counts={c: sum(1 for op in per_op if cats.get(op) == c) for c in CATEGORIES})
+
+
+def _gaps(events: list) -> list:
+    """Where the device had no event: (gap us, the event before, the event after), largest first, over the
+    union of the events' intervals (within the traced span; the host's time between steps included)."""
+    out, end, last = [], None, ""
+    for name, dur, ts, _ in sorted(events, key=lambda e: e[2]):
+        if end is not None and ts > end:
+            out.append((ts - end, last[:50], name[:50]))
+        if end is None or ts + dur > end:
+            end, last = ts + dur, name
+    return sorted(out, reverse=True)
 
 
 def _describe(hlo: Hlo, ins: Instr) -> str:
@@ -560,6 +575,10 @@ def format_table(res: dict, title: str = "", top: bool = True) -> str:
     if res["step_ms"]:
         idle = res["step_ms"] - res["busy_ms"]
         lines.append(f"    {'step - busy (idle / overlap)':<30} {idle:10.3f} {100 * idle / base:7.1f}%")
+    if res.get("span_ms"):
+        lines.append(f"    traced span {res['span_ms']:.3f} ms/step, of it without any device event "
+                     f"{res['gap_ms']:.3f} ms/step; largest gaps: " + "; ".join(
+                         f"{g:.3f} ms after {a!r} before {b!r}" for g, a, b in res["gaps_top"][:3]))
     if res["command_buffer_ms"]:
         lines.append(f"    note: {res['command_buffer_ms']:.3f} ms/step mapped to call instructions (command buffers: "
                      "kernels inside them not told apart)")
