@@ -155,12 +155,16 @@ def inputs(M: int, K: int, N: int, n: int = 3):
     return xs, ws, dys
 
 
+def all_in_one_call(fn, sets, iters):
+    """Seconds per call of ``fn`` with all sets' calls in one jitted call (divided by their number): JAX's
+    per-call cost (dispatch, executable launch), which a training step's command buffer does not pay per
+    GEMM, mostly taken out."""
+    return jax_time(lambda *ops: [fn(*o) for o in ops], [sets], iters) / len(sets)
+
+
 def per_gemm(gemm, sets, iters):
-    """Seconds per GEMM two ways: one GEMM per jitted call, and all sets' GEMMs in one call (divided by
-    their number), which takes JAX's per-call cost (dispatch, executable launch) out of the time."""
-    one = jax_time(gemm, sets, iters)
-    all_sets = jax_time(lambda *ops: [gemm(*o) for o in ops], [sets], iters) / len(sets)
-    return one, all_sets
+    """Seconds per GEMM two ways: one GEMM per jitted call, and all sets' GEMMs in one call."""
+    return jax_time(gemm, sets, iters), all_in_one_call(gemm, sets, iters)
 
 
 def gemm_problems(xs, ws, dys):
@@ -330,13 +334,16 @@ CROSSOVER_M, CROSSOVER_KN = (4096, 8192, 16384), (512, 1024, 2048, 4096, 8192, 1
 def crossover(args) -> None:
     """The crossover table of ``jax_fp8.crossover``: per shape of a grid, a linear layer's forward +
     backward (quantization included) in bf16 and on ``fp8_dot_general`` (this GPU's GEMM table in use),
-    side by side; prints each ratio (bf16 time / FP8 time) and writes the rows (--crossover-out)."""
+    side by side, 3 layers per jitted call (one per call, the small layers' times were JAX's dispatch:
+    on the H100 a 4096x512x512 layer took 81 us in bf16); prints each ratio (bf16 time / FP8 time) and
+    writes the rows (--crossover-out)."""
     from jax_fp8 import crossover as X
 
     ms = [int(v) for v in args.grid_m.split(",")]
     kns = [int(v) for v in args.grid_kn.split(",")]
     kind = jax.devices()[0].device_kind
-    rows, out = [], {"device_kind": kind, "rows": {"blockwise": []}, "iters": args.iters, "command": " ".join(sys.argv)}
+    rows, out = [], {"device_kind": kind, "rows": {"blockwise": []}, "iters": args.iters, "layers_per_call": 3,
+                     "command": " ".join(sys.argv)}
 
     bf16, ours = step(lambda x, w, d: lax.dot_general(x, w, d)), step(lambda x, w, d: jf.fp8_dot_general(x, w, d))
     for M in ms:
@@ -346,7 +353,7 @@ def crossover(args) -> None:
                     continue
                 xs, ws, dys = inputs(M, K, N)
                 sets = list(zip(xs, ws, dys))
-                tb, to = jax_time(bf16, sets, args.iters), jax_time(ours, sets, args.iters)
+                tb, to = all_in_one_call(bf16, sets, args.iters), all_in_one_call(ours, sets, args.iters)
                 rows.append([[M, K, N], round(tb / to, 4)])
                 print(f"  CROSSOVER {M}x{K}x{N}  bf16 {tb * 1e6:9.1f} us  fp8 {to * 1e6:9.1f} us  "
                       f"bf16/fp8 {tb / to:5.3f} {'FP8 pays' if tb > to else 'bf16 kept'}", flush=True)

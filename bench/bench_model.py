@@ -7,7 +7,10 @@ norm clipping. Each variant starts from the same parameters and trains ``--steps
 batches (next-token prediction on a fixed random Markov chain; fresh data every step). The step is one
 jitted function: forward, backward and optimizer update, state donated.
 
-Timing: after ``--untimed`` steps (the first compiles), the remaining steps run in groups of
+Timing: after ``--untimed`` steps (the first compiles), and more untimed steps until ``--warmup-s`` seconds
+of them have run on the device, at most half the steps (a short warm-up timed the first variant of a
+process slow: on the H100, d_model 512's FP8 step at 1.65x bf16's after 5 untimed steps when it ran first,
+0.99x when bf16 ran first; the cause was not measured), the remaining steps run in groups of
 ``--dispatch`` back-to-back dispatches followed by one ``block_until_ready``; the step time is the median
 over groups of (group time / group size). The loss is the mean over the last ``--loss-window`` steps.
 
@@ -58,7 +61,7 @@ from jax_fp8 import crossover  # noqa: E402
 from jax_fp8.gemm_table import local_device_kind  # noqa: E402
 
 TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, untimed=3, dispatch=4,
-            loss_window=4)
+            loss_window=4, warmup_s=0.0)
 #: ``--configs widths``: (d_model, ffn, layers, batch) at seq 4096 (8192, 8192, 8192, 4096 tokens per step)
 WIDTHS = ((4096, 14336, 2, 2), (2048, 8192, 4, 2), (1024, 4096, 8, 2), (512, 2048, 8, 1))
 #: ... and with --tiny (seq 128): d_model and FFN / 32, the batch as TINY's
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="jax_fp8.crossover.load() this table first (fp8-auto: where FP8 pays on this GPU)")
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
     ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
+    ap.add_argument("--warmup-s", type=float, default=3.0,
+                    help="after --untimed, more untimed steps until this many seconds of them ran (at most half the steps)")
     ap.add_argument("--dispatch", type=int, default=10, help="steps dispatched per block_until_ready")
     ap.add_argument("--loss-window", type=int, default=20, help="the final loss is the mean of this many steps")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -145,12 +150,16 @@ def run_variant(args, cfg, variant: str, params, batches: list, keep: bool = Fal
         jax.block_until_ready(loss)
         compile_s = time.perf_counter() - t0
     losses = [loss]
-    for i in range(1, args.untimed):
+    i, t_warm = 1, time.perf_counter()
+    while i < args.untimed or (time.perf_counter() - t_warm < args.warmup_s and i < args.steps // 2):
         state, loss = step(state, batches[i])
         losses.append(loss)
+        i += 1
+        if i >= args.untimed:  # past --untimed, the warm-up counts device time: one step in flight
+            jax.block_until_ready(loss)
     jax.block_until_ready(state)
+    n_untimed = i
     group_s = []
-    i = args.untimed
     while i < args.steps:
         n = min(args.dispatch, args.steps - i)
         t0 = time.perf_counter()
@@ -162,7 +171,8 @@ def run_variant(args, cfg, variant: str, params, batches: list, keep: bool = Fal
         group_s.append((time.perf_counter() - t0) / n)
     losses = [float(l) for l in losses]
     fallbacks = sorted({str(w.message) for w in caught if issubclass(w.category, jf.gemm.Fp8GemmFallbackWarning)})
-    res = {"step_s": statistics.median(group_s), "groups": len(group_s), "losses": losses, "compile_s": compile_s,
+    res = {"step_s": statistics.median(group_s), "groups": len(group_s), "untimed": n_untimed, "losses": losses,
+           "compile_s": compile_s,
            "fp8_gemm_calls": lowered.as_text().count("@jf_fp8_gemm"), "fallbacks": fallbacks, "profile": None}
     del lowered
     if keep:
@@ -282,7 +292,7 @@ def main(argv=None) -> dict:
                              if rows else f"no crossover table for {kind!r}: FP8 everywhere (as fp8); pass "
                              "--crossover-table"))
     out(f"{len(args.configs)} config(s) x variants {', '.join(args.variants)}; {args.steps} steps per variant "
-        f"({args.untimed} untimed, then groups of {args.dispatch} dispatches per sync, median over groups); loss = "
+        f"({args.untimed} untimed and more up to {args.warmup_s:g} s, then groups of {args.dispatch} dispatches per sync, median over groups); loss = "
         f"mean of the last {args.loss_window} steps" + (f"; profiles under {args.profile}" if args.profile else ""))
     results = {}
     for label, cfg, batch in args.configs:
