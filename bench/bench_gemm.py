@@ -155,6 +155,9 @@ def inputs(M: int, K: int, N: int, n: int = 3):
     return xs, ws, dys
 
 
+THREE = ", 3 per call"  # the label of all_in_one_call's times (3 operand sets)
+
+
 def all_in_one_call(fn, sets, iters):
     """Seconds per call of ``fn`` with all sets' calls in one jitted call (divided by their number): JAX's
     per-call cost (dispatch, executable launch), which a training step's command buffer does not pay per
@@ -198,7 +201,7 @@ def gemm_alone(pair, a_hi, b_hi, iters, best_per_backend):
     (Mg, Kg), Ng = a_hi[0].shape, b_hi[0].shape[0]
     a_block, b_block = PAIRS[pair]
     t = {}
-    t["bf16"], t["bf16, 3 per call"] = per_gemm(lambda x, w: lax.dot_general(x, w, NT), list(zip(a_hi, b_hi)), iters)
+    t["bf16"], t["bf16" + THREE] = per_gemm(lambda x, w: lax.dot_general(x, w, NT), list(zip(a_hi, b_hi)), iters)
     a_q = [jf.quantize_blockwise(a, block=a_block, layout="gemm_ready") for a in a_hi]
     b_q = [jf.quantize_blockwise(b, block=b_block, layout="gemm_ready") for b in b_hi]
     ops = [(G.gemm_operand(a), G.gemm_operand(b)) for a, b in zip(a_q, b_q)]
@@ -209,7 +212,7 @@ def gemm_alone(pair, a_hi, b_hi, iters, best_per_backend):
             gemm = lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16, backend=backend)
             name = f"ours {label} {backend!r}"
             if three:
-                t[name], t[name + ", 3 per call"] = per_gemm(gemm, ops, iters)
+                t[name], t[name + THREE] = per_gemm(gemm, ops, iters)
             else:
                 t[name] = jax_time(gemm, ops, iters)
             timed[backend] = t[name]
@@ -318,13 +321,16 @@ def outlier_error(M=2048, K=4096, N=2048):
 
 
 def show(section: str, t: dict, flops: float, base_name: str = "bf16", what: str = ""):
-    """One line per measurement: section, name, us, TFLOP/s, ratio to bf16 (or the reason it has none)."""
-    base = t[base_name]
+    """One line per measurement: section, name, us, TFLOP/s, ratio to bf16 (or the reason it has none); a
+    "..., 3 per call" time against bf16's "..., 3 per call" (the same JAX per-call cost shared alike)."""
     for name, s in t.items():
+        three = name.endswith(THREE) and isinstance(t.get(base_name + THREE), float)
+        base = t[base_name + THREE] if three else t[base_name]
         if isinstance(s, str):
             print(f"  {section} {name:56s} {s}")
         else:
-            print(f"  {section} {name:56s} {s * 1e6:9.1f} us {flops / s / 1e12:7.1f} TFLOP/s  {base / s:5.2f}x bf16{what}")
+            print(f"  {section} {name:56s} {s * 1e6:9.1f} us {flops / s / 1e12:7.1f} TFLOP/s  {base / s:5.2f}x "
+                  f"{base_name}{THREE if three else ''}{what}")
 
 
 #: the crossover grid (issue 31's widths: d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
@@ -412,7 +418,7 @@ def main():
             if isinstance(theirs, float):
                 mine = f"ours heuristic {CUBLASLT!r}"
                 print(f"  GEMM {role} {pair} {Mg}x{Ng}x{Kg} {mine} / torch blockwise: {t[mine] / theirs:.3f} "
-                      f"(time ratio; {t[mine + ', 3 per call'] / theirs:.3f} with 3 per call)")
+                      f"(time ratio; {t[mine + THREE] / theirs:.3f} with 3 per call)")
             del t
         sys.stdout.flush()
         if not args.no_linear:
