@@ -83,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
     ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
     ap.add_argument("--warmup-s", type=float, default=3.0,
-                    help="after --untimed, more untimed steps until this many seconds of them ran (at most half the steps)")
+                    help="after --untimed, more untimed steps until this many seconds of them ran (at most half "
+                         "the steps)")
     ap.add_argument("--dispatch", type=int, default=10, help="steps dispatched per block_until_ready")
     ap.add_argument("--loss-window", type=int, default=20, help="the final loss is the mean of this many steps")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -292,8 +293,9 @@ def main(argv=None) -> dict:
                              if rows else f"no crossover table for {kind!r}: FP8 everywhere (as fp8); pass "
                              "--crossover-table"))
     out(f"{len(args.configs)} config(s) x variants {', '.join(args.variants)}; {args.steps} steps per variant "
-        f"({args.untimed} untimed and more up to {args.warmup_s:g} s, then groups of {args.dispatch} dispatches per sync, median over groups); loss = "
-        f"mean of the last {args.loss_window} steps" + (f"; profiles under {args.profile}" if args.profile else ""))
+        f"({args.untimed} untimed and more up to {args.warmup_s:g} s, then groups of {args.dispatch} dispatches per "
+        f"sync, median over groups); loss = mean of the last {args.loss_window} steps"
+        + (f"; profiles under {args.profile}" if args.profile else ""))
     results = {}
     for label, cfg, batch in args.configs:
         results[label] = run_config(args, label, cfg, batch, out)

@@ -500,6 +500,7 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
     unmapped = collections.Counter()
     calls_time, n_mapped, n_unmapped = 0.0, 0, 0
     run_ids = set()
+    kept = []  # this module's events
     t_lo, t_hi = float("inf"), float("-inf")
     for name, dur, ts, args in events:
         hm = str(args.get("hlo_module", ""))
@@ -507,6 +508,7 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
                                or hm.split("(")[0] == mod):
             other_modules[hm] += dur
             continue
+        kept.append((name, dur, ts, args))
         ins = _instr_of(hlo, name, args)
         if "run_id" in args:
             run_ids.add(str(args["run_id"]))
@@ -523,8 +525,7 @@ def analyze(trace_dir: str, hlo_text: str, steps: Optional[int] = None, step_ms:
         per_op[ins] += dur
     n = steps or len(run_ids) or 1
     busy = sum(per_cat.values()) / n / 1e3
-    gaps = _gaps([e for e in events if not (mod and str(e[3].get("hlo_module", "")) not in ("", mod)
-                                            and not str(e[3].get("hlo_module", "")).startswith(mod))])
+    gaps = _gaps(kept)
     return dict(source=source, where=where, module=mod, steps=n, run_ids=len(run_ids), step_ms=step_ms, busy_ms=busy,
                 span_ms=(t_hi - t_lo) / n / 1e3 if n_mapped + n_unmapped else 0.0,
                 ms={c: per_cat[c] / n / 1e3 for c in CATEGORIES},
