@@ -74,18 +74,7 @@ def compile_step(variant: str, sizes: str, flags: str = "", devices: int = 1) ->
     ``flags`` added: :func:`read_dump` of its thunks. Raises AssertionError with the process's output
     if it fails."""
     with tempfile.TemporaryDirectory() as dump:
-        inherited = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-        env = dict(os.environ, XLA_FLAGS=f"{inherited} {flags} --xla_dump_to={dump}")
-        from jax_fp8 import _ffi
-
-        if not _ffi.cuda_device_present():
-            # the compile-only H200s need no GPU backend; as many host devices as GPUs, so that
-            # jax.devices() counts what it counts on a machine with them (fp8_dot_general asks)
-            env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
-        proc = subprocess.run([sys.executable, __file__, "--compile", variant, sizes, str(devices)], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        _child(["--compile", variant, sizes, str(devices)], devices, f"{flags} --xla_dump_to={dump}")
         return read_dump(dump)
 
 
@@ -93,17 +82,25 @@ def sequence_parallel_moves(devices: int = 8) -> list:
     """The transposes and copies in the program of a sequence-parallel linear layer's forward and
     backward (x (2, 4096, 4096) split along its sequences over 4 GPUs, W (4096, 4096) along N over 2;
     ``fp8_dot_general`` under plain ``jax.jit``) compiled for ``devices`` GPUs: ``[(name, shape)]``."""
-    env = dict(os.environ, XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                            os.environ.get("XLA_FLAGS", "")))
+    stdout = _child(["--linear", str(devices)], devices)
+    return [tuple(m) for m in json.loads(stdout.strip().splitlines()[-1])]
+
+
+def _child(args: list, devices: int, flags: str = "") -> str:
+    """Runs this file with ``args`` in a process of its own, compiling for ``devices`` GPUs with the XLA
+    ``flags`` added; its stdout. Raises AssertionError with its output if it fails."""
+    inherited = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, XLA_FLAGS=f"{inherited} {flags}")
     from jax_fp8 import _ffi
 
     if not _ffi.cuda_device_present():
+        # the compile-only H200s need no GPU backend; as many host devices as GPUs, so that
+        # jax.devices() counts what it counts on a machine with them (fp8_dot_general asks)
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run([sys.executable, __file__, "--linear", str(devices)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [tuple(m) for m in json.loads(proc.stdout.strip().splitlines()[-1])]
+    return proc.stdout
 
 
 def read_dump(dump: str) -> dict:

@@ -34,7 +34,7 @@ def _quantize_abstract(x, *, scheme, stacked=False):
                          f"length) a multiple of {FLOAT8_BLOCK}; got {scheme} and shape {x.shape}")
     outs = []
     for usage, (data, scale) in zip(scheme.output_usages, scheme.kernel_outputs((M, K))):
-        d_at, s_at = _stacked_at(scheme, usage) if stacked else (0, 0)
+        d_at, s_at = _stacked_at(scheme, usage, stacked)
         outs += [out_aval(_insert(data, d_at, B), np.uint8, x), out_aval(_insert(scale, s_at, B), scheme.scale_dtype, x)]
     return outs
 
@@ -44,14 +44,17 @@ def _quantize_abstract(x, *, scheme, stacked=False):
 # place: rowwise data (B, S, K) and scales (K/128, B, S); columnwise data (K, B, S) and scales
 # (B, S/128, K). Every output is a reshape of the folded tensor's (no copy when the GEMM folds them
 # back), and B and S stay separate dims, so a split S stays split under jit.
-def _stacked_at(scheme, usage: str) -> tuple[int, int]:
-    """Where the sequences dim of a stacked output sits: just before the rows of its data and scales."""
+def _stacked_at(scheme, usage: str, stacked: bool = True) -> tuple[int, int]:
+    """Where the batch dim of an output's data and scales sits: stacked, the sequences dim just before
+    their rows; else first."""
+    if not stacked:
+        return 0, 0
     return int(scheme.transposed_data(usage)), int(scheme.transposed_scales(usage))
 
 
-def _stacked_ats(scheme) -> list:
+def _stacked_ats(scheme, stacked: bool = True) -> list:
     """:func:`_stacked_at` of every output, in the kernels' order (data, scale, data, scale)."""
-    return [at for usage in scheme.output_usages for at in _stacked_at(scheme, usage)]
+    return [at for usage in scheme.output_usages for at in _stacked_at(scheme, usage, stacked)]
 
 
 def _insert(shape: tuple, at: int, b) -> tuple:
@@ -99,7 +102,7 @@ def _quantize_arrays(sizes, params):
     outs = []
     for usage in scheme.output_usages:
         data, scale = ((k, m) if scheme.transposed_data(usage) else (m, k)), scale_dims(scheme, m.size, k.size, usage)
-        d_at, s_at = _stacked_at(scheme, usage) if params.get("stacked") else (0, 0)
+        d_at, s_at = _stacked_at(scheme, usage, params.get("stacked", False))
         outs += [_insert(data, d_at, b), _insert(scale, s_at, b)]
     return [x], outs
 
@@ -120,7 +123,7 @@ def _quantize_batch(args, dims, *, scheme, **stacked):
     x = jnp.moveaxis(x, d, 0)
     b, B = x.shape[:2]
     outs = quantize_p.bind(x.reshape(b * B, *x.shape[2:]), scheme=scheme, **stacked)
-    ats = _stacked_ats(scheme) if stacked.get("stacked") else [0] * len(outs)
+    ats = _stacked_ats(scheme, stacked.get("stacked", False))
     return [_unfold(o, at, b) for o, at in zip(outs, ats)], ats
 
 
