@@ -15,7 +15,7 @@ import functools
 import math
 from typing import Optional
 
-from .gemm_plan import contraction
+from .gemm_plan import fold_dot_general
 from .gemm_table import local_device_kind, nearest, read_rows
 from .primitives.partitioning import explicit_sharding
 from .tensors import QUANTIZED_TENSORS
@@ -61,14 +61,13 @@ def layer_pays(lhs, rhs, dimension_numbers, recipe=None) -> bool:
     """:func:`fp8_pays` for one ``dot_general(lhs, rhs, dimension_numbers)`` call, at the shapes of one
     device's GEMM (module doc); True where the call is no linear layer the recipe's GEMM takes (then
     ``fp8_dot_general`` decides, as it would without ``where``)."""
-    rhs_kn, why = contraction(len(lhs.shape), len(rhs.shape), dimension_numbers)
+    fold, why = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     if why is not None or isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
         return True
-    lshape, rshape = _device_share(lhs), _device_share(rhs)
-    M = math.prod(lshape[:-1])
-    if min(M, lshape[-1], rshape[0], rshape[1]) <= 0:
+    M, K, N = fold.sizes(_device_share(lhs), _device_share(rhs))  # the folded GEMM's, on one device
+    if min(M, K, N) <= 0:
         return True
-    return fp8_pays(M, lshape[-1], rshape[1] if rhs_kn else rshape[0], recipe)
+    return fp8_pays(M, K, N, recipe)
 
 
 def load(path_or_rows, device_kind: Optional[str] = None) -> None:

@@ -33,7 +33,7 @@ from .arrays import view_2d
 from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
 from .mx_gemm import MXFP8GemmFallbackWarning, warn_reference
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
-from .gemm_plan import DotPlan, GemmPlan, Step, plan_dot_general, plan_gemm, usage_read
+from .gemm_plan import DotPlan, GemmPlan, Step, fold_dot_general, plan_dot_general, plan_gemm, usage_read
 from .layout import quantize_stacked
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
 from .primitives.partitioning import explicit_sharding
@@ -134,16 +134,16 @@ class _Stacked:
         return GemmOperand(data, scale, BLOCK_1D)
 
 
-def _sequences_may_split(x) -> bool:
+def _sequences_may_split(x, free_dims: tuple) -> bool:
     """Stacking is needed only where ``x``'s sequences may be split over devices: elsewhere the folded
     GEMMs are the same kernels and bits (stacked operands fold by reshapes), with fewer constraints
-    (no padding). An Explicit type says whether an inner leading dim is split; inside shard_map the
-    arrays are local; otherwise (Auto axes: the split is decided when XLA compiles) it may be wherever
-    jit has more than one device."""
+    (no padding). An Explicit type says whether one of ``x``'s free dims (those that fold into M) other
+    than the first is split; inside shard_map the arrays are local; otherwise (Auto axes: the split is
+    decided when XLA compiles) it may be wherever jit has more than one device."""
     s = explicit_sharding(x)
     if s is not None:
         spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
-        return any(e is not None for e in spec[1:-1])
+        return any(spec[d] is not None for d in free_dims[1:])
     types = tuple(jax.sharding.get_abstract_mesh().axis_types)
     if types and all(t == jax.sharding.AxisType.Manual for t in types):  # inside shard_map: local arrays
         return False
@@ -245,19 +245,50 @@ def _reverse_mode_only():
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-# ---- dot_general ------------------------------------------------------------------------------------
-def _fake_quant(x, scheme: Scheme):
-    """The fallback's operand: quantize-dequantize with the recipe's ``scheme`` for its role (rowwise
-    blocks, TE's rule for infinities; a straight-through gradient), or dequantized values."""
+# ---- dot_general ----------------------------------------------------------------------------------------
+def _fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
+    """The fallback's operand, and what was done to it (for the warning): quantize-dequantize with the
+    recipe's ``scheme`` for its role (rowwise blocks, TE's rule for infinities; a straight-through
+    gradient), dequantized values of a quantized tensor, or the operand as it is where there is
+    nothing FP8 could quantize."""
     if isinstance(x, QUANTIZED_TENSORS):
-        return dequantize(x)
-    if x.ndim == 0 or x.size == 0 or jnp.dtype(x.dtype) not in HIGH_DTYPES:
-        return x
+        return dequantize(x), "dequantized"
+    if jnp.dtype(x.dtype) not in HIGH_DTYPES:
+        return x, f"as it is ({jnp.dtype(x.dtype).name} is not a float type FP8 can quantize)"
+    if x.ndim == 0 or x.size == 0:
+        return x, f"as it is ({'a scalar' if x.ndim == 0 else 'empty'}: nothing to quantize)"
     if scheme.e8m0:
-        return quantize_dequantize(x, "mxfp8", usage="rowwise", dtype=scheme.dtype)
+        return quantize_dequantize(x, "mxfp8", usage="rowwise", dtype=scheme.dtype), "quantize-dequantized (MXFP8)"
     qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=scheme.block, dtype=scheme.dtype,
                               pow2_scales=scheme.pow2_scales, amax_epsilon=scheme.amax_epsilon)
-    return jnp.where(jnp.isfinite(x), qdq, x)  # infinities reach the dot, as in lax.dot_general
+    blocks = "128x128 tiles" if tuple(scheme.block) == BLOCK_2D else "x".join(map(str, scheme.block)) + " blocks"
+    # infinities reach the dot, as in lax.dot_general
+    return jnp.where(jnp.isfinite(x), qdq, x), f"quantize-dequantized ({blocks})"
+
+
+def _what_is_computed(lhs_done: str, rhs_done: str) -> str:
+    """The fallback's computation in words, from what was done to each operand."""
+    as_is = "as it is ("
+    if lhs_done.startswith(as_is) and rhs_done.startswith(as_is):
+        whys = dict.fromkeys(d[len(as_is):-1] for d in (lhs_done, rhs_done))
+        return f"lax.dot_general on the operands as they are ({'; '.join(whys)})"
+    return f"lax.dot_general of the lhs {lhs_done} and the rhs {rhs_done}"
+
+
+def _call_str(lhs, rhs, dimension_numbers) -> str:
+    """``lhs float32[4,8,16], rhs float32[8,16], dimension_numbers (((1, 2), (0, 1)), ((), ()))``: the
+    layer's shapes, for a warning."""
+    def operand(x):
+        kind = f"{type(x).__name__} " if isinstance(x, QUANTIZED_TENSORS) else ""
+        return f"{kind}{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
+
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        dn = ((tuple(int(d) for d in np.atleast_1d(lc)), tuple(int(d) for d in np.atleast_1d(rc))),
+              (tuple(int(d) for d in np.atleast_1d(lb)), tuple(int(d) for d in np.atleast_1d(rb))))
+    except (TypeError, ValueError):  # pragma: no cover - lax accepted them, but print them as given
+        dn = dimension_numbers
+    return f"lhs {operand(lhs)}, rhs {operand(rhs)}, dimension_numbers {dn}"
 
 
 def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type) -> None:
@@ -302,14 +333,27 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     primal dtypes. Works under ``jit`` (sharded operands split as ``lax.dot_general``'s; README,
     "Sharded jit"), ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
 
-    Taken by the GEMM: contraction over ``lhs``'s last dim and one dim of a 2-D ``rhs`` ((K, N), as
-    flax's kernel, or (N, K)), no batch dims; ``lhs``'s leading dims flatten into M (an lhs (..., S, K)
-    with S % 128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding
-    its own: the same bits, and a split S stays split under ``jit``). Shapes are padded to the GEMM
-    backend's alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else is computed as
-    ``lax.dot_general`` of quantize-dequantized operands (dequantized ones for quantized inputs;
-    unquantized for non-float ones), with one :class:`Fp8GemmFallbackWarning` per call saying why:
-    always a correct answer. A single GEMM of the three that cannot run in FP8 (on cuBLASLt: shapes
+    Taken by the GEMM: every call that is a 2-D product ``x (M, K) · W`` by reshapes alone (no transpose,
+    no copy; the rules: :func:`~jax_fp8.gemm_plan.fold_dot_general`): ``lhs``'s contracting dims are its
+    trailing dims and fold into K, its leading (free) dims into M; ``rhs``'s contracting dims are
+    adjacent, paired with ``lhs``'s in the same order, and come before its free dims ((K, N), as flax's
+    kernel, or flax's ``DenseGeneral`` q/k/v kernel (d, heads, head_dim) as (d, heads * head_dim)) or
+    after them ((N, K), e.g. an out projection kernel (heads, head_dim, d) contracted over (heads,
+    head_dim) as (heads * head_dim, d) with the lhs (..., heads, head_dim) as (M, heads * head_dim));
+    no batch dims (size 1 only); dims of size 1 do not count. The output is the (M, N) product reshaped
+    to ``lax.dot_general``'s shape, and gradients come back in the operands' own shapes (the reshapes'
+    transposes). An N-D weight's 128x128 tiles are those of its folded 2-D view: a (d, heads,
+    head_dim) kernel is quantized as the (d, heads * head_dim) matrix, its tiles spanning heads when
+    head_dim is not a multiple of 128. A pre-quantized operand folds where its own 2-D view
+    (prod(shape[:-1]), shape[-1]) is the folded one. An lhs whose free dims are (..., S) with S %
+    128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding its own:
+    the same bits, and a split S stays split under ``jit``. Shapes are padded to the GEMM backend's
+    alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else (batch dims, non-adjacent or
+    differently ordered contracting dims, non-float operands, ...) is computed as ``lax.dot_general`` of
+    quantize-dequantized operands (dequantized ones for quantized inputs; non-float operands as they
+    are), with one :class:`Fp8GemmFallbackWarning` per call naming the operands' shapes, the dimension
+    numbers, why, and what is computed instead: always a correct answer. A single GEMM of the three that
+    cannot run in FP8 (on cuBLASLt: shapes
     too small to pad cheaply, 2D x 2D or E5M2 x E5M2 pre-quantized pairs; a pre-quantized operand
     without the usage it needs) is computed by the reference math on the same quantized operands; the
     call's one warning names each of them (dgrad and wgrad included, decided by the GEMM plan at the
@@ -337,33 +381,40 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
     _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
-    lshape = tuple(lhs.shape)
+    quantized_lhs = isinstance(lhs, QUANTIZED_TENSORS)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.result_type(lhs.dtype, rhs.dtype))
-    may_split = len(lshape) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS) and _sequences_may_split(lhs)
+    # the sequences of a lhs whose free dims (those folded into M) are (..., S): stacked where they may split
+    fold, _ = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
+    may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
+                 and _sequences_may_split(lhs, fold.lhs_free))
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding, may_split)
     if plan.fallback is None and not plan.empty:
         if plan.reasons():
-            _warn("fp8_dot_general: computing by the reference math (same quantized operands) instead of the FP8 "
-                  "GEMM: " + "; ".join(plan.reasons()))
+            _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): computing by the reference math "
+                  "(same quantized operands) instead of the FP8 GEMM: " + "; ".join(plan.reasons()))
         if isinstance(recipe, MXFP8BlockScaling):
             warn_reference("fp8_dot_general")
-        # sequences (B, S, K) kept apart where the plan stacks them: a split S stays split
-        x = (lhs if isinstance(lhs, QUANTIZED_TENSORS) else lhs.reshape(-1, *lshape[-2:]) if plan.stacked
-             else lhs.reshape(plan.M, plan.K))
-        cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(rhs))
+        fold = plan.fold
+        # the GEMM's 2-D operands, by reshapes (quantized tensors: their own 2-D view, which the plan
+        # checked is the fold's); sequences (B, S, K) kept apart where the plan stacks them
+        x = (lhs if quantized_lhs else lhs.reshape(-1, *fold.lhs_view[-2:]) if plan.stacked
+             else lhs.reshape(fold.M, fold.K))
+        w = rhs if isinstance(rhs, QUANTIZED_TENSORS) else rhs.reshape(fold.rhs_view)
+        cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(w))
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
         # replicated operand transposes to the psum its gradient needs under shard_map
-        x, w = vma.match(x, rhs)
+        x, w = vma.match(x, w)
         with _reverse_mode_only():
-            return _linear(x, w, cfg).reshape(*lshape[:-1], plan.N)
-    if plan.fallback is not None:
-        _warn(f"fp8_dot_general: computing dot_general of quantize-dequantized operands instead of the FP8 "
-              f"GEMM: {plan.fallback}")
+            return _linear(x, w, cfg).reshape(fold.out_shape)
     # the fallback, and empty products (nothing to quantize, no warning)
+    (a, a_done), (b, b_done) = (_fallback_operand(lhs, recipe.scheme("lhs")),
+                                _fallback_operand(rhs, recipe.scheme("rhs")))
+    if plan.fallback is not None:
+        _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): not on the FP8 GEMM: {plan.fallback}; "
+              f"computing {_what_is_computed(a_done, b_done)} instead")
     kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-    return lax.dot_general(_fake_quant(lhs, recipe.scheme("lhs")), _fake_quant(rhs, recipe.scheme("rhs")),
-                           dimension_numbers, precision, preferred_element_type=out_dtype, **kw)
+    return lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type=out_dtype, **kw)
 
 
 def _warn(msg: str) -> None:

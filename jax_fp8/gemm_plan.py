@@ -5,8 +5,10 @@ numbers, operand kinds, recipe) before anything is traced.
   one :mod:`jax_fp8.gemm_table` measured fastest on this GPU, else the first of :data:`BACKENDS` that
   takes it, on its own choice of kernel) and the padded sizes, or why none does (then the reference
   math computes it, on the same quantized operands).
+- :func:`fold_dot_general`: whether a ``dot_general``'s operands are the GEMM's 2-D problem by reshapes
+  alone (several contracting dims folded into one K, an N-D weight's free dims into N), and how.
 - :func:`plan_dot_general`: one ``fp8_dot_general`` call: either why it runs as ``lax.dot_general``
-  of quantize-dequantized operands, or its three GEMMs (fprop; dgrad where x gets a gradient; wgrad
+  of quantize-dequantized operands, or its fold and its three GEMMs (fprop; dgrad where x gets a gradient; wgrad
   where W does), each with its operands' orientation and its :class:`GemmPlan`. The VJP executes it;
   the warnings read it; the primitive's lowering asks the planned backend whether it runs there.
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import gemm_table
+from .arrays import view_2d
 from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
 from .primitives.cutlass import CUTLASS
@@ -165,18 +168,32 @@ class _Kind:
 
 @dataclasses.dataclass(frozen=True)
 class DotPlan:
-    """What one ``fp8_dot_general`` call runs. ``fallback``: why it runs as ``lax.dot_general`` of
-    quantize-dequantized operands (no steps then); else its ``steps`` (fprop, dgrad where the lhs gets
-    a gradient, wgrad where the rhs does) for the 2-D problem x (M, K) · W, W (K, N) when ``rhs_kn``
-    else (N, K). ``stacked``: the lhs runs as (B, S, K) sequences (see ``fp8_dot_general``)."""
+    """What one ``fp8_dot_general`` call runs. ``fallback``: why it runs as ``lax.dot_general`` (no steps
+    then); else its ``fold`` (the operands as the 2-D problem x (M, K) · W, W (K, N) when ``rhs_kn`` else
+    (N, K); reshapes only, :func:`fold_dot_general`) and its ``steps`` (fprop, dgrad where the lhs gets a
+    gradient, wgrad where the rhs does). ``stacked``: the lhs runs as (B, S, K) sequences (see
+    ``fp8_dot_general``)."""
 
     fallback: Optional[str] = None
-    M: int = 0
-    N: int = 0
-    K: int = 0
-    rhs_kn: bool = False
+    fold: Optional[Fold] = None
     steps: tuple = ()
     stacked: bool = False
+
+    @property
+    def M(self) -> int:
+        return self.fold.M if self.fold is not None else 0
+
+    @property
+    def N(self) -> int:
+        return self.fold.N if self.fold is not None else 0
+
+    @property
+    def K(self) -> int:
+        return self.fold.K if self.fold is not None else 0
+
+    @property
+    def rhs_kn(self) -> bool:
+        return self.fold is not None and self.fold.rhs_kn
 
     @property
     def empty(self) -> bool:
@@ -196,20 +213,105 @@ class DotPlan:
         return [f"{s.name}: {s.gemm.reason}" for s in self.steps if not s.gemm.ok]
 
 
-def contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[bool, Optional[str]]:
-    """``(rhs_kn, None)``: the recipe's GEMM takes these dimension numbers, the rhs being (K, N) when
-    ``rhs_kn`` else (N, K); ``(False, why not)`` otherwise."""
+def _ints(v) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.atleast_1d(v))  # lax takes ints or sequences
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """One ``dot_general(lhs, rhs, dimension_numbers)`` as the GEMM's 2-D problem, by reshapes alone (no
+    transpose, no copy): the lhs as (M, K), its free dims folded into M and its contracting dims (its
+    trailing ones) into K; the rhs as (K, N) when ``rhs_kn`` (its contracting dims come first) else
+    (N, K), its contracting dims folded into K and its free dims into N; the (M, N) product reshaped to
+    ``out_shape``, ``lax.dot_general``'s. Dims are indices into the operands, in order; ``lhs_contract``
+    ascending, ``rhs_contract`` paired with it. A weight's 128x128 tiles are those of this 2-D view
+    (a (d, heads, head_dim) kernel: tiles of (d, heads * head_dim))."""
+
+    lhs_shape: tuple
+    rhs_shape: tuple
+    lhs_free: tuple
+    lhs_contract: tuple
+    rhs_contract: tuple
+    rhs_free: tuple
+    rhs_kn: bool
+    out_shape: tuple
+
+    def sizes(self, lhs_shape=None, rhs_shape=None) -> tuple[int, int, int]:
+        """(M, K, N) of this fold for these shapes of the operands (default: the ones it was made for;
+        e.g. one device's shares of them)."""
+        ls = self.lhs_shape if lhs_shape is None else tuple(lhs_shape)
+        rs = self.rhs_shape if rhs_shape is None else tuple(rhs_shape)
+        prod = lambda shape, dims: int(np.prod([shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+        return prod(ls, self.lhs_free), prod(ls, self.lhs_contract), prod(rs, self.rhs_free)
+
+    @property
+    def M(self) -> int:
+        return self.sizes()[0]
+
+    @property
+    def K(self) -> int:
+        return self.sizes()[1]
+
+    @property
+    def N(self) -> int:
+        return self.sizes()[2]
+
+    @property
+    def lhs_view(self) -> tuple:
+        """The lhs with its contracting dims folded into K: (*free dims, K) (stacked sequences: the last
+        free dim is S)."""
+        return (*(self.lhs_shape[d] for d in self.lhs_free), self.K)
+
+    @property
+    def rhs_view(self) -> tuple:
+        """The rhs as the GEMM's 2-D weight: (K, N) when ``rhs_kn`` else (N, K)."""
+        return (self.K, self.N) if self.rhs_kn else (self.N, self.K)
+
+
+def fold_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> tuple[Optional[Fold], Optional[str]]:
+    """``(fold, None)`` where ``dot_general(lhs, rhs, dimension_numbers)`` folds to the GEMM's 2-D problem
+    by reshapes alone (:class:`Fold`), else ``(None, why not)``. For valid dimension numbers (lax's checks
+    come first). The rules, in which a dim of size 1 does not count (it moves no element):
+
+    - at least one contracting dim (no contraction is an outer product, not a GEMM);
+    - batch dims of size 1 only (lax puts them first in the output: ones);
+    - the lhs's contracting dims are its trailing dims (its free dims, leading, fold into M);
+    - the contracting dims pair up in the same order on both sides (lhs (2, 3) with rhs (0, 1), not
+      (1, 0)): one K index then means the same element pair on both sides;
+    - the rhs's contracting dims are adjacent and so are its free dims (contracting first: (K, N), e.g.
+      flax's (d, heads, head_dim); or last: (N, K), e.g. (heads, head_dim, d) contracted over d).
+    """
+    lshape, rshape = tuple(int(d) for d in lhs_shape), tuple(int(d) for d in rhs_shape)
     (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (tuple(int(d) for d in np.atleast_1d(v)) for v in (lc, rc, lb, rb))  # ints or sequences
-    if lb or rb:
-        return False, "batch dimensions in dimension_numbers"
-    if rhs_ndim != 2:
-        return False, f"an rhs of rank {rhs_ndim} (the GEMM takes a 2-D weight)"
-    if len(lc) != 1 or len(rc) != 1:
-        return False, f"a contraction over {len(lc)} dimensions (the GEMM contracts one)"
-    if lc[0] != lhs_ndim - 1:
-        return False, "a contraction over an lhs dimension other than the last"
-    return rc[0] == 0, None
+    lc, rc, lb, rb = (_ints(v) for v in (lc, rc, lb, rb))
+    if any(lshape[d] != 1 for d in lb) or any(rshape[d] != 1 for d in rb):
+        return None, (f"batch dimensions (lhs {lb}, rhs {rb}; the GEMM has none, it takes batch dimensions of "
+                      "size 1 only)")
+    if not lc:
+        return None, "no contracting dimensions (an outer product, not a GEMM)"
+    lfree = tuple(d for d in range(len(lshape)) if d not in lc and d not in lb)
+    rfree = tuple(d for d in range(len(rshape)) if d not in rc and d not in rb)
+    pairs = sorted(zip(lc, rc))
+    sig_l = [d for d in range(len(lshape)) if lshape[d] != 1]
+    sig_r = [d for d in range(len(rshape)) if rshape[d] != 1]
+    sig_pairs = [(a, b) for a, b in pairs if lshape[a] != 1]
+    kl, kr = [a for a, _ in sig_pairs], [b for _, b in sig_pairs]
+    if sig_l[len(sig_l) - len(kl):] != kl:
+        return None, (f"the lhs's contracting dims {lc} are not its trailing dims (the GEMM folds the lhs to (M, K) "
+                      "by a reshape: free dims first, then the contracting ones)")
+    if kr != sorted(kr):
+        return None, (f"the contracting dims pair lhs {lc} with rhs {rc} in a different order on each side "
+                      "(folding them into one K would need a transpose)")
+    if sig_r[:len(kr)] == kr:
+        rhs_kn = True
+    elif sig_r[len(sig_r) - len(kr):] == kr:
+        rhs_kn = False
+    else:
+        return None, (f"the rhs's contracting dims {rc} and its free dims {rfree} are not two adjacent groups "
+                      "(the GEMM folds the rhs to (K, N) or (N, K) by a reshape)")
+    out_shape = (*(lshape[d] for d in lb), *(lshape[d] for d in lfree), *(rshape[d] for d in rfree))
+    return Fold(lshape, rshape, lfree, tuple(a for a, _ in pairs), tuple(b for _, b in pairs), rfree, rhs_kn,
+                out_shape), None
 
 
 def _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx: bool) -> Optional[str]:
@@ -263,14 +365,12 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
     quantized tensors of the recipe's format, whose
     shapes, dtypes and (pre-quantized) usages decide. ``sequences_may_split``: the lhs's sequences may
     be split over devices (stack them when every GEMM takes them unpadded)."""
-    lshape, rshape = tuple(lhs.shape), tuple(rhs.shape)
-    rhs_kn, why = contraction(len(lshape), len(rshape), dimension_numbers)
+    fold, why = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     mx = recipe.scheme("lhs").e8m0
-    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx)
+    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx) or _why_not_folded(lhs, rhs, fold)
     if why is not None:
         return DotPlan(fallback=why)
-    K = lshape[-1]
-    M, N = int(np.prod(lshape[:-1], dtype=np.int64)), rshape[1 if rhs_kn else 0]
+    M, N, K, rhs_kn = fold.M, fold.N, fold.K, fold.rhs_kn
     schemes = {role: recipe.scheme(role) for role in ("lhs", "rhs", "grad")}
     kinds = {"x": _kind(lhs, schemes["lhs"]), "w": _kind(rhs, schemes["rhs"]), "dy": _kind(None, schemes["grad"])}
     w_fprop, w_dgrad = ("first", "last") if rhs_kn else ("last", "first")  # W's K, then its N
@@ -278,7 +378,7 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
         return DotPlan(fallback="a pre-quantized operand lacks the usage the forward GEMM contracts (its blocks "
                                 "along it)")
     if M * N * K == 0:  # nothing to multiply
-        return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn)
+        return DotPlan(fold=fold)
     x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
     steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]
     # pre-quantized tensors get no gradient
@@ -288,6 +388,17 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
         steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds) if rhs_kn
                      else _step("wgrad", dy_first, x_first, (N, K, M), kinds))
     # stacked sequences take no padding: every GEMM must take them as they are
-    stacked = (sequences_may_split and not mx and len(lshape) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS)
-               and lshape[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
-    return DotPlan(M=M, N=N, K=K, rhs_kn=rhs_kn, steps=tuple(steps), stacked=stacked)
+    view = fold.lhs_view
+    stacked = (sequences_may_split and not mx and len(view) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS)
+               and view[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
+    return DotPlan(fold=fold, steps=tuple(steps), stacked=stacked)
+
+
+def _why_not_folded(lhs, rhs, fold: Fold) -> Optional[str]:
+    """A pre-quantized operand is used through its own 2-D view (prod(shape[:-1]), shape[-1]), its blocks
+    laid over that view: it must be the fold's view of it (no reshape can move its blocks)."""
+    for name, x, view in (("lhs", lhs, (fold.M, fold.K)), ("rhs", rhs, fold.rhs_view)):
+        if isinstance(x, QUANTIZED_TENSORS) and view_2d(tuple(x.shape)) != view:
+            return (f"a pre-quantized {name} of shape {tuple(x.shape)}, whose blocks lie on its 2-D view "
+                    f"{view_2d(tuple(x.shape))}, not on the folded {view} the GEMM needs")
+    return None

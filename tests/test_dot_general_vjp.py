@@ -317,9 +317,10 @@ def _qdq(x, block):
 FALLBACKS = {
     # name: (lhs shape, rhs shape, dimension_numbers, warning text)
     "batch dims": ((3, 16, 128), (3, 128, 24), (((2,), (1,)), ((0,), (0,))), "batch dimensions"),
-    "rank-3 rhs": ((16, 128), (128, 4, 6), (((1,), (0,)), ((), ())), "rhs of rank 3"),
-    "lhs contraction not last": ((128, 16), (128, 24), (((0,), (0,)), ((), ())), "other than the last"),
-    "two contractions": ((4, 8, 16), (8, 16), (((1, 2), (0, 1)), ((), ())), "over 2 dimensions"),
+    "rhs free dims apart": ((16, 128), (4, 128, 6), (((1,), (1,)), ((), ())), "not two adjacent groups"),
+    "lhs contraction not last": ((128, 16), (128, 24), (((0,), (0,)), ((), ())), "not its trailing dims"),
+    "contractions transposed": ((4, 8, 16), (16, 8, 3), (((1, 2), (1, 0)), ((), ())), "in a different order"),
+    "outer product": ((4, 8), (3, 5), (((), ()), ((), ())), "no contracting dimensions"),
 }
 
 
@@ -329,7 +330,10 @@ def test_fallback_dimension_numbers(name):
     rng = np.random.default_rng(stable_seed(name))
     x, w = data(rng, ls, F32), data(rng, rs, F32)
     loss = _loss(lambda x, w: jf.fp8_dot_general(x, w, dn))
-    y, _ = one_warning(lambda: jf.fp8_dot_general(x, w, dn), match)
+    y, wn = one_warning(lambda: jf.fp8_dot_general(x, w, dn), match)
+    assert f"lhs float32[{','.join(map(str, ls))}], rhs float32[{','.join(map(str, rs))}]" in str(wn.message)
+    assert "computing lax.dot_general of the lhs quantize-dequantized (1x128 blocks) and the rhs " \
+           "quantize-dequantized (128x128 tiles)" in str(wn.message)
     assert_bits_equal(y, lax.dot_general(_qdq(x, B1), _qdq(w, B2), dn), name)
     (dx, dw), _ = one_warning(lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, jnp.ones_like(y)), match)
     assert dx.shape == x.shape and dw.shape == w.shape  # straight-through: the gradients of the dot
