@@ -43,6 +43,7 @@ from jax import lax
 
 from .crossover import layer_pays
 from .gemm import RECIPES, Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general
+from .warn import warn
 
 __all__ = ["use_fp8_dot_general", "fp8_dot_general_for", "fp8_model", "fp8_autocast", "Fp8Model", "Fp8Report",
            "Layer"]
@@ -154,6 +155,7 @@ class Fp8Report:
     attention: list[tuple] = dataclasses.field(default_factory=list)
     recipe: str = "Float8BlockScaling"
     where: str = "all"
+    _seen: set = dataclasses.field(default_factory=set, repr=False)  # the paths in converted and left
 
     @property
     def paths(self) -> list[tuple]:
@@ -171,18 +173,17 @@ class Fp8Report:
 
     def __eq__(self, other: Any) -> bool:
         if isinstance(other, Fp8Report):
-            return dataclasses.astuple(self) == dataclasses.astuple(other)
+            fields = ("converted", "left", "attention", "recipe", "where")
+            return all(getattr(self, f) == getattr(other, f) for f in fields)
         if isinstance(other, (list, tuple)):
             return self.paths == list(other)
         return NotImplemented
 
     __hash__ = None  # mutable (a linen report fills as the model is traced)
 
-    def _seen(self, path: tuple) -> bool:
-        return any(layer.path == path for layer in self.converted) or any(layer.path == path for layer in self.left)
-
     def _add(self, layer: Layer, converted: bool) -> None:
-        if not self._seen(layer.path):
+        if layer.path not in self._seen:  # a layer traced again (init then apply, each jit trace): once
+            self._seen.add(layer.path)
             (self.converted if converted else self.left).append(layer)
 
     def _add_attention(self, path: tuple) -> None:
@@ -360,9 +361,11 @@ class _LinenConverter:
         from flax import linen as nn
 
         self.nn, self.dot_general, self.pick, self.report = nn, dot_general, pick, report
+        self.calls = 0  # the module methods intercepted
 
     def __call__(self, next_fun, args, kwargs, context):
         nn, module, method = self.nn, context.module, context.method_name
+        self.calls += 1
         scope = getattr(module, "scope", None)
         if scope is None:  # an unbound module's method: nothing to convert
             return next_fun(*args, **kwargs)
@@ -443,8 +446,9 @@ def fp8_autocast(recipe: Recipe = None, *, where: Where = None, report: Optional
         print(report)
 
     The interceptor acts when a module's method is *traced*: a function jitted and traced outside the
-    context keeps what it traced (jit's cache does not know the context). Trace inside it, or use
-    :func:`fp8_model`, whose ``init`` / ``apply`` enter it themselves. ``nn.jit``, ``nn.remat``,
+    context keeps what it traced (jit's cache does not know the context; a context in which no module
+    was traced warns so). Trace inside it, or use :func:`fp8_model`, whose ``init`` / ``apply`` enter it
+    themselves. ``nn.jit``, ``nn.remat``,
     ``nn.scan``, ``nn.vmap`` and ``jax.grad`` / ``jax.jit`` around ``apply`` all trace inside.
 
     Layers left as they were, listed in the report with the reason: one with its own ``dot_general``
@@ -460,15 +464,26 @@ def fp8_autocast(recipe: Recipe = None, *, where: Where = None, report: Optional
       report: an :class:`Fp8Report` to add to (default: a new one).
       log: log the report when the context exits (logger ``"jax_fp8"``, level INFO).
     """
-    from flax import linen as nn
-
-    _check_recipe(recipe, "fp8_autocast")
-    pick, mode = _where(where, "fp8_autocast")
-    report = _new_report(recipe, where) if report is None else report
-    with nn.intercept_methods(_LinenConverter(fp8_dot_general_for(recipe, mode), pick, report)):
+    with _autocast(recipe, where, report, "fp8_autocast") as (report, converter):
         yield report
+    if not converter.calls:
+        warn("fp8_autocast: no flax.linen module was traced inside the context, so nothing ran on FP8 "
+             "(a function jitted and traced before it keeps what it traced: trace it inside, or use "
+             "jax_fp8.flax_utils.fp8_model(module).apply)", UserWarning)
     if log:
         logger.info("%s", report)
+
+
+@contextlib.contextmanager
+def _autocast(recipe: Recipe, where: Where, report: Optional[Fp8Report], caller: str):
+    from flax import linen as nn
+
+    _check_recipe(recipe, caller)
+    pick, mode = _where(where, caller)
+    report = _new_report(recipe, where) if report is None else report
+    converter = _LinenConverter(fp8_dot_general_for(recipe, mode), pick, report)
+    with nn.intercept_methods(converter):
+        yield report, converter
 
 
 class Fp8Model:
@@ -483,7 +498,7 @@ class Fp8Model:
 
     def _run(self, fn: Callable, args, kwargs):
         before = (len(self.report.converted), len(self.report.left))
-        with fp8_autocast(self.recipe, where=self.where, report=self.report):
+        with _autocast(self.recipe, self.where, self.report, "fp8_model"):
             out = fn(*args, **kwargs)
         if self.log and (len(self.report.converted), len(self.report.left)) != before:
             logger.info("%s", self.report)

@@ -356,6 +356,23 @@ def test_linen_report_says_what_it_left_and_why():
     assert not np.array_equal(np.asarray(y), np.asarray(y_ctx))
 
 
+def test_linen_auto_and_a_context_that_traced_nothing():
+    x = jnp.ones((2, 128), jnp.float32)
+    dense = nn.Dense(128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jf.crossover.CrossoverWarning)  # no crossover table for a CPU
+        auto = fp8_model(dense, where="auto")
+        variables = auto.init(jax.random.key(0), x)
+    assert auto.report == [()] and auto.report.where == "auto" and "where='auto': each call" in str(auto.report)
+    # jit's cache does not know the context: a function traced before it keeps its bf16 trace, and says so
+    f = jax.jit(dense.apply)
+    f(variables, x)
+    with pytest.warns(UserWarning, match="fp8_autocast: no flax.linen module was traced inside the context"):
+        with fp8_autocast() as report:
+            f(variables, x)
+    assert len(report) == 0
+
+
 def test_linen_errors_name_the_argument():
     with pytest.raises(TypeError, match="fp8_model: module must be a flax.linen.Module, got the nnx module Linear"):
         fp8_model(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
