@@ -1,6 +1,6 @@
 """jax_fp8: MXFP8 and Float8 blockwise quantization for JAX, on XLA FFI kernels (CPU and CUDA)."""
 from . import _ffi  # registers the FFI targets before any primitive lowers
-from . import crossover, distributed, gemm_table, reference
+from . import crossover, distributed, flax_utils, gemm_table, reference  # flax_utils imports flax only when called
 from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantize_blockwise, quantize_dequantize,
                   quantize_mxfp8, to_layout)
 from .scheme import Scheme
