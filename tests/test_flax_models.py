@@ -8,10 +8,14 @@ causal mask and a ``Dense``-ReLU-``Dense`` MLP, a final LayerNorm and a ``Dense`
 Every projection runs the FP8 GEMM: the ``jf_fp8_gemm`` primitives in the jaxpr are three per
 projection in a training step (fprop, dgrad, wgrad), one in a forward, and no call falls back
 (``Fp8GemmFallbackWarning``). The attention's 3-D kernels (q/k/v (d, heads, head_dim), out (heads,
-head_dim, d)) reach the GEMM only once ``fp8_dot_general`` folds them to 2-D (issue 46).
+head_dim, d), contracting two dims) reach the GEMM through ``fp8_dot_general``'s fold of them to 2-D
+(issue 46): before it, the three tests that count GEMMs fail on their fallbacks.
 """
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 import warnings
 from collections import Counter
 from typing import Any
@@ -193,8 +197,8 @@ def test_linen_lm_converts_every_projection_and_keeps_the_parameters(linen_lm):
 
 
 def test_linen_lm_every_projection_runs_the_fp8_gemm(linen_lm):
-    """Forward: one jf_fp8_gemm per projection; training step: three; no fallback. The attention's
-    eight DenseGenerals (3-D kernels) wait on fp8_dot_general's fold of them to the 2-D GEMM."""
+    """Forward: one jf_fp8_gemm per projection; training step: three; no fallback (the attention's
+    eight DenseGenerals, 3-D kernels, by fp8_dot_general's fold of them to the 2-D GEMM)."""
     model, fp8, variables, _, tokens = linen_lm
 
     def loss(apply):
@@ -371,6 +375,15 @@ def test_linen_auto_and_a_context_that_traced_nothing():
         with fp8_autocast() as report:
             f(variables, x)
     assert len(report) == 0
+
+
+def test_import_jax_fp8_imports_no_flax():
+    """``jf.flax_utils`` comes with ``import jax_fp8``; flax only when one of its functions is called."""
+    code = ("import sys, jax_fp8 as jf; assert callable(jf.flax_utils.fp8_model); "
+            "assert 'flax' not in sys.modules, 'flax imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_linen_errors_name_the_argument():
