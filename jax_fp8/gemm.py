@@ -398,15 +398,14 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         fold = plan.fold
         # the GEMM's 2-D operands, by reshapes (quantized tensors: their own 2-D view, which the plan
         # checked is the fold's); sequences (B, S, K) kept apart where the plan stacks them
-        x = (lhs if quantized_lhs else lhs.reshape(-1, *fold.lhs_view[-2:]) if plan.stacked
-             else lhs.reshape(fold.M, fold.K))
-        w = rhs if isinstance(rhs, QUANTIZED_TENSORS) else rhs.reshape(fold.rhs_view)
+        x = lhs if quantized_lhs else fold.fold_lhs(lhs, plan.stacked)
+        w = rhs if isinstance(rhs, QUANTIZED_TENSORS) else fold.fold_rhs(rhs)
         cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(w))
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
         # replicated operand transposes to the psum its gradient needs under shard_map
         x, w = vma.match(x, w)
         with _reverse_mode_only():
-            return _linear(x, w, cfg).reshape(fold.out_shape)
+            return fold.unfold_out(_linear(x, w, cfg))
     # the fallback, and empty products (nothing to quantize, no warning)
     (a, a_done), (b, b_done) = (_fallback_operand(lhs, recipe.scheme("lhs")),
                                 _fallback_operand(rhs, recipe.scheme("rhs")))

@@ -267,6 +267,30 @@ class Fold:
         """The rhs as the GEMM's 2-D weight: (K, N) when ``rhs_kn`` else (N, K)."""
         return (self.K, self.N) if self.rhs_kn else (self.N, self.K)
 
+    # The reshapes, each merging (or splitting) one group of adjacent dims: the reshapes whose sharding
+    # jax's Explicit types infer (one that merges two groups at once needs its out_sharding spelled out).
+    def fold_lhs(self, x, stacked: bool = False):
+        """``x`` (the lhs array) as the GEMM's lhs: (M, K), or (B, S, K) sequences when ``stacked``."""
+        view = self.lhs_view
+        return _reshapes(x, view, (-1, *view[-2:]) if stacked else (self.M, self.K))
+
+    def fold_rhs(self, w):
+        """``w`` (the rhs array) as the GEMM's 2-D weight, :attr:`rhs_view`."""
+        free = tuple(self.rhs_shape[d] for d in self.rhs_free)
+        return _reshapes(w, (self.K, *free) if self.rhs_kn else (*free, self.K), self.rhs_view)
+
+    def unfold_out(self, y):
+        """The GEMM's (M, N) product (or (B, S, N), stacked) as ``lax.dot_general``'s output."""
+        return _reshapes(y, (*self.lhs_view[:-1], self.N), self.out_shape)
+
+
+def _reshapes(x, *shapes):
+    """``x`` reshaped to each of ``shapes`` in turn (skipping those it already has)."""
+    for shape in shapes:
+        if tuple(x.shape) != tuple(shape):
+            x = x.reshape(shape)
+    return x
+
 
 def fold_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> tuple[Optional[Fold], Optional[str]]:
     """``(fold, None)`` where ``dot_general(lhs, rhs, dimension_numbers)`` folds to the GEMM's 2-D problem

@@ -271,3 +271,27 @@ def test_sequences_fold_where_they_cannot_be_split():
                       out_specs=jax.sharding.PartitionSpec("d"))
     text = str(jax.make_jaxpr(f)(x, w))
     assert "u8[256,256]" in text and "u8[2,128,256]" not in text  # the folded (M, K) lhs, not the stack
+
+
+@pytest.mark.parametrize("dtypes", [("int32", "int32"), ("complex64", "complex64"), ("int32", "float32")], ids=str)
+def test_the_fallback_warning_says_what_it_computes(dtypes):
+    """Operands FP8 cannot quantize are used as they are: the warning says so (not "quantize-dequantized
+    operands"), and names the call; the result is lax.dot_general's of those operands (the float one,
+    if any, quantize-dequantized as the warning says)."""
+    rng = np.random.default_rng(stable_seed("fallback-words", dtypes))
+    x, w = (jnp.asarray(rng.integers(-5, 5, s).astype(d) + (1j * rng.integers(-5, 5, s) if d == "complex64" else 0),
+                        d) for s, d in zip([(4, 6), (6, 3)], dtypes))
+    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning) as rec:
+        y = jf.fp8_dot_general(x, w, KN)
+    (msg,) = [str(r.message) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)]
+    assert f"lhs {dtypes[0]}[4,6], rhs {dtypes[1]}[6,3], dimension_numbers (((1,), (0,)), ((), ()))" in msg, msg
+    if dtypes[0] == dtypes[1]:
+        assert (f"computing lax.dot_general on the operands as they are ({dtypes[0]} is not a float type FP8 can "
+                "quantize)") in msg and "quantize-dequantized" not in msg, msg
+        want = lax.dot_general(x, w, KN)
+    else:
+        assert (f"the lhs as it is ({dtypes[0]} is not a float type FP8 can quantize) and the rhs "
+                "quantize-dequantized (128x128 tiles)") in msg, msg
+        want = lax.dot_general(x, jf.quantize_dequantize(w, "blockwise", block=(128, 128)), KN)
+    assert y.dtype == want.dtype
+    assert_bits_equal(y, want, "the fallback's result")
