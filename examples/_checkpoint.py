@@ -3,11 +3,19 @@
 Every process calls the same functions; Orbax writes each array's shards from the processes that hold
 them, into a temporary folder renamed to the step's number once every process has written (so a
 checkpoint cut short by a crash is never the latest), and reads them back laid out by the shardings
-the caller asks for: a checkpoint saved on one mesh restores onto another.
+the caller asks for: a checkpoint saved on one mesh restores onto another. ``lock_directory`` keeps
+a second run off a directory that a live run writes.
 """
 from __future__ import annotations
 
 import os
+import socket
+import time
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no lock
+    fcntl = None
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,6 +23,54 @@ import orbax.checkpoint as ocp
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's arrays do not have the shapes the caller's model needs."""
+
+
+class DirectoryHeld(RuntimeError):
+    """Another live run holds the checkpoint directory's lock."""
+
+
+# Inside the directory: Orbax lists only the step folders (and its temporary ones) and leaves other
+# files alone, so the lock neither shows as a step nor is deleted by max_to_keep or the tmp cleanup.
+LOCK_NAME = "run.lock"
+
+
+def lock_holder(directory: str) -> str:
+    """Who took ``directory``'s lock last, as its holder wrote it ("pid P on host H since T")."""
+    try:
+        with open(os.path.join(directory, LOCK_NAME)) as f:
+            return f.read().strip() or "a run that has not written its name yet"
+    except OSError:
+        return "unknown"
+
+
+def held_message(directory: str) -> str:
+    """What DirectoryHeld says: the directory and its holder."""
+    return (f"{os.path.abspath(directory)} is held by another live run ({lock_holder(directory)}; "
+            f"its lock: {LOCK_NAME} there)")
+
+
+def lock_directory(directory: str):
+    """Takes ``directory``'s run lock (the directory is created if missing): an exclusive ``flock`` on
+    ``directory/run.lock``, held while the returned file stays open (close it to release). The kernel
+    releases a flock when its process ends, however it ends (SIGKILL included), so a crashed run leaves
+    the file but no lock, and the next run takes it. DirectoryHeld, naming the holder, when another
+    live process holds it. Returns None where there is no flock (Windows).
+
+    The file is never deleted: a run that removed it on exit could leave another run locking the removed
+    file while a third locks a new one."""
+    os.makedirs(directory, exist_ok=True)
+    if fcntl is None:
+        return None
+    f = open(os.path.join(directory, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise DirectoryHeld(held_message(directory)) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
 
 
 def open_checkpoints(directory: str) -> ocp.CheckpointManager:

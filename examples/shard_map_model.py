@@ -20,14 +20,16 @@ Each step, inside shard_map:
 Runs on 8 simulated CPU devices by default, unchanged on GPUs. ``--recipe mxfp8`` runs it all in MXFP8
 (master weights with one uint8 scale all-reduce, 1x32 / 32x1 blocks; its GEMMs need Blackwell, elsewhere
 they run as their reference). Then the same model trains with bf16 GEMMs on the same data (``--no-bf16``
-skips it) for the loss ratio; the final summary gives the bytes each collective moves per step next to
-the bf16 alternative.
+skips it, and so does a run resumed from a checkpoint, saying why) for the loss ratio; the final summary
+gives the bytes each collective moves per step next to the bf16 alternative.
 
 Several processes (one per GPU or host, as multi-host JAX runs) join one mesh with
 jax.distributed.initialize; each loads only the rows of every batch its devices hold, process 0
 prints. --checkpoint-dir saves the training state (master weights and Adam moments in the weights'
 shapes, biases, step, data position) with Orbax from every process, and a restart resumes from the
-latest complete checkpoint, onto any mesh.
+latest complete checkpoint, onto any mesh; while a run lives it holds the directory (a flock on
+DIR/run.lock, which a crash releases), and a second run on it is refused. ``--spawn``'s processes end
+with their launcher, however it ends.
 
   python examples/shard_map_model.py [--steps 100] [--data 4 --seq 2] [--log-every 10] [--recipe mxfp8]
   python examples/shard_map_model.py --spawn 2            # 2 local CPU processes x 4 devices (gloo)
@@ -60,9 +62,11 @@ from jax_fp8.distributed import all_gather_first_dim, gather_master_weights, qua
 from jax_fp8.gemm import fp8_gemm, gemm_operand  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checkpoint import CheckpointMismatch, open_checkpoints, restore, save  # noqa: E402
+from _checkpoint import (CheckpointMismatch, DirectoryHeld, held_message, lock_directory,  # noqa: E402
+                         open_checkpoints, restore, save)
 from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
-from _launch import add_flags, join_processes, process_local_array, spawn, without_spawn  # noqa: E402
+from _launch import (add_flags, check_flags, die_with_launcher, join_processes,  # noqa: E402
+                     process_local_array, spawn, usage_error, without_spawn)
 
 RECIPES = {"blockwise": jf.Float8BlockScaling(),  # 1x128 activations and gradients, 128x128 weights, E4M3
            "mxfp8": jf.MXFP8BlockScaling()}          # every operand in 1x32 / 32x1 blocks with E8M0 scales
@@ -171,14 +175,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (and the last)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false",
                     help="skip the bf16 baseline (the same model, data and collectives with bf16 GEMMs, trained "
-                         "after the FP8 run to report the loss ratio; never with --checkpoint-dir)")
+                         "after the FP8 run to report the loss ratio; not after a resumed run, which lacks the "
+                         "FP8 losses of the steps before it)")
     ap.add_argument("--recipe", default="blockwise", choices=sorted(RECIPES),
                     help="Float8 blockwise (Hopper's FP8 GEMM) or MXFP8 (Blackwell's; elsewhere its GEMMs run as "
                          "their reference, the same numbers)")
     ap.add_argument("--metrics-out", metavar="FILE", help="append one JSON line per step, {step, loss}")
     g = ap.add_argument_group("checkpoints (Orbax)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state here and resume from the "
-                   "latest complete checkpoint in it on start")
+                   "latest complete checkpoint in it on start; a run holds DIR (DIR/run.lock) while it lives, "
+                   "and another run on it is refused")
     g.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="save every N steps (and the last)")
     add_flags(ap)
     return ap
@@ -200,16 +206,19 @@ def _check_flags(ap, args):
     if args.spawn and args.data * args.seq % args.spawn:
         ap.error(f"--spawn {args.spawn} does not divide the mesh's --data {args.data} x --seq {args.seq} = "
                  f"{args.data * args.seq} devices: every process takes the same number of them")
+    check_flags(ap, args)
 
 
 def _mesh_devices(ap, args):
-    """The --data x --seq devices: every process's (several processes), else the default backend's,
-    or the CPU devices when it has too few."""
+    """The --data x --seq devices: every process's (several processes: each process loads the rows of
+    its own devices, so none may sit out), else the first of the default backend's (one process may
+    leave some of its devices idle, as the log's first line says), or of the CPU devices when it has
+    too few."""
     n = args.data * args.seq
     if jax.process_count() > 1:
         if jax.device_count() != n:
-            ap.error(f"--data {args.data} x --seq {args.seq} = {n} devices, but the {jax.process_count()} processes "
-                     f"have {jax.device_count()} in all: the mesh takes every process's devices")
+            usage_error(ap, f"--data {args.data} x --seq {args.seq} = {n} devices, but the {jax.process_count()} "
+                        f"processes have {jax.device_count()} in all: the mesh takes every process's devices")
         return jax.devices()
     devs = jax.devices()
     if len(devs) < n:  # e.g. one GPU: run the mesh on the (simulated) CPU devices instead
@@ -249,20 +258,53 @@ def _sum_in_rank_order(x, axes, rows: bool = False):
     return total
 
 
+def _hold_checkpoint_dir(ap, args):
+    """The checkpoint directory's run lock (``_checkpoint.lock_directory``), taken by process 0 alone
+    (the processes of one run would exclude each other) before any process opens the directory; every
+    process learns whether it got it, and a directory that another live run holds is a usage error
+    in all of them (exit status 2, not a hang)."""
+    lock = held = None
+    if jax.process_index() == 0:
+        try:
+            lock = lock_directory(args.checkpoint_dir)
+        except DirectoryHeld as e:
+            held = str(e)
+    refused = held is not None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refused)))
+    if refused:
+        usage_error(ap, f"--checkpoint-dir: {held or held_message(args.checkpoint_dir)}: a second run would "
+                    f"overwrite its checkpoints; wait for it to end, stop it, or give another directory")
+    return lock
+
+
 def main(argv=None):
     """Trains the model; returns this run's losses (None from ``--spawn``'s parent process)."""
+    die_with_launcher()  # first: a process of --spawn must not outlive its launcher
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = _parser()
     args = ap.parse_args(argv)
     _check_flags(ap, args)
-    nd, ns = args.data, args.seq
     if args.spawn:
-        status = spawn(os.path.abspath(__file__), without_spawn(argv), args.spawn, nd * ns)
+        status = spawn(os.path.abspath(__file__), without_spawn(argv), args.spawn, args.data * args.seq)
         if status:
             raise SystemExit(status)
         return None
-    join_processes(args)
-    mesh = Mesh(np.array(_mesh_devices(ap, args)).reshape(nd, ns), ("data", "seq"))
+    join_processes(ap, args)
+    devices = _mesh_devices(ap, args)
+    lock = _hold_checkpoint_dir(ap, args) if args.checkpoint_dir else None
+    try:
+        return _train(ap, args, devices)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(ap, args, devices):
+    """main's training run on ``devices``; returns its losses."""
+    nd, ns = args.data, args.seq
+    mesh = Mesh(np.array(devices).reshape(nd, ns), ("data", "seq"))
     log = print if jax.process_index() == 0 else (lambda *a, **k: None)  # the others print only errors
     sizes = [128, args.width, args.width, 16]
     shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
@@ -324,10 +366,12 @@ def main(argv=None):
     mx = args.recipe == "mxfp8"
     bm = 32 if mx else 128  # rows of the columnwise blocks
     procs = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
+    pool = jax.local_devices(backend=devices[0].platform)  # one process may leave some of them idle
+    subset = f" (on {len(devices)} of the {len(pool)} {pool[0].platform} devices)" if len(devices) < len(pool) else ""
     what = ("MXFP8: 1x32 / 32x1 blocks, E8M0 scales" if mx else
             "Float8 blockwise: 1x128 activations/gradients, 128x128 weights")
-    log(f"backend {jax.default_backend()}, {procs}mesh data={nd} x seq={ns}; MLP {sizes}, every layer on the FP8 GEMM "
-        f"({what}); local activations ({seq_local} tokens x {b_local} seqs) = {rows_local} rows: " +
+    log(f"backend {jax.default_backend()}, {procs}mesh data={nd} x seq={ns}{subset}; MLP {sizes}, every layer on the "
+        f"FP8 GEMM ({what}); local activations ({seq_local} tokens x {b_local} seqs) = {rows_local} rows: " +
         ("fast path (FP8 gathered)" if rows_local % bm == 0 else
          f"fallback (not a multiple of the {bm}-row columnwise blocks)"))
 
@@ -383,7 +427,8 @@ def main(argv=None):
         try:
             c = restore(checkpoints, latest, target)
         except CheckpointMismatch as e:
-            ap.error(f"--checkpoint-dir: {e}: it was saved by a model of other flags (here --width {args.width})")
+            usage_error(ap, f"--checkpoint-dir: {e}: it was saved by a model of other flags (here --width "
+                        f"{args.width})")
         state, start, position = from_checkpoint(c), int(c["step"]), int(c["data_position"])
         log(f"resumed from the checkpoint of step {start} in {checkpoints.directory}")
     metrics = open(args.metrics_out, "a") if args.metrics_out and jax.process_index() == 0 else None
@@ -412,7 +457,10 @@ def main(argv=None):
         log(f"already at step {start} of --steps {args.steps}: nothing to train")
         return losses
     log(f"loss {losses[0]:.4f} -> {losses[-1]:.5f} in {time.time() - t0:.1f}s")
-    if args.bf16 and checkpoints is None:  # the same steps from the same start, with bf16 GEMMs
+    if args.bf16 and start:
+        log(f"no bf16 baseline: this run resumed at step {start}, and the loss ratio needs the FP8 losses of "
+            f"every step from 1 (a run from step 1 ends with it)")
+    elif args.bf16:  # the same steps from the same start, with bf16 GEMMs
         bf16_step, bf16_state, bf16_losses = make_step(None), init_state(), []
         for position in range(args.steps):
             bf16_state, loss = bf16_step(bf16_state, *load_batch(position))

@@ -2,7 +2,9 @@
 Orbax checkpoints: the losses and the final training state equal one process's bit for bit; a run
 killed after a step, or while a checkpoint is being written, resumes from the latest complete
 checkpoint and ends with the uninterrupted run's losses and state; a checkpoint restores onto another
-mesh; bad launches and checkpoints get clear errors."""
+mesh; a killed launcher takes its processes with it, a live run's checkpoint directory is refused to a
+second run and a dead run's is not, a process whose peer died stops; bad launches and checkpoints get
+clear errors, once."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,27 +27,70 @@ from multiprocess import free_port, tail
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 SCRIPT = os.path.join(EXAMPLES, "shard_map_model.py")
 sys.path.insert(0, EXAMPLES)
-FLAGS = ["--steps", "8", "--checkpoint-every", "2", "--log-every", "1"]
+FLAGS = ["--steps", "8", "--checkpoint-every", "2", "--log-every", "1", "--no-bf16"]
+LONG = ["--steps", "100000", "--checkpoint-every", "2", "--log-every", "1", "--no-bf16"]  # runs until killed
 TIMEOUT = 120.0
+GONE_WITHIN_S = 10.0  # a killed launcher's processes are gone within this (the kernel kills them at once)
 
 
-class Run:
-    """``shard_map_model.py --spawn 2 FLAGS`` writing into ``folder``; its output read as it comes."""
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not reaped by its new parent, does not)."""
+    if not sys.platform.startswith("linux"):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
-    def __init__(self, folder, *extra):
-        self.ckpt, self.metrics = str(folder / "ckpt"), str(folder / "metrics.jsonl")
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--spawn", "2", *FLAGS, "--checkpoint-dir", self.ckpt,
-                                      "--metrics-out", self.metrics, *extra], stdout=subprocess.PIPE,
+
+def kill(*pids: int):
+    """SIGKILL to those of ``pids`` still alive (a test's clean-up)."""
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def assert_gone(pids: list[int], within: float = GONE_WITHIN_S):
+    """Every process of ``pids`` ends within ``within`` seconds; those that do not are killed, and the
+    test fails."""
+    deadline = time.monotonic() + within
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if alive(pid)]
+    kill(*left)
+    assert not left, f"processes {left} outlived their launcher by {within:.0f} s"
+
+
+class Proc:
+    """``shard_map_model.py argv`` as a subprocess, its output read as it comes."""
+
+    def __init__(self, argv, env=None):
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE, env=env,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines, self._q = [], queue.Queue()
         self._reader = threading.Thread(target=lambda: [self._q.put(x) for x in self.proc.stdout], daemon=True)
         self._reader.start()
         self.deadline = time.monotonic() + TIMEOUT
-        self.pids = [int(p) for p in re.search(r"pids ([\d ]+)\)", self.wait_for("spawned")).group(1).split()]
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
 
     def _fail(self, why):
-        self.proc.kill()
-        pytest.fail(f"{why}; its last lines:\n{tail(''.join(self.lines))}")
+        self.kill_all()
+        pytest.fail(f"{why}; its last lines:\n{tail(self.out)}")
+
+    def kill_all(self):
+        """SIGKILL to the process (a test's clean-up)."""
+        kill(self.proc.pid)
 
     def wait_for(self, text: str) -> str:
         """The first output line (from now) that contains ``text``."""
@@ -70,6 +116,21 @@ class Run:
         while not self._q.empty():
             self.lines.append(self._q.get())
         return self.proc.returncode
+
+
+class Run(Proc):
+    """``shard_map_model.py --spawn 2 flags`` writing into ``folder``."""
+
+    def __init__(self, folder, *extra, flags=FLAGS):
+        self.ckpt, self.metrics = str(folder / "ckpt"), str(folder / "metrics.jsonl")
+        super().__init__(["--spawn", "2", *flags, "--checkpoint-dir", self.ckpt, "--metrics-out", self.metrics,
+                          *extra])
+        self.pids = []  # for kill_all, until the launcher names them
+        self.pids = [int(p) for p in re.search(r"pids ([\d ]+)\)", self.wait_for("spawned")).group(1).split()]
+
+    def kill_all(self):
+        """SIGKILL to the launcher and its processes (a test's clean-up)."""
+        kill(self.proc.pid, *self.pids)
 
     def losses(self) -> list[tuple[int, float]]:
         with open(self.metrics) as f:
@@ -168,25 +229,43 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, capsys):
 
     flags = ["--batch", "16", "--checkpoint-dir", str(tmp_path / "ckpt")]
     eight = shard_map_model.main(["--data", "8", "--seq", "1", "--steps", "3"] + flags[:2])
-    shard_map_model.main(["--data", "8", "--seq", "1", "--steps", "2"] + flags)
+    shard_map_model.main(["--data", "8", "--seq", "1", "--steps", "2", "--no-bf16"] + flags)
+    capsys.readouterr()
     four = shard_map_model.main(["--data", "4", "--seq", "2", "--steps", "3"] + flags)
-    assert "mesh data=4 x seq=2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mesh data=4 x seq=2" in out and "resumed from the checkpoint of step 2" in out
+    # a resumed run has not the FP8 losses of the steps before it: no loss ratio, and it says why
+    assert ("no bf16 baseline: this run resumed at step 2, and the loss ratio needs the FP8 losses of every step "
+            "from 1") in out and "loss ratio " not in out
     assert len(four) == 1 and four[0] == pytest.approx(eight[2], rel=1e-3), (four, eight)
     state = read_checkpoint(str(tmp_path / "ckpt"), 3)
     assert int(state["step"]) == 3 and [w.shape for w in state["weights"]] == [(128, 256), (256, 256), (256, 16)]
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    """In one process, and with --spawn 2: exit status 2 and the error once (process 0 prints it; the
+    launcher relays both processes' output). The first run also shows a fresh checkpointed run ending
+    with its bf16 baseline, and --data 3 of one process on 6 of the 8 devices, said in its first line."""
     import shard_map_model
 
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    shard_map_model.main(["--steps", "1"] + ckpt)
+    shard_map_model.main(["--steps", "1", "--data", "3"] + ckpt)
+    out = capsys.readouterr().out
+    assert "mesh data=3 x seq=2 (on 6 of the 8 cpu devices); MLP" in out and "fp8 / bf16: loss ratio" in out
     with pytest.raises(SystemExit) as e:
         shard_map_model.main(["--steps", "2", "--width", "128"] + ckpt)
     assert e.value.code == 2
+    message = (r"--checkpoint-dir: .*ckpt/1 holds \[.*\] of shape \(128, 256\), the model's is \(128, 128\): it was "
+               r"saved by a model of other flags \(here --width 128\)")
     err = capsys.readouterr().err
-    assert re.search(r"--checkpoint-dir: .*ckpt/1 holds \[.*\] of shape \(128, 256\), the model's is "
-                     r"\(128, 128\): it was saved by a model of other flags \(here --width 128\)", err), err
+    assert re.search(message, err), err
+    run = Run(tmp_path, "--width", "128", flags=["--steps", "2"])
+    try:
+        assert run.finish() == 2, tail(run.out)
+    finally:
+        run.kill_all()
+    assert len(re.findall(message, run.out)) == 1 and run.out.count("usage:") == 1, run.out
+    assert "[process 1]" not in run.out and "stopped the others" not in run.out, run.out
 
 
 def test_spawn_that_does_not_divide_the_mesh_is_refused(capsys):
@@ -210,3 +289,107 @@ def test_processes_with_too_few_devices_for_the_mesh_are_refused():
     assert [p.returncode for p in procs] == [2, 2], outs
     assert all("--data 4 x --seq 2 = 8 devices, but the 2 processes have 4 in all: the mesh takes every "
                "process's devices" in out for out in outs), outs
+
+
+def test_killed_launcher_takes_its_processes_and_the_directory_lock_with_it(tmp_path):
+    """A run holds its checkpoint directory: a second run on it is refused (exit status 2, the error
+    once, naming the directory and the holder's pid and host) while the first lives. SIGKILL to the
+    first run's launcher alone: its processes are gone within seconds (the kernel's parent-death
+    signal), and a third run takes the directory. SIGTERM to that one's launcher: it stops
+    its processes and exits with 128 + 15."""
+    first = Run(tmp_path, flags=LONG)
+    runs = [first]
+    try:
+        first.wait_for("backend cpu, 2 processes")  # its first line: it holds the directory
+        second = Run(tmp_path, flags=LONG)
+        runs.append(second)
+        assert second.finish() == 2, tail(second.out)
+        held = (f"error: --checkpoint-dir: {first.ckpt} is held by another live run (pid {first.pids[0]} on host "
+                f"{socket.gethostname()} since ")
+        assert second.out.count(held) == 1 and second.out.count("usage:") == 1, second.out
+        assert "  loss " not in second.out and "[process 1]" not in second.out, second.out
+        assert all(map(alive, first.pids)), "the refused run disturbed the first"
+
+        os.kill(first.proc.pid, signal.SIGKILL)
+        assert_gone(first.pids)
+        third = Run(tmp_path, flags=LONG)
+        runs.append(third)
+        third.wait_for("backend cpu, 2 processes")  # the lock died with its holder; the stale file is no obstacle
+
+        os.kill(third.proc.pid, signal.SIGTERM)
+        assert third.finish() == 128 + signal.SIGTERM, tail(third.out)
+        assert "launcher stopped by SIGTERM: killing its processes" in third.out, tail(third.out)
+        assert_gone(third.pids)
+    finally:
+        for run in runs:
+            run.kill_all()
+
+
+def test_a_spawned_process_ends_when_its_launchers_pipe_closes():
+    """die_with_launcher's second guard, the one that works beyond Linux's parent-death signal: the
+    process ends when its stdin, a pipe that only the launcher holds, reaches end-of-file (here its
+    parent lives: only the pipe closes). And a process whose launcher died before it could arm the
+    guards (its parent is no longer the launcher) ends at once."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import _launch; _launch.die_with_launcher(); "
+            "print('armed', flush=True); time.sleep(60)")
+    for launcher, close in ((os.getpid(), True), (1, False)):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_FP8_EXAMPLE_LAUNCHER_PID=str(launcher))
+        p = subprocess.Popen([sys.executable, "-c", code, EXAMPLES], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            if close:
+                assert p.stdout.readline() == "armed\n"
+                p.stdin.close()
+            assert p.wait(timeout=GONE_WITHIN_S) == 1
+        finally:
+            p.kill()
+            p.wait()
+
+
+def test_a_process_whose_peer_died_stops():
+    """Two processes joined by hand, as on a cluster (no launcher): SIGKILL to process 1 once both have
+    joined, and process 0, which goes on to wait in a collective for it, stops within
+    --heartbeat-timeout and jax's detection (about 5 s here) rather than waiting for ever."""
+    port, timeout = free_port(), 5
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [Proc([*LONG, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                   "--heartbeat-timeout", str(timeout)], env=env) for i in range(2)]
+    try:
+        procs[0].wait_for("backend cpu, 2 processes")  # both joined
+        os.kill(procs[1].proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        procs[0].deadline = t0 + 6 * timeout
+        assert procs[0].finish() != 0
+        assert time.monotonic() - t0 < 6 * timeout
+    finally:
+        for p in procs:
+            p.kill_all()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-processes", "2", "--process-id", "0"], "--num-processes 2 --process-id 0 without --coordinator-address: "
+                                                    "give all three (or none, where jax detects the cluster"),
+    (["--coordinator-address", "127.0.0.1:1", "--process-id", "1"],
+     "--coordinator-address 127.0.0.1:1 --process-id 1 without --num-processes: give all three"),
+])
+def test_process_flags_without_the_others_are_refused(argv, message):
+    """Some of the three process flags, and no cluster to supply the others: an argparse error naming
+    the missing flag (a fresh process: jax.distributed joins only before jax runs)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for k in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI_"))]:  # no cluster here, even under one
+        del env[k]
+    p = subprocess.run([sys.executable, SCRIPT, *argv], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spawn", "2", "--process-id", "0"], "--spawn sets --process-id for the processes it starts"),
+    (["--num-processes", "2", "--process-id", "2"], "--process-id 2 is not in 0 .. --num-processes - 1 = 1"),
+    (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a positive integer, got 0"),
+])
+def test_bad_process_flags_are_refused(argv, message, capsys):
+    import shard_map_model
+
+    with pytest.raises(SystemExit) as e:
+        shard_map_model.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
