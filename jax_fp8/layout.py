@@ -18,6 +18,7 @@ from . import contracts, vma
 from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
 from .primitives import dequantize_p, quantize_p
+from .primitives.partitioning import rows_view
 from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 
@@ -69,8 +70,8 @@ def quantize(x, scheme: Scheme, kernels: Kernels):
         pairs = vma.vary(pairs, vma.axes_of(x))  # per-device wherever x is, as the kernels' outputs
     else:
         # 2-D, then [None]: an Explicit mesh types these reshapes (jax rejects a direct (1, M, K))
-        outs = kernels.quantize(x.reshape(M, K)[None], scheme=scheme)
-        pairs = [(data[0].reshape(d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs), shapes)]
+        outs = kernels.quantize(rows_view(x, (M, K))[None], scheme=scheme)
+        pairs = [(rows_view(data[0], d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs), shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
@@ -96,9 +97,9 @@ def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
     if data.size == 0:
         return vma.vary(xp_of(data).zeros(q.shape, out_dtype), vma.axes_of(data) | vma.axes_of(scale))
     M, K = view_2d(q.shape)
-    y = kernels.dequantize(bitcast(data, jnp.uint8).reshape(M, K)[None], scale[None], scheme=q.scheme.only(usage),
+    y = kernels.dequantize(rows_view(bitcast(data, jnp.uint8), (M, K))[None], scale[None], scheme=q.scheme.only(usage),
                            out_dtype=np.dtype(out_dtype))
-    return y[0].reshape(q.shape)
+    return rows_view(y[0], q.shape)
 
 
 def to_layout(q, layout: str):
@@ -120,8 +121,8 @@ def to_layout(q, layout: str):
         data, scale = q.usage_fields(usage, "to_layout")
         xp = xp_of(data, scale)
         if gemm.transposed_data(usage):  # (K, M) in GEMM-ready, the input's shape in compact
-            data = (xp.transpose(data.reshape(M, K)) if layout == "gemm_ready"
-                    else xp.transpose(data).reshape(q.shape))
+            data = (xp.transpose(rows_view(data, (M, K))) if layout == "gemm_ready"
+                    else rows_view(xp.transpose(data), q.shape))
         fields[f"{usage}_data"] = data
         fields[f"{usage}_scale_inv"] = scheme.scales_to_layout(xp, scale, M, K, usage, layout)
     return q.with_scheme(dataclasses.replace(scheme, layout=layout), **fields)

@@ -20,6 +20,11 @@ import pytest  # noqa: E402
 import jax_fp8  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sweep-examples", type=int, default=0, metavar="N",
+                     help="test_sharded_sweep.py: also run N sharded-jit programs drawn by hypothesis")
+
+
 def _missing_kernels() -> list[str]:
     ffi = jax_fp8._ffi
     need = ["cpu"] + (["cuda"] if jax.default_backend() == "gpu" else [])

@@ -309,9 +309,12 @@ def _gemm_arrays(sizes, params):
 
 
 def _gemm_why_not(label, local, sizes, params) -> Optional[str]:
-    """The backend's alignment for a shard (what it would otherwise need padded)."""
+    """The backend's alignment for a shard (what it would otherwise need padded); stacked rows, whole
+    128-row blocks per sequence (:func:`_stacked_mode`)."""
     if label not in ("m", "n", "k"):
         return None
+    if label == "m" and "s" in sizes and local % FLOAT8_BLOCK:
+        return f"each shard's sequence length ({local}) is not a multiple of {FLOAT8_BLOCK} (stacked sequences)"
     local_sizes = {**sizes, label: local}
     backend, mnk = params["backend"], tuple(local_sizes[d] for d in "mnk")
     padded, why = backend.sizes(*mnk, tuple(params["a_block"]), tuple(params["b_block"]), params["a_dtype"],

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import dispatch, sharding_impls
+from jax._src.custom_partitioning_sharding_rule import sdy_sharding_rule_to_mlir, str_to_sdy_sharding_rule
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -43,6 +44,11 @@ from ..warn import warn
 
 class ShardingWarning(UserWarning):
     """A jax_fp8 op under ``jax.jit`` gathers a sharded dim it cannot split (the message says why)."""
+
+
+class PartitioningRuleWarning(ShardingWarning):
+    """A jax_fp8 partitioning rule failed on these shapes and mesh, a bug in jax_fp8 (the message says
+    what failed; please report it): the op runs on whole operands instead, correct but unsplit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +220,25 @@ def explicit_sharding(x):
     return s if explicit else None
 
 
+def rows_view(x, shape: tuple):
+    """``x`` reshaped to ``shape``: its 2-D (rows, cols) view, or back. On an Explicit mesh jax types
+    the reshape, and rejects one whose split it cannot carry over (a split of a leading dim after the
+    first is not a split of the folded rows): the leading dims are then gathered, with a
+    ShardingWarning naming the split (the last dim keeps its own)."""
+    try:
+        return x.reshape(shape)
+    except Exception:  # noqa: BLE001  (jax's ShardingTypeError; its class is private)
+        s = None if isinstance(x, np.ndarray) else explicit_sharding(x)
+        if s is None:
+            raise
+    spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
+    warn(f"jax_fp8: an array of shape {tuple(x.shape)} split as {s.spec} is reshaped to {tuple(shape)}: its leading "
+         f"dims gathered (a split of a leading dim after the first is not a split of the folded rows)",
+         ShardingWarning)
+    out = PartitionSpec(*(None,) * (len(shape) - 1), spec[-1])
+    return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(s.mesh, out))
+
+
 def _unsplit(x):
     """``x`` typed whole. custom_partitioning traces the unsplit function on the global types, and
     those name mesh axes on an Explicit mesh, where a local reshape of the per-device function would
@@ -283,6 +308,12 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
 
     text = f"{side(operands)} -> {side(results)}"
     used = set(text.replace("(", " ").replace(")", " ").replace(",", " ").split())
+    whole = set(text.replace(",", " ").split())  # factors that name a whole dim somewhere
+    for label, c in coarse.items():
+        # Shardy needs the size of every factor that names no whole dim: ``Lr`` always, ``Lb`` where
+        # no grid links to it (each grid got a factor of its own: padded, partial, or another block)
+        if f"{label}b" in used and f"{label}b" not in whole:
+            factor_sizes[f"{label}b"] = sizes[label] // c
     reduction = tuple(f for label in rule.contracted for f in (label, f"{label}b", f"{label}r") if f in used)
     return text, dict(factor_sizes, reduction_factors=reduction)
 
@@ -348,8 +379,19 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
 
         return on_shard
 
+    def safe_plan(items, mesh, arg_shapes, result_shape) -> Plan:
+        """The plan; whole operands and results (with a warning) if planning raised: never a compile
+        error."""
+        try:
+            return _specs_and_plan(rule, dict(items), mesh, arg_shapes)
+        except Exception as e:  # noqa: BLE001  (any failure here would abort the user's compile)
+            _rule_failed(name, "planning its split", arg_shapes, mesh, e)
+            results = result_shape if multiple_results else [result_shape]
+            return Plan([[None] * len(a.shape) for a in arg_shapes], [[None] * len(r.shape) for r in results],
+                        (), (), (), [])
+
     def partition(items, mesh, arg_shapes, result_shape):
-        p = _specs_and_plan(rule, dict(items), mesh, arg_shapes)
+        p = safe_plan(items, mesh, arg_shapes, result_shape)
         for note in p.gathered:
             warn(f"jax_fp8: {name} under jax.jit: {note}", ShardingWarning)
         outs = [_sharding(mesh, s) for s in p.results]
@@ -357,11 +399,22 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
             tuple(_sharding(mesh, s) for s in p.operands)
 
     def infer(items, mesh, arg_shapes, result_shape):  # the GSPMD partitioner (jax_use_shardy_partitioner=False)
-        outs = [_sharding(mesh, s) for s in _specs_and_plan(rule, dict(items), mesh, arg_shapes).results]
+        outs = [_sharding(mesh, s) for s in safe_plan(items, mesh, arg_shapes, result_shape).results]
         return tuple(outs) if multiple_results else outs[0]
 
     def sharding_rule(items, mesh, value_types, result_types):
-        return sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
+        """Shardy's rule, checked here as jax will check it; where it fails, a rule that links no dims
+        (the operands' shardings then reach the plan as they are) and a warning."""
+        try:
+            text, options = sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
+            built = str_to_sdy_sharding_rule(text, **options)
+            sdy_sharding_rule_to_mlir(built, value_types, result_types)
+            return built
+        except Exception as e:  # noqa: BLE001
+            _rule_failed(name, "writing its Shardy rule", [tuple(t.shape) for t in value_types], mesh, e)
+            fresh = itertools.count()
+            side = lambda types: ", ".join(" ".join(f"z{next(fresh)}" for _ in t.shape) for t in types)  # noqa: E731
+            return str_to_sdy_sharding_rule(f"{side(value_types)} -> {side(result_types)}")
 
     split = custom_partitioning(run, static_argnums=(0,))
     split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
@@ -373,6 +426,13 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
 
     mlir.register_lowering(prim, lowering)
     return prim, local
+
+
+def _rule_failed(name: str, step: str, shapes, mesh, error: Exception) -> None:
+    shapes = [tuple(getattr(a, "shape", a)) for a in shapes]
+    warn(f"jax_fp8: {name} under jax.jit: {step} failed for operands {shapes} on mesh {dict(mesh.shape)} "
+         f"({type(error).__name__}: {error}); running it on whole operands instead. This is a bug in jax_fp8: "
+         f"please report it with this message.", PartitioningRuleWarning)
 
 
 def _typed_abstract(abstract, rule, *avals, **params):
