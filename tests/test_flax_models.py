@@ -211,6 +211,7 @@ def test_linen_lm_every_projection_runs_the_fp8_gemm(linen_lm):
     assert not fwd_fallbacks and not grad_fallbacks, sorted(set(fwd_fallbacks + grad_fallbacks))
     assert fwd.count(GEMM) == PROJECTIONS and grad.count(GEMM) == 3 * PROJECTIONS, (fwd.count(GEMM),
                                                                                       grad.count(GEMM))
+    assert fwd.count("dot_general[") == 2 * CFG.layers  # only the attention's q·k and p·v, left in bf16
     # lm1b's logits_via_embedding: the tied head (Embed.attend) is the 13th projection
     tied = LinenLm(dataclasses.replace(CFG, tied_head=True))
     tied_fp8 = fp8_model(tied)
@@ -460,6 +461,7 @@ def test_nnx_lm_every_projection_on_fp8():
     assert not fwd_fallbacks and not grad_fallbacks, sorted(set(fwd_fallbacks + grad_fallbacks))
     assert fwd.count(GEMM) == PROJECTIONS and grad.count(GEMM) == 3 * PROJECTIONS, (fwd.count(GEMM),
                                                                                       grad.count(GEMM))
+    assert fwd.count("dot_general[") == 2 * CFG.layers  # only the attention's q·k and p·v, left in bf16
 
 
 def _load_linen(model: NnxLm, params) -> None:
