@@ -70,8 +70,17 @@ def join_processes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     timeouts = {k: v for k, v in (("initialization_timeout", args.init_timeout),
                                   ("heartbeat_timeout_seconds", args.heartbeat_timeout)) if v is not None}
     # jax's preemption notifier catches SIGTERM (to be read at a sync point, which this script has none
-    # of) and the process goes on: without it, SIGTERM ends a process as it ends any program
+    # of) and the process goes on: without it, SIGTERM ends a process as it ends any program. The flag is
+    # read when initialize starts the service, and restored for the rest of an in-process caller.
+    preemption = jax.config.jax_enable_preemption_service
     jax.config.update("jax_enable_preemption_service", False)
+    try:
+        _initialize(ap, args, given, timeouts)
+    finally:
+        jax.config.update("jax_enable_preemption_service", preemption)
+
+
+def _initialize(ap, args, given, timeouts):
     if given:
         try:
             jax.distributed.initialize(**given, **timeouts)

@@ -347,18 +347,20 @@ def test_a_spawned_process_ends_when_its_launchers_pipe_closes():
 
 
 def test_a_process_whose_peer_died_stops():
-    """Two processes joined by hand, as on a cluster (no launcher): SIGKILL to process 1 once both have
-    joined, and process 0, which goes on to wait in a collective for it, stops within
-    --heartbeat-timeout and jax's detection (about 5 s here) rather than waiting for ever."""
+    """Two processes joined by hand, as on a cluster (no launcher), once both have joined: SIGTERM ends
+    process 1 (jax's preemption notifier, which would swallow it, is off), and process 0, which goes on
+    to wait in a collective for it, stops within --heartbeat-timeout and jax's detection (about 5 s
+    here) rather than waiting for ever."""
     port, timeout = free_port(), 5
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = [Proc([*LONG, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
                    "--heartbeat-timeout", str(timeout)], env=env) for i in range(2)]
     try:
         procs[0].wait_for("backend cpu, 2 processes")  # both joined
-        os.kill(procs[1].proc.pid, signal.SIGKILL)
+        os.kill(procs[1].proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
-        procs[0].deadline = t0 + 6 * timeout
+        procs[1].deadline = procs[0].deadline = t0 + 6 * timeout
+        assert procs[1].finish() == -signal.SIGTERM, tail(procs[1].out)
         assert procs[0].finish() != 0
         assert time.monotonic() - t0 < 6 * timeout
     finally:
