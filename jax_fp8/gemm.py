@@ -33,7 +33,8 @@ from .arrays import view_2d
 from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
 from .mx_gemm import MXFP8GemmFallbackWarning, warn_reference
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
-from .gemm_plan import DotPlan, GemmPlan, Step, fold_dot_general, plan_dot_general, plan_gemm, usage_read
+from .gemm_plan import (DotPlan, GemmPlan, Step, dimension_numbers_tuple, fold_dot_general, plan_dot_general,
+                        plan_gemm, usage_read)
 from .layout import quantize_stacked
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
 from .primitives.partitioning import explicit_sharding
@@ -282,13 +283,7 @@ def _call_str(lhs, rhs, dimension_numbers) -> str:
         kind = f"{type(x).__name__} " if isinstance(x, QUANTIZED_TENSORS) else ""
         return f"{kind}{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]"
 
-    try:
-        (lc, rc), (lb, rb) = dimension_numbers
-        dn = ((tuple(int(d) for d in np.atleast_1d(lc)), tuple(int(d) for d in np.atleast_1d(rc))),
-              (tuple(int(d) for d in np.atleast_1d(lb)), tuple(int(d) for d in np.atleast_1d(rb))))
-    except (TypeError, ValueError):  # pragma: no cover - lax accepted them, but print them as given
-        dn = dimension_numbers
-    return f"lhs {operand(lhs)}, rhs {operand(rhs)}, dimension_numbers {dn}"
+    return f"lhs {operand(lhs)}, rhs {operand(rhs)}, dimension_numbers {dimension_numbers_tuple(dimension_numbers)}"
 
 
 def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type) -> None:
@@ -353,11 +348,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     quantize-dequantized operands (dequantized ones for quantized inputs; non-float operands as they
     are), with one :class:`Fp8GemmFallbackWarning` per call naming the operands' shapes, the dimension
     numbers, why, and what is computed instead: always a correct answer. A single GEMM of the three that
-    cannot run in FP8 (on cuBLASLt: shapes
-    too small to pad cheaply, 2D x 2D or E5M2 x E5M2 pre-quantized pairs; a pre-quantized operand
-    without the usage it needs) is computed by the reference math on the same quantized operands; the
-    call's one warning names each of them (dgrad and wgrad included, decided by the GEMM plan at the
-    call, :func:`~jax_fp8.gemm_plan.plan_dot_general`).
+    cannot run in FP8 (on cuBLASLt: shapes too small to pad cheaply, 2D x 2D or E5M2 x E5M2
+    pre-quantized pairs; a pre-quantized operand without the usage it needs) is computed by the
+    reference math on the same quantized operands; the call's one warning names each of them (dgrad
+    and wgrad included, decided by the GEMM plan at the call, :func:`~jax_fp8.gemm_plan.plan_dot_general`).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
     ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. Arguments that

@@ -213,8 +213,12 @@ class DotPlan:
         return [f"{s.name}: {s.gemm.reason}" for s in self.steps if not s.gemm.ok]
 
 
-def _ints(v) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.atleast_1d(v))  # lax takes ints or sequences
+def dimension_numbers_tuple(dimension_numbers) -> tuple:
+    """Dimension numbers as lax takes them (ints or sequences of ints) as ``((lhs contracting, rhs
+    contracting), (lhs batch, rhs batch))``, each a tuple of ints."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in np.atleast_1d(v)) for v in (lc, rc, lb, rb))
+    return (lc, rc), (lb, rb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,8 +310,7 @@ def fold_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> tuple[Optional[
       flax's (d, heads, head_dim); or last: (N, K), e.g. (heads, head_dim, d) contracted over d).
     """
     lshape, rshape = tuple(int(d) for d in lhs_shape), tuple(int(d) for d in rhs_shape)
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (_ints(v) for v in (lc, rc, lb, rb))
+    (lc, rc), (lb, rb) = dimension_numbers_tuple(dimension_numbers)
     if any(lshape[d] != 1 for d in lb) or any(rshape[d] != 1 for d in rb):
         return None, (f"batch dimensions (lhs {lb}, rhs {rb}; the GEMM has none, it takes batch dimensions of "
                       "size 1 only)")

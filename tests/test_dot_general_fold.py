@@ -82,7 +82,8 @@ def _sweep() -> list[Case]:
             lc, rc = lc[::-1], rc[::-1]
         M, K, N = int(np.prod(lead)), int(np.prod(kdims)), int(np.prod(ndims))
         name = f"lhs{lhs}-rhs{rhs}-dims{lc}{rc}"
-        cases.append(Case(name, lhs, rhs, ((lc, rc), ((), ())), M, K, N, k_first, "bfloat16" if i % 3 == 0 else "float32"))
+        dtype = "bfloat16" if i % 3 == 0 else "float32"
+        cases.append(Case(name, lhs, rhs, ((lc, rc), ((), ())), M, K, N, k_first, dtype))
     return cases
 
 
@@ -141,7 +142,8 @@ def test_folded_equals_the_reshaped_2d_call_and_lax_within_the_fp8_bound(case, s
     recipe = jf.Float8BlockScaling()
     lhs2, rhs2 = (case.M, case.K), ((case.K, case.N) if case.rhs_kn else (case.N, case.K))
     X, W = np.asarray(x, np.float64).reshape(lhs2), np.asarray(w, np.float64).reshape(rhs2)
-    Xq, Wq = _ref64(np.asarray(x).reshape(lhs2), B1, E4M3, recipe), _ref64(np.asarray(w).reshape(rhs2), B2, E4M3, recipe)
+    Xq = _ref64(np.asarray(x).reshape(lhs2), B1, E4M3, recipe)
+    Wq = _ref64(np.asarray(w).reshape(rhs2), B2, E4M3, recipe)
     if case.rhs_kn:  # to (N, K): the tiles are those of the (K, N) view
         W, Wq = W.T, Wq.T
     _, acc = accumulation_bound(Xq, Wq, y.dtype)
@@ -185,6 +187,24 @@ def test_prequantized_nd_weight(rhs, dims, folds, strict):
     else:
         _, wn = one_warning(lambda: jf.fp8_dot_general(x, wq, dims), "a pre-quantized rhs of shape (256, 4, 34)")
         assert "not on the folded (256, 136)" in str(wn.message)
+
+
+def test_mxfp8_recipe_folds_too():
+    """The fold is the recipe's business no more than a reshape is: with MXFP8BlockScaling an out
+    projection over (heads, head_dim) gives the bits of the 2-D call (forward and gradients)."""
+    case = Case("mxfp8-out-projection", (2, 3, 8, 40), (8, 40, 136), (((2, 3), (0, 1)), ((), ())), 6, 320, 136, True)
+    x, w, cot = _operands(case, stable_seed("fold-mxfp8"))
+    recipe = jf.MXFP8BlockScaling()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jf.gemm.MXFP8GemmFallbackWarning)  # off Blackwell: the reference GEMMs
+        warnings.simplefilter("error", jf.gemm.Fp8GemmFallbackWarning)
+        got, want = jax.jit(lambda x, w, cot: (
+            _value_and_grads(lambda x, w: jf.fp8_dot_general(x, w, case.dn, recipe=recipe), x, w, cot),
+            _value_and_grads(lambda x, w: jf.fp8_dot_general(x.reshape(6, 320), w.reshape(320, 136),
+                                                             (((1,), (0,)), ((), ())), recipe=recipe),
+                             x, w, cot.reshape(6, 136))))(x, w, cot)
+    for a, b, what in zip(got, want, ("y", "dlhs", "drhs")):
+        assert_bits_equal(a, b.reshape(a.shape), what)
 
 
 # ---- what cannot fold: the lax fallback, with one warning naming the call ------------------------------
@@ -324,8 +344,8 @@ def test_sharded_jit_compiles_and_equals_the_unsharded_block(name, mode):
     its default axis types, Explicit on jax 0.12): the folds are reshapes before the GEMM primitive, one
     group of dims at a time (what Explicit types follow), so weights split over their heads compile and
     stay split: no gather but of scale grids, FSDP-like weights gathered as FP8 bytes; the output and
-    the gradients are sharded as lax.dot_general's (Auto) or as their operands (Explicit). Values: the unsharded block's, within the
-    reassociation of a split contraction's fp32 sum."""
+    the gradients are sharded as lax.dot_general's (Auto) or as their operands (Explicit). Values: the
+    unsharded block's, within the reassociation of a split contraction's fp32 sum."""
     shape, names, head_dim, *specs, gathered = SHARDINGS[name]
     devices = jax.devices("cpu")[:int(np.prod(shape))]
     mesh = (Mesh(np.array(devices).reshape(shape), names) if mode == "Mesh"
