@@ -35,7 +35,7 @@ LOCK_NAME = "run.lock"
 
 
 def lock_holder(directory: str) -> str:
-    """Who took ``directory``'s lock last, as its holder wrote it ("pid P on host H since T")."""
+    """Who took ``directory``'s lock last, as its holder wrote it ("pid P on host H since T ...")."""
     try:
         with open(os.path.join(directory, LOCK_NAME)) as f:
             return f.read().strip() or "a run that has not written its name yet"
@@ -49,12 +49,13 @@ def held_message(directory: str) -> str:
             f"its lock: {LOCK_NAME} there)")
 
 
-def lock_directory(directory: str):
+def lock_directory(directory: str, about: str = ""):
     """Takes ``directory``'s run lock (the directory is created if missing): an exclusive ``flock`` on
     ``directory/run.lock``, held while the returned file stays open (close it to release). The kernel
     releases a flock when its process ends, however it ends (SIGKILL included), so a crashed run leaves
-    the file but no lock, and the next run takes it. DirectoryHeld, naming the holder, when another
-    live process holds it. Returns None where there is no flock (Windows).
+    the file but no lock, and the next run takes it. The holder writes its pid, host and start time
+    into the file (then ``about``, if given), for a refused run to name it: DirectoryHeld, when another
+    live process holds the lock. Returns None where there is no flock (Windows).
 
     The file is never deleted: a run that removed it on exit could leave another run locking the removed
     file while a third locks a new one."""
@@ -68,7 +69,8 @@ def lock_directory(directory: str):
         f.close()
         raise DirectoryHeld(held_message(directory)) from None
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            f"{about}\n")
     f.flush()
     return f
 

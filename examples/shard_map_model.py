@@ -66,7 +66,7 @@ from _checkpoint import (CheckpointMismatch, DirectoryHeld, held_message, lock_d
                          open_checkpoints, restore, save)
 from _fp8_mlp import init_mlp, teacher_data  # noqa: E402
 from _launch import (add_flags, check_flags, die_with_launcher, join_processes,  # noqa: E402
-                     process_local_array, spawn, usage_error, without_spawn)
+                     process_local_array, spawn, spawned, usage_error, without_spawn)
 
 RECIPES = {"blockwise": jf.Float8BlockScaling(),  # 1x128 activations and gradients, 128x128 weights, E4M3
            "mxfp8": jf.MXFP8BlockScaling()}          # every operand in 1x32 / 32x1 blocks with E8M0 scales
@@ -266,7 +266,9 @@ def _hold_checkpoint_dir(ap, args):
     lock = held = None
     if jax.process_index() == 0:
         try:
-            lock = lock_directory(args.checkpoint_dir)
+            about = f", process 0 of {jax.process_count()}" if jax.process_count() > 1 else ""
+            about += f" (its --spawn launcher: pid {os.getppid()})" if spawned() else ""
+            lock = lock_directory(args.checkpoint_dir, about)
         except DirectoryHeld as e:
             held = str(e)
     refused = held is not None

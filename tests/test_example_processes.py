@@ -304,9 +304,11 @@ def test_killed_launcher_takes_its_processes_and_the_directory_lock_with_it(tmp_
         second = Run(tmp_path, flags=LONG)
         runs.append(second)
         assert second.finish() == 2, tail(second.out)
-        held = (f"error: --checkpoint-dir: {first.ckpt} is held by another live run (pid {first.pids[0]} on host "
-                f"{socket.gethostname()} since ")
-        assert second.out.count(held) == 1 and second.out.count("usage:") == 1, second.out
+        held = (rf"error: --checkpoint-dir: {re.escape(first.ckpt)} is held by another live run \(pid "
+                rf"{first.pids[0]} on host {re.escape(socket.gethostname())} since [-\d: ]+, process 0 of 2 \(its "
+                rf"--spawn launcher: pid {first.proc.pid}\); its lock: run.lock there\): a second run would overwrite "
+                rf"its checkpoints")
+        assert len(re.findall(held, second.out)) == 1 and second.out.count("usage:") == 1, second.out
         assert "  loss " not in second.out and "[process 1]" not in second.out, second.out
         assert all(map(alive, first.pids)), "the refused run disturbed the first"
 
