@@ -176,6 +176,8 @@ def test_two_processes_train_as_one(uninterrupted, tmp_path, capsys):
     out = "".join(uninterrupted.lines)
     assert "backend cpu, 2 processes, mesh data=4 x seq=2" in out and "step    8/8" in out
     assert "[process 1]" not in out, out
+    # Orbax kept the last two steps, cleaned up, and left the run's lock alone
+    assert sorted(os.listdir(uninterrupted.ckpt)) == ["6", "8", "run.lock"]
     one = shard_map_model.main(FLAGS + ["--checkpoint-dir", str(tmp_path / "ckpt")])
     capsys.readouterr()
     assert uninterrupted.losses() == list(enumerate(one, 1))
@@ -397,3 +399,31 @@ def test_bad_process_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         shard_map_model.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_checkpoint_directory_lock(tmp_path):
+    """_checkpoint.lock_directory: refused while another live process holds it, naming the directory
+    and the holder; free again once that process was SIGKILLed (the kernel drops its flock; the file
+    it left is no obstacle) and the next holder's name replaces the dead one's."""
+    from _checkpoint import DirectoryHeld, lock_directory
+
+    ckpt = str(tmp_path / "ckpt")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _checkpoint import lock_directory; "
+            "f = lock_directory(sys.argv[2], ', the test holder'); print('locked', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, EXAMPLES, ckpt], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(DirectoryHeld, match=rf"{re.escape(ckpt)} is held by another live run \(pid {holder.pid} on "
+                           rf"host {re.escape(socket.gethostname())} since .*, the test holder; its lock: run.lock"):
+            lock_directory(ckpt)
+        holder.kill()
+        holder.wait(timeout=TIMEOUT)
+        lock = lock_directory(ckpt)
+        with open(os.path.join(ckpt, "run.lock")) as f:
+            assert f.read().startswith(f"pid {os.getpid()} on host ")
+        lock.close()
+        lock_directory(ckpt).close()  # closed: free again
+    finally:
+        holder.kill()
+        holder.wait()
