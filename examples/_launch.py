@@ -42,7 +42,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--init-timeout", type=int, metavar="S", help="seconds to wait for every process to join "
                    "before giving up (jax's default: 300)")
     g.add_argument("--heartbeat-timeout", type=int, metavar="S", help="seconds after which the processes stop "
-                   "when one of them has died or stopped answering (jax's default: 100)")
+                   "when one of them has died (its heartbeats stop; jax's default: 100)")
     g.add_argument("--spawn", type=int, metavar="N", help="start N local CPU processes of this script joined "
                    "into one mesh (gloo), to try several processes on one machine; they end with this one")
 
