@@ -30,6 +30,7 @@ from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
 from .primitives.cublaslt import CUBLASLT
 from .primitives.cutlass import CUTLASS
 from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from .primitives.partitioning import rows_view
 from .scheme import check_block
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 
@@ -289,10 +290,11 @@ class Fold:
 
 
 def _reshapes(x, *shapes):
-    """``x`` reshaped to each of ``shapes`` in turn (skipping those it already has)."""
+    """``x`` reshaped to each of ``shapes`` in turn (skipping those it already has); where an Explicit
+    sharding type cannot carry a split through a reshape, the leading dims are gathered (rows_view)."""
     for shape in shapes:
         if tuple(x.shape) != tuple(shape):
-            x = x.reshape(shape)
+            x = rows_view(x, tuple(shape))
     return x
 
 

@@ -3,7 +3,7 @@
 Test helper (tests/test_sharded_sweep.py runs it). A :class:`Case` is one program: an op (quantize
 in each format, usage and layout, with a dequantize of each usage; ``fp8_dot_general`` forward or
 gradient), a mesh (shape and how it was built: ``Mesh(...)``, ``jax.make_mesh`` with Auto axes, or
-with its default axis types: Explicit on jax 0.12), a sharding of the operands (replicated, data
+with its default axis types, Explicit on jax 0.12, also inside ``jax.set_mesh``), a sharding of the operands (replicated, data
 parallel, column / row tensor parallel, FSDP, FSDP + TP, sequence-split 3-D activations) and a shape.
 
 Shapes are drawn, not picked: a size is ``128 * c + 32 * o`` (``c`` blocks of 128 and ``o`` extra
@@ -21,6 +21,7 @@ values bit for bit, a product within the bound of a reassociated fp32 sum (bit f
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -46,7 +47,10 @@ MESHES = {
     "6": ((6,), ("data",)),
     "3x2": ((3, 2), ("data", "model")),
 }
-CONSTRUCTIONS = ("Mesh", "make_mesh_auto", "make_mesh")  # the last: jax's default axis types
+#: Mesh(...); jax.make_mesh with Auto axes; with its default axis types (Explicit on jax 0.12); the
+#: same inside ``with jax.set_mesh(mesh)`` (jit traced, compiled and run there)
+CONSTRUCTIONS = ("Mesh", "make_mesh_auto", "make_mesh", "set_mesh")
+EXPLICIT = ("make_mesh", "set_mesh")
 
 #: quantize ops: format name -> its call; each with every usage set and layout
 FORMATS = {
@@ -173,6 +177,32 @@ def _even(case: Case) -> bool:
     return all(sizes[r] % counts.get(r, 1) == 0 for r in sizes)
 
 
+def _within_budget(case: Case) -> Case:
+    """``case`` with dims shrunk to the size budget: the batch of sequences first, then the largest dim
+    that is not a COMMON width, by whole residue periods of the mesh's size where it can (_smaller)."""
+    L = math.prod(MESHES[case.mesh][0])
+    sizes = dict(zip(roles(case.op, case.sharding), (*case.x_shape, case.n)))
+    while not _fits(case):
+        if sizes.get("batch", 1) > 1:
+            sizes["batch"] //= 2
+        else:
+            role = max((r for r in sizes if r != "batch" and sizes[r] not in COMMON), key=sizes.get)
+            sizes[role] = _smaller(sizes[role], L)
+        case = _make(case.op, case.mesh, case.construction, case.sharding, sizes)
+    return case
+
+
+def _placeable(case: Case) -> Case:
+    """``case``, with its split dims rounded up to their shard counts on an Explicit mesh (which
+    places only even splits; elsewhere an uneven split is made inside the jit)."""
+    if case.construction not in EXPLICIT:
+        return case
+    counts = shard_counts(case)
+    sizes = dict(zip(roles(case.op, case.sharding), (*case.x_shape, case.n)))
+    return _make(case.op, case.mesh, case.construction, case.sharding,
+                 {r: -(-v // counts.get(r, 1)) * counts.get(r, 1) for r, v in sizes.items()})
+
+
 def _smaller(size: int, L: int) -> int:
     """A smaller size: whole residue periods of 128 * L off (the block count's residue kept), else half."""
     return size - 128 * L if size > 128 * L + 128 else max(size // 2 // 32 * 32, 32)
@@ -201,38 +231,31 @@ def fixed_sample() -> list[Case]:
     sharding twice, once each). Cases are grouped by family, mesh size L (8 or 6) and the op's dims;
     in a group's first L cases each dim's block count walks every residue modulo L, then ODD sizes,
     COMMON widths and more residues take turns; a batch of sequences counts 1 to L. Dims shrink to the
-    size budget largest first (the batch first), by whole residue periods where they can. The mesh
-    constructions take turns (an Explicit mesh only where the splits are even)."""
+    size budget (:func:`_within_budget`); the mesh constructions take turns within each family's
+    sharding (:func:`_placeable`)."""
     rng = np.random.default_rng(stable_seed("sharded sweep sample"))
     meshes = list(MESHES)
     plan = [(op, s, meshes[i % len(meshes)]) for i, (op, s) in
             enumerate((op, s) for op in QUANTIZE_OPS for s in QUANTIZE_SHARDINGS)]
     dots = [s for s in DOT_SHARDINGS for _ in meshes] + ["sequence"] * len(meshes)
     plan += [(DOT_OPS[(i + i // len(meshes)) % 2], s, meshes[i % len(meshes)]) for i, s in enumerate(dots)]
-    cases, turn = [], {}  # turn: per group, how many cases it has had
+    cases, turn = [], {}  # turn: per group (and per family and sharding), how many cases it has had
     for op, sharding, mesh in plan:
         family, L, names = ("dot" if op in DOT_OPS else "quantize"), math.prod(MESHES[mesh][0]), roles(op, sharding)
         j = turn[family, L, names] = turn.get((family, L, names), -1) + 1
         q = int(rng.integers(0, 2)) if family == "quantize" else 0
         size = _first_round_size if j < L else _later_size
         sizes = {role: ((j + r) % L or L) if role == "batch" else size(j, r, L, q) for r, role in enumerate(names)}
-        case = _make(op, mesh, CONSTRUCTIONS[j % 3], sharding, sizes)
-        while not _fits(case):
-            if sizes.get("batch", 1) > 1:
-                sizes["batch"] //= 2
-            else:
-                role = max((r for r in sizes if r != "batch" and sizes[r] not in COMMON), key=sizes.get)
-                sizes[role] = _smaller(sizes[role], L)
-            case = _make(op, mesh, case.construction, sharding, sizes)
-        if case.construction == "make_mesh" and not _even(case):
-            case = dataclasses.replace(case, construction=CONSTRUCTIONS[j % 2])
-        cases.append(case)
+        k = turn[family, sharding] = turn.get((family, sharding), -1) + 1
+        cases.append(_placeable(_within_budget(_make(op, mesh, CONSTRUCTIONS[k % len(CONSTRUCTIONS)], sharding,
+                                                     sizes))))
     return cases
 
 
 def case_strategy():
     """A hypothesis strategy over the same space: any op, mesh, construction and sharding, each dim
-    ``128 * c + 32 * o`` (c < 66: up to 8192 and beyond) or ODD, within the size budget."""
+    ``128 * c + 32 * o`` (c < 66: up to 8192 and beyond) or ODD, a batch of 1 to 16 sequences; shrunk
+    to the size budget as the fixed sample's."""
     from hypothesis import strategies as st
 
     size = st.one_of(st.builds(size_of, st.integers(0, 65), st.integers(0, 3)).filter(bool),
@@ -242,11 +265,11 @@ def case_strategy():
     def cases(draw):
         op = draw(st.sampled_from(QUANTIZE_OPS + DOT_OPS))
         sharding = draw(st.sampled_from(DOT_SHARDINGS if op in DOT_OPS else QUANTIZE_SHARDINGS))
-        sizes = {role: draw(size) for role in roles(op, sharding)}
+        sizes = {role: draw(st.integers(1, 16) if role == "batch" else size) for role in roles(op, sharding)}
         case = _make(op, draw(st.sampled_from(list(MESHES))), draw(st.sampled_from(CONSTRUCTIONS)), sharding, sizes)
-        return case
+        return _placeable(_within_budget(case))
 
-    return cases().filter(_fits).filter(lambda c: c.construction != "make_mesh" or _even(c))
+    return cases()
 
 
 # ---- running a case -------------------------------------------------------------------------------
@@ -258,7 +281,7 @@ def make_mesh(name: str, construction: str):
         return Mesh(np.array(devices).reshape(shape), names)
     if construction == "make_mesh_auto":
         return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
-    return jax.make_mesh(shape, names, devices=devices)
+    return jax.make_mesh(shape, names, devices=devices)  # make_mesh, set_mesh
 
 
 def _placer(mesh, spec, shape):
@@ -344,7 +367,8 @@ def run_case(case: Case) -> list:
         return fn(*(pre(v) for (_, pre), v in zip(placed, vals)))
 
     inputs = [jax.device_put(a, s) for (s, _), a in zip(placed, args)]
-    with warnings.catch_warnings(record=True) as caught:
+    context = jax.set_mesh(mesh) if case.construction == "set_mesh" else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, context:
         warnings.simplefilter("always")
         got = jax.jit(sharded).lower(*inputs).compile()(*inputs)
     failed = [str(w.message) for w in caught if issubclass(w.category, PartitioningRuleWarning)]

@@ -26,12 +26,14 @@ def _sizes(case: Case) -> dict:
 def test_the_sample_covers_every_class():
     """What the fixed sample must hold, checked on it (so a change to the generator cannot silently
     drop a class): every op with every sharding of its family; every op, sharding and construction on
-    every mesh size and the dot's shardings on every mesh; per family, mesh size and dim, every residue
+    every mesh size, every sharding with every construction and the dot's shardings on every mesh; per family, mesh size and dim, every residue
     of the block count modulo the mesh size, 32-wide partial blocks, ODD sizes and the COMMON widths."""
     pairs = {(c.op, c.sharding) for c in SAMPLE}
     assert pairs >= {(op, s) for op in QUANTIZE_OPS for s in QUANTIZE_SHARDINGS}
     assert pairs >= {(op, s) for op in DOT_OPS for s in DOT_SHARDINGS}
     assert {(c.sharding, c.mesh) for c in SAMPLE if c.op in DOT_OPS} >= {(s, m) for s in DOT_SHARDINGS for m in MESHES}
+    built = {(c.sharding, c.construction) for c in SAMPLE}
+    assert built >= {(s, how) for s in QUANTIZE_SHARDINGS + DOT_SHARDINGS for how in CONSTRUCTIONS}
     for family, ops in (("quantize", QUANTIZE_OPS), ("dot", DOT_OPS)):
         cases = [c for c in SAMPLE if c.family == family]
         assert {c.mesh for c in cases} == set(MESHES), family

@@ -221,10 +221,10 @@ def explicit_sharding(x):
 
 
 def rows_view(x, shape: tuple):
-    """``x`` reshaped to ``shape``: its 2-D (rows, cols) view, or back. On an Explicit mesh jax types
-    the reshape, and rejects one whose split it cannot carry over (a split of a leading dim after the
-    first is not a split of the folded rows): the leading dims are then gathered, with a
-    ShardingWarning naming the split (the last dim keeps its own)."""
+    """``x`` reshaped to ``shape`` (its 2-D (rows, cols) view, or back; a GEMM's fold). On an Explicit
+    mesh jax types the reshape, and rejects one whose split it cannot carry over (a split of a
+    leading dim after the first is not a split of the folded rows): the leading dims are then
+    gathered, with a ShardingWarning naming the split (an unchanged last dim keeps its own)."""
     try:
         return x.reshape(shape)
     except Exception:  # noqa: BLE001  (jax's ShardingTypeError; its class is private)
@@ -232,10 +232,10 @@ def rows_view(x, shape: tuple):
         if s is None:
             raise
     spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
-    warn(f"jax_fp8: an array of shape {tuple(x.shape)} split as {s.spec} is reshaped to {tuple(shape)}: its leading "
-         f"dims gathered (a split of a leading dim after the first is not a split of the folded rows)",
-         ShardingWarning)
-    out = PartitionSpec(*(None,) * (len(shape) - 1), spec[-1])
+    warn(f"jax_fp8: an array of shape {tuple(x.shape)} split as {s.spec} is reshaped to {tuple(shape)}, which cannot "
+         f"keep that split (a split of a leading dim after the first is not a split of folded rows, nor the "
+         f"reverse): its leading dims are gathered", ShardingWarning)
+    out = PartitionSpec(*(None,) * (len(shape) - 1), spec[-1] if shape[-1] == x.shape[-1] else None)
     return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(s.mesh, out))
 
 
@@ -395,7 +395,7 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
         for note in p.gathered:
             warn(f"jax_fp8: {name} under jax.jit: {note}", ShardingWarning)
         outs = [_sharding(mesh, s) for s in p.results]
-        return mesh, lower_fn(items, p), tuple(outs) if multiple_results else outs[0], \
+        return mesh, _traced_without_mesh(lower_fn(items, p)), tuple(outs) if multiple_results else outs[0], \
             tuple(_sharding(mesh, s) for s in p.operands)
 
     def infer(items, mesh, arg_shapes, result_shape):  # the GSPMD partitioner (jax_use_shardy_partitioner=False)
@@ -426,6 +426,44 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
 
     mlir.register_lowering(prim, lowering)
     return prim, local
+
+
+class _MeshContext:
+    """The abstract mesh context of this thread, set aside while jax traces a per-device function."""
+
+    pending: Optional[jax.sharding.use_abstract_mesh] = None
+
+    @classmethod
+    def leave(cls) -> None:
+        cls.restore()
+        cls.pending = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+        cls.pending.__enter__()
+
+    @classmethod
+    def restore(cls) -> None:
+        if cls.pending is not None:
+            cm, cls.pending = cls.pending, None
+            cm.__exit__(None, None, None)
+
+
+def _traced_without_mesh(fn: Callable) -> Callable:
+    """``fn``, the per-device function a partition callback returns, traced with no mesh context.
+
+    jax traces it (``make_jaxpr`` of the shards' shapes) right after the callback returns, under the
+    caller's context: inside ``jax.set_mesh`` of a mesh with Explicit axes, jax 0.12 types its values
+    with that mesh and lowers them with sharding annotations that nothing partitions any more (the
+    compile fails: "No registered implementation for untyped custom call to Sharding"). The values
+    are one device's: the context is left here, before jax types the arguments, and restored when
+    ``fn`` returns (or, should jax not call it, at the next callback)."""
+    _MeshContext.leave()
+
+    def local(*args):
+        try:
+            return fn(*args)
+        finally:
+            _MeshContext.restore()
+
+    return local
 
 
 def _rule_failed(name: str, step: str, shapes, mesh, error: Exception) -> None:
