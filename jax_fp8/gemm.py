@@ -223,8 +223,29 @@ def _explicit_sharding_of(v):
     return None if isinstance(v, QUANTIZED_TENSORS) else explicit_sharding(v)
 
 
+def _lax_sharding(lhs, rhs, dimension_numbers):
+    """The sharding an Explicit mesh types ``lax.dot_general(lhs, rhs, dimension_numbers)`` with (None
+    where no operand's type names one, or where lax itself would ask for an ``out_sharding``)."""
+    ops = [dequantize(v) if isinstance(v, QUANTIZED_TENSORS) else v for v in (lhs, rhs)]
+    if all(explicit_sharding(v) is None for v in ops):
+        return None
+    typed = []
+    try:
+        jax.eval_shape(lambda a, b: typed.append(jax.typeof(lax.dot_general(a, b, dimension_numbers)).sharding), *ops)
+    except Exception:  # noqa: BLE001  (lax's ShardingTypeError: no type to match)
+        return None
+    return typed[0]
+
+
 def _retyped(v, sharding):
-    return v if sharding is None or jax.typeof(v).sharding == sharding else jax.sharding.reshard(v, sharding)
+    """``v`` placed as ``sharding`` (a NamedSharding, or a PartitionSpec of the mesh in context), as lax's
+    ``out_sharding``: a type on an Explicit mesh (``reshard``), a constraint on an Auto one."""
+    if sharding is None or jax.typeof(v).sharding == sharding:
+        return v
+    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else jax.sharding.get_abstract_mesh()
+    if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+        return jax.sharding.reshard(v, sharding)
+    return lax.with_sharding_constraint(v, sharding)
 
 
 @contextlib.contextmanager
@@ -382,7 +403,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     fold, _ = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
                  and _sequences_may_split(lhs, fold.lhs_free))
-    plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding, may_split)
+    plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split)
     if plan.fallback is None and not plan.empty:
         if plan.reasons():
             _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): computing by the reference math "
@@ -399,7 +420,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         # replicated operand transposes to the psum its gradient needs under shard_map
         x, w = vma.match(x, w)
         with _reverse_mode_only():
-            return fold.unfold_out(_linear(x, w, cfg))
+            y = fold.unfold_out(_linear(x, w, cfg))
+        # typed as lax.dot_general's result (out_sharding, or what an Explicit mesh infers for it): a
+        # dim the GEMM had to gather (misaligned shards, padding) is split again
+        return _retyped(y, out_sharding if out_sharding is not None else _lax_sharding(lhs, rhs, dimension_numbers))
     # the fallback, and empty products (nothing to quantize, no warning)
     (a, a_done), (b, b_done) = (_fallback_operand(lhs, recipe.scheme("lhs")),
                                 _fallback_operand(rhs, recipe.scheme("rhs")))

@@ -20,6 +20,7 @@ from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, plan_mx_gemm, usage_rea
 from .mx_gemm import mx_gemm, mx_values
 from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmBackend, blocked_gemm,
                               dense_gemm, fp8_gemm_bind, operand_scale_shape, operand_values)
+from .primitives.partitioning import pad_end
 from .scheme import GEMM_SCALE_PAD
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 from .warn import warn
@@ -53,10 +54,8 @@ class GemmOperand:
         r, c = self.shape
         if (rows, k) == (r, c):
             return self
-        data = jnp.pad(self.data, ((0, rows - r), (0, k - c)))
-        want = operand_scale_shape(rows, k, self.block)
-        pads = [(0, w - s) for w, s in zip(want, self.scale.shape)]
-        return GemmOperand(data, jnp.pad(self.scale, pads, constant_values=np.float32(GEMM_SCALE_PAD)), self.block)
+        scale = pad_end(self.scale, operand_scale_shape(rows, k, self.block), GEMM_SCALE_PAD)
+        return GemmOperand(pad_end(self.data, (rows, k)), scale, self.block)
 
 
 def _share_tiles(q: BlockwiseTensor) -> BlockwiseTensor:
@@ -140,7 +139,7 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
         return out.astype(out_dtype)
     (M, N), (Mp, Np, Kp) = (plan.M, plan.N), plan.padded
     if c is not None:
-        c = jnp.pad(c.astype(dtype), ((0, Mp - M), (0, Np - N)))
+        c = pad_end(c.astype(dtype), (Mp, Np))
     a, b = a.padded(Mp, Kp), b.padded(Np, Kp)
     out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
                         backend=plan.backend)

@@ -343,7 +343,7 @@ def fold_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> tuple[Optional[
                 out_shape), None
 
 
-def _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx: bool) -> Optional[str]:
+def _why_not_fp8(lhs, rhs, out_dtype, mx: bool) -> Optional[str]:
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if isinstance(x, MXFP8Tensor) and not mx:
             return f"an MXFP8 {name} with the Float8 blockwise recipe (recipe=jax_fp8.MXFP8BlockScaling() takes it)"
@@ -351,8 +351,6 @@ def _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx: bool) -> Optional[str]:
             return f"a Float8 blockwise {name} with the MXFP8 recipe (recipe=jax_fp8.Float8BlockScaling() takes it)"
         if not isinstance(x, QUANTIZED_TENSORS) and jnp.dtype(x.dtype) not in HIGH_DTYPES:
             return f"an {name} of dtype {x.dtype} (FP8 quantizes float32, bfloat16, float16)"
-    if out_sharding is not None:
-        return "out_sharding (not supported by the FP8 GEMM)"
     if out_dtype not in HIGH_DTYPES:  # its gradient could not be quantized either
         return f"preferred_element_type {out_dtype} (the GEMM gives float32, bfloat16 or float16)"
     return None
@@ -387,8 +385,7 @@ def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
     return Step(name, a, b, plan_gemm(*mnk, ka.block, kb.block, ka.dtype, kb.dtype, reason=reason))
 
 
-def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_sharding=None,
-                     sequences_may_split: bool = False) -> DotPlan:
+def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, sequences_may_split: bool = False) -> DotPlan:
     """The plan of ``fp8_dot_general(lhs, rhs, dimension_numbers, ...)`` with ``recipe`` (a
     ``Float8BlockScaling`` or ``MXFP8BlockScaling``): lhs and rhs arrays (or their abstract values) or
     quantized tensors of the recipe's format, whose
@@ -396,7 +393,7 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, out_shardin
     be split over devices (stack them when every GEMM takes them unpadded)."""
     fold, why = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     mx = recipe.scheme("lhs").e8m0
-    why = why or _why_not_fp8(lhs, rhs, out_dtype, out_sharding, mx) or _why_not_folded(lhs, rhs, fold)
+    why = why or _why_not_fp8(lhs, rhs, out_dtype, mx) or _why_not_folded(lhs, rhs, fold)
     if why is not None:
         return DotPlan(fallback=why)
     M, N, K, rhs_kn = fold.M, fold.N, fold.K, fold.rhs_kn

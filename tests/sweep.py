@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.primitives.partitioning import PartitioningRuleWarning
+from jax_fp8.primitives.partitioning import PartitioningRuleWarning, spec_axes
 from helpers import assert_bits_equal, assert_tensors_equal, random_input, stable_seed
 
 _CPU = jax.devices("cpu")[0]
@@ -387,4 +387,21 @@ def run_case(case: Case) -> list:
             assert_close_reassociated(np.asarray(a), np.asarray(b), f"{case}: {what}")
         else:
             assert_bits_equal(a, b, f"{case}: {what}")
+    if case.construction in EXPLICIT:  # typed as lax's: y as lax.dot_general's, the gradients as their operands
+        with context:
+            want_types = [_lax_type(*inputs[:2])] if case.op == "dot" else [a.sharding for a in inputs[:2]]
+        for what, a, t in zip(results, got if case.op != "dot" else [got], want_types):
+            if t is not None:
+                assert spec_axes(a.sharding.spec, a.ndim) == spec_axes(t.spec, a.ndim), (str(case), what, a.sharding, t)
     return caught
+
+
+def _lax_type(x, w):
+    """The sharding jax types ``lax.dot_general(x, w)`` with (None where lax asks for an out_sharding)."""
+    typed = []
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    try:
+        jax.jit(lambda x, w: typed.append(jax.typeof(jax.lax.dot_general(x, w, dims)).sharding)).trace(x, w)
+    except Exception:  # noqa: BLE001  (lax's ShardingTypeError)
+        return None
+    return typed[0]

@@ -239,6 +239,23 @@ def rows_view(x, shape: tuple):
     return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(s.mesh, out))
 
 
+def pad_end(x, shape: tuple, value=0):
+    """``x`` padded with ``value`` at the end of each dim to ``shape``. On an Explicit mesh a split dim
+    whose padded size its shards do not divide is gathered first (jax pads only even splits), with a
+    ShardingWarning naming it."""
+    widths = [(0, int(t) - n) for n, t in zip(x.shape, shape)]
+    s = explicit_sharding(x)
+    if s is not None:
+        spec, sizes = spec_axes(s.spec, x.ndim), dict(s.mesh.shape)
+        keep = [a if not a or not w or t % _shards(a, sizes) == 0 else ()
+                for a, (_, w), t in zip(spec, widths, shape)]
+        if keep != list(spec):
+            warn(f"jax_fp8: an array of shape {tuple(x.shape)} split as {s.spec} is padded to {tuple(shape)}, "
+                 f"which its shards do not divide: those dims are gathered", ShardingWarning)
+            x = jax.sharding.reshard(x, _sharding(s.mesh, keep))
+    return jnp.pad(x, widths, constant_values=np.asarray(value, x.dtype))
+
+
 def _unsplit(x):
     """``x`` typed whole. custom_partitioning traces the unsplit function on the global types, and
     those name mesh axes on an Explicit mesh, where a local reshape of the per-device function would
