@@ -20,12 +20,19 @@ Under a mesh with ``AxisType.Explicit`` axes the operands' shardings are known w
 same plan types the results (``jax.typeof`` shows them). The callbacks decode the operands' shardings
 themselves: Shardy may split a mesh axis between the parts of a compound factor, which no
 PartitionSpec names; such an operand is read as replicated (the plan asks for it whole).
+
+No input makes a rule fail the compile: the Shardy rule is checked as jax will check it, and a rule
+or plan that fails (a bug of ours) gives way to whole operands with a :class:`PartitioningRuleWarning`
+(tests/test_sharded_sweep.py asserts none fires). :func:`rows_view` and :func:`pad_end` are the
+reshape and pad of the ops' wrappers that an Explicit type cannot always carry a split through: they
+gather that split, with a warning, where jax would raise.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
+import threading
 from functools import partial
 from typing import Callable, Optional
 
@@ -445,22 +452,24 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
     return prim, local
 
 
-class _MeshContext:
-    """The abstract mesh context of this thread, set aside while jax traces a per-device function."""
+class _MeshContext(threading.local):
+    """The abstract mesh context of this thread (jax keeps it per thread), set aside while jax traces a
+    per-device function."""
 
     pending: Optional[jax.sharding.use_abstract_mesh] = None
 
-    @classmethod
-    def leave(cls) -> None:
-        cls.restore()
-        cls.pending = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        cls.pending.__enter__()
+    def leave(self) -> None:
+        self.restore()
+        self.pending = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+        self.pending.__enter__()
 
-    @classmethod
-    def restore(cls) -> None:
-        if cls.pending is not None:
-            cm, cls.pending = cls.pending, None
+    def restore(self) -> None:
+        if self.pending is not None:
+            cm, self.pending = self.pending, None
             cm.__exit__(None, None, None)
+
+
+_MESH_CONTEXT = _MeshContext()
 
 
 def _traced_without_mesh(fn: Callable) -> Callable:
@@ -472,13 +481,13 @@ def _traced_without_mesh(fn: Callable) -> Callable:
     compile fails: "No registered implementation for untyped custom call to Sharding"). The values
     are one device's: the context is left here, before jax types the arguments, and restored when
     ``fn`` returns (or, should jax not call it, at the next callback)."""
-    _MeshContext.leave()
+    _MESH_CONTEXT.leave()
 
     def local(*args):
         try:
             return fn(*args)
         finally:
-            _MeshContext.restore()
+            _MESH_CONTEXT.restore()
 
     return local
 
