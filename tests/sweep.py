@@ -179,14 +179,16 @@ def _even(case: Case) -> bool:
 
 def _within_budget(case: Case) -> Case:
     """``case`` with dims shrunk to the size budget: the batch of sequences first, then the largest dim
-    that is not a COMMON width, by whole residue periods of the mesh's size where it can (_smaller)."""
+    that is not a COMMON width (the largest of all where every one is), by whole residue periods of
+    the mesh's size where it can (_smaller)."""
     L = math.prod(MESHES[case.mesh][0])
     sizes = dict(zip(roles(case.op, case.sharding), (*case.x_shape, case.n)))
     while not _fits(case):
         if sizes.get("batch", 1) > 1:
             sizes["batch"] //= 2
         else:
-            role = max((r for r in sizes if r != "batch" and sizes[r] not in COMMON), key=sizes.get)
+            dims = [r for r in sizes if r != "batch"]
+            role = max([r for r in dims if sizes[r] not in COMMON] or dims, key=sizes.get)
             sizes[role] = _smaller(sizes[role], L)
         case = _make(case.op, case.mesh, case.construction, case.sharding, sizes)
     return case
