@@ -179,7 +179,7 @@ def _even(case: Case) -> bool:
 
 def _within_budget(case: Case) -> Case:
     """``case`` with dims shrunk to the size budget: the batch of sequences first, then the largest dim
-    that is not a COMMON width (the largest of all where every one is), by whole residue periods of
+    that is not a COMMON width and can shrink (else the largest that can), by whole residue periods of
     the mesh's size where it can (_smaller)."""
     L = math.prod(MESHES[case.mesh][0])
     sizes = dict(zip(roles(case.op, case.sharding), (*case.x_shape, case.n)))
@@ -187,8 +187,8 @@ def _within_budget(case: Case) -> Case:
         if sizes.get("batch", 1) > 1:
             sizes["batch"] //= 2
         else:
-            dims = [r for r in sizes if r != "batch"]
-            role = max([r for r in dims if sizes[r] not in COMMON] or dims, key=sizes.get)
+            dims = sorted((r for r in sizes if r != "batch"), key=lambda r: (sizes[r] not in COMMON, sizes[r]))
+            role = next(r for r in reversed(dims) if _smaller(sizes[r], L) < sizes[r])  # one that can shrink
             sizes[role] = _smaller(sizes[role], L)
         case = _make(case.op, case.mesh, case.construction, case.sharding, sizes)
     return case
