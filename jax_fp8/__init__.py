@@ -6,7 +6,8 @@ from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantiz
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
-from .primitives.partitioning import ShardingWarning
+from .warn import (CrossoverWarning, Fp8GemmFallbackWarning, Fp8Warning, GatherWarning, MXFP8GemmFallbackWarning,
+                   PartitioningRuleWarning, ShardingWarning)
 
 
 def kernels_available() -> dict:
@@ -31,6 +32,7 @@ def kernels_available() -> dict:
 __all__ = ["crossover", "distributed", "gemm_table", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
            "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
            "kernels_available"]
-__all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands",
-            "ShardingWarning"]
+__all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands"]
+__all__ += ["Fp8Warning", "ShardingWarning", "PartitioningRuleWarning", "Fp8GemmFallbackWarning",
+            "MXFP8GemmFallbackWarning", "CrossoverWarning", "GatherWarning"]
 __version__ = "0.1.0"

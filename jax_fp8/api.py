@@ -1,13 +1,11 @@
 """Public quantization API: each function names a Scheme and runs it on the FFI kernels (primitives)."""
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Sequence, Union
 
-import jax
 import jax.numpy as jnp
 
-from . import layout as _layout
+from . import quantization as _q
 from .formats import check_input, fp8_dtype
 from .contracts import e8m0_from_amax as _e8m0_from_amax
 from .scheme import Scheme, build_scheme
@@ -20,7 +18,7 @@ def quantize(x, scheme: Scheme) -> QuantizedTensor:
     """Quantize ``x`` with a :class:`jax_fp8.Scheme` (the format, FP8 dtype, usages and options)."""
     if not isinstance(scheme, Scheme):
         raise TypeError(f"quantize: scheme must be a jax_fp8.Scheme, got {scheme!r}")
-    return _layout.quantize(x, scheme, _layout.PRIMITIVES)
+    return _q.quantize(x, scheme, _q.PRIMITIVES)
 
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
@@ -68,7 +66,7 @@ def quantize_blockwise(x, block: Sequence[int] = (1, 128), dtype=jnp.float8_e4m3
 
 def to_layout(q: QuantizedTensor, layout: str) -> QuantizedTensor:
     """``q`` rearranged into ``layout`` ('compact' or 'gemm_ready'): the same bits, exact both ways."""
-    return _layout.to_layout(q, layout)
+    return _q.to_layout(q, layout)
 
 
 def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
@@ -77,26 +75,13 @@ def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
     ``dtype`` defaults to the dtype that was quantized; ``usage`` ('rowwise' or 'colwise') defaults to
     rowwise when present. NaN outputs are the dtype's canonical quiet NaN.
     """
-    return _layout.dequantize(q, dtype, usage, _layout.PRIMITIVES)
+    return _q.dequantize(q, dtype, usage, _q.PRIMITIVES)
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
     """E8M0 scale (uint8, biased 127) for block amaxes, TE's rule; same shape as ``amax``."""
     fp8_dtype(dtype)
     return _e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
-
-
-@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _qdq(x, scheme: Scheme, usage: str):
-    return dequantize(quantize(x, scheme), x.dtype, usage)
-
-
-@_qdq.defjvp
-def _qdq_jvp(scheme, usage, primals, tangents):
-    # Straight-through: the tangent passes unchanged. It is linear, so jax.grad transposes it into the
-    # identity VJP, and jvp / jacfwd / hessians see the same rule.
-    (x,), (t,) = primals, tangents
-    return _qdq(x, scheme, usage), t
 
 
 def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options):
@@ -113,4 +98,4 @@ def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options
     if usage not in ("rowwise", "colwise"):
         raise ValueError(f"quantize_dequantize: usage must be 'rowwise' or 'colwise', got {usage!r}")
     scheme = build_scheme("quantize_dequantize", fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
-    return _qdq(x, scheme, usage)
+    return _q.quantize_dequantize(x, scheme, usage)

@@ -19,7 +19,7 @@ from .gemm_plan import fold_dot_general
 from .gemm_table import local_device_kind, nearest, read_rows
 from .primitives.partitioning import explicit_sharding
 from .tensors import QUANTIZED_TENSORS
-from .warn import warn
+from .warn import CrossoverWarning, warn
 
 #: device kind (``jax.Device.device_kind``) -> recipe ("blockwise" or "mxfp8") -> rows
 #: ((M, K, N), bf16 time / FP8 time of the layer's forward + backward); FP8 pays where the ratio > 1.
@@ -32,10 +32,6 @@ TABLES: dict[str, dict[str, list]] = {
                       ((16384, 4096, 4096), 1.37)],
     },
 }
-
-
-class CrossoverWarning(UserWarning):
-    """``where="auto"`` found no crossover table for this GPU and recipe: every projection runs in FP8."""
 
 
 def recipe_name(recipe) -> str:

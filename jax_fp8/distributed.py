@@ -26,7 +26,7 @@ from . import vma
 from .arrays import bitcast, view_2d
 from .formats import high_dtype
 from .gather import all_gather_dequantized, all_gather_first_dim
-from .layout import assemble, to_layout
+from .quantization import assemble, to_layout
 from .primitives.partial import partial_amax_p, partial_cast_p
 from .scheme import build_scheme, unpack_grids
 from .master_shards import check_shapes, local_shards, shard_windows, split_masters, tiling_errors

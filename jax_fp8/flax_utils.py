@@ -469,7 +469,7 @@ def fp8_autocast(recipe: Recipe = None, *, where: Where = None, report: Optional
     if not converter.calls:
         warn("fp8_autocast: no flax.linen module was traced inside the context, so nothing ran on FP8 "
              "(a function jitted and traced before it keeps what it traced: trace it inside, or use "
-             "jax_fp8.flax_utils.fp8_model(module).apply)", UserWarning)
+             "jax_fp8.flax_utils.fp8_model(module).apply)")
     if log:
         logger.info("%s", report)
 

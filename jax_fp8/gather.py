@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import vma
-from .api import dequantize, quantize, to_layout
+from .quantization import dequantize, quantize, to_layout
 from .arrays import bitcast, view_2d
 from .scheme import Scheme
 from .tensors import QUANTIZED_TENSORS
-from .warn import warn
+from .warn import GatherWarning, warn
 
 
 def _gather(a, axis_name, axis: int = 0):
@@ -125,7 +125,7 @@ def all_gather_first_dim(x, axis_name, scheme: Optional[Scheme] = None):
     convert = quantized and not scheme.satisfied_by(x.scheme)
     if convert:
         warn(f"all_gather_first_dim: the input is {x.scheme} but {scheme} was asked for: "
-             "requantizing its dequantized values (a second rounding)")
+             "requantizing its dequantized values (a second rounding)", GatherWarning)
     rows = view_2d(shape)[0]
     if rows % scheme.block_rows == 0:
         if quantized and not convert:
@@ -135,7 +135,7 @@ def all_gather_first_dim(x, axis_name, scheme: Optional[Scheme] = None):
         return _gather_quantized(q, axis_name, ranks)
     warn(f"all_gather_first_dim: local shape {tuple(shape)} has {rows} rows, not a multiple of the "
          f"{scheme.block_rows}-row blocks of {scheme.fmt}; gathering in high precision and "
-         "quantizing after the gather")
+         "quantizing after the gather", GatherWarning)
     hp = dequantize(x) if quantized else x
     return quantize(_gather(hp, axis_name), scheme)
 

@@ -28,19 +28,18 @@ import numpy as np
 from jax import lax
 
 from . import vma
-from .api import dequantize, quantize, quantize_dequantize
 from .arrays import view_2d
 from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
-from .mx_gemm import MXFP8GemmFallbackWarning, warn_reference
+from .mx_gemm import warn_reference
 from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
 from .gemm_plan import (DotPlan, GemmPlan, Step, dimension_numbers_tuple, fold_dot_general, plan_dot_general,
                         plan_gemm, usage_read)
-from .layout import quantize_stacked
-from .primitives.gemm import BLOCK_1D, BLOCK_2D, Fp8GemmFallbackWarning
+from .quantization import dequantize, quantize, quantize_dequantize, quantize_stacked
+from .primitives.gemm import BLOCK_1D, BLOCK_2D
 from .primitives.partitioning import explicit_sharding
 from .scheme import Scheme
 from .tensors import QUANTIZED_TENSORS
-from .warn import warn
+from .warn import Fp8GemmFallbackWarning, MXFP8GemmFallbackWarning, warn
 
 Array = Any
 __all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "plan_gemm", "GemmOperand", "GemmPlan",
@@ -119,7 +118,7 @@ class _Linear:
 @dataclasses.dataclass(frozen=True)
 class _Stacked:
     """A (B, S, K) activation or gradient quantized as its B*S rows with B and S kept apart, so that a
-    split S stays split under jit (:func:`~jax_fp8.layout.quantize_stacked`): rowwise data (B, S, K)
+    split S stays split under jit (:func:`~jax_fp8.quantization.quantize_stacked`): rowwise data (B, S, K)
     with scales (K/128, B, S), columnwise data (K, B, S) with scales (B, S/128, K); the stacked
     operands of ``jf_fp8_gemm``, folded by reshapes. With S % 128 == 0 every block lies inside one
     sequence: the same blocks, bits and GEMMs as the (B*S, K) tensor's."""
@@ -279,10 +278,10 @@ def _fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
         return x, f"as it is ({jnp.dtype(x.dtype).name} is not a float type FP8 can quantize)"
     if x.ndim == 0 or x.size == 0:
         return x, f"as it is ({'a scalar' if x.ndim == 0 else 'empty'}: nothing to quantize)"
+    qdq = quantize_dequantize(x, dataclasses.replace(scheme.only("rowwise"), layout="compact", saturate_inf=True),
+                              "rowwise")
     if scheme.e8m0:
-        return quantize_dequantize(x, "mxfp8", usage="rowwise", dtype=scheme.dtype), "quantize-dequantized (MXFP8)"
-    qdq = quantize_dequantize(x, "blockwise", usage="rowwise", block=scheme.block, dtype=scheme.dtype,
-                              pow2_scales=scheme.pow2_scales, amax_epsilon=scheme.amax_epsilon)
+        return qdq, "quantize-dequantized (MXFP8)"
     blocks = "128x128 tiles" if tuple(scheme.block) == BLOCK_2D else "x".join(map(str, scheme.block)) + " blocks"
     # infinities reach the dot, as in lax.dot_general
     return jnp.where(jnp.isfinite(x), qdq, x), f"quantize-dequantized ({blocks})"

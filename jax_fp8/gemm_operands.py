@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import E8M0_DTYPE
-from .api import to_layout
+from .quantization import to_layout
 from .arrays import bitcast, cdiv, view_2d
 from .formats import MX_BLOCK
 from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, plan_mx_gemm, usage_read
 from .mx_gemm import mx_gemm, mx_values
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, Fp8GemmFallbackWarning, GemmBackend, blocked_gemm,
+from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, GemmBackend, blocked_gemm,
                               dense_gemm, fp8_gemm_bind, operand_scale_shape, operand_values)
 from .primitives.partitioning import pad_end
 from .scheme import GEMM_SCALE_PAD
 from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
-from .warn import warn
+from .warn import Fp8GemmFallbackWarning, warn
 
 Array = Any
 

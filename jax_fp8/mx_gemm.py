@@ -28,11 +28,7 @@ from .arrays import bitcast, cdiv
 from .formats import MX_BLOCK
 from .primitives.gemm import OUT_DTYPES
 from .scheme import Scheme
-from .warn import warn
-
-
-class MXFP8GemmFallbackWarning(UserWarning):
-    """An MXFP8 GEMM ran as its reference (dequantize + fp32 dot): no block-scaled MXFP8 GEMM here."""
+from .warn import MXFP8GemmFallbackWarning, warn
 
 
 def mx_values(data, scale):

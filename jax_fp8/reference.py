@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import layout
+from . import quantization
 from .contracts import (block_amax, block_scale_from_amax, cast_to_fp8, dequantize_blocks, e8m0_from_amax,
                       e8m0_reciprocal, e8m0_to_float, expand_blocks, partial_amax, partial_amax_group, partial_cast,
                       partial_cast_group, quantize_blocks, quantize_usages)
@@ -20,7 +20,7 @@ from .scheme import Scheme, build_scheme
 
 def quantize(x, scheme: Scheme):
     """Reference of :func:`jax_fp8.quantize`."""
-    return layout.quantize(x, scheme, layout.CONTRACTS)
+    return quantization.quantize(x, scheme, quantization.CONTRACTS)
 
 
 def quantize_mxfp8(x, dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, layout="compact"):
@@ -39,7 +39,7 @@ def quantize_blockwise(x, block=(1, 128), dtype=jnp.float8_e4m3fn, pow2_scales=T
 
 def dequantize(q, dtype=None, usage=None):
     """Reference of :func:`jax_fp8.dequantize`."""
-    return layout.dequantize(q, dtype, usage, layout.CONTRACTS)
+    return quantization.dequantize(q, dtype, usage, quantization.CONTRACTS)
 
 
 __all__ = ["quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",

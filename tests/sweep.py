@@ -33,7 +33,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.primitives.partitioning import PartitioningRuleWarning, spec_axes
+from jax_fp8 import PartitioningRuleWarning
+from jax_fp8.primitives.partitioning import spec_axes
 from helpers import assert_bits_equal, assert_tensors_equal, random_input, stable_seed
 
 _CPU = jax.devices("cpu")[0]

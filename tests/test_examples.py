@@ -44,7 +44,7 @@ def test_shard_map_model_mxfp8(capsys):
     """--recipe mxfp8: MXFP8 master weights (one uint8 scale all-reduce) and activations gathered as FP8
     (128 local rows: whole 32-row blocks), fed to fp8_dot_general without a second quantization."""
     import shard_map_model
-    from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+    from jax_fp8 import MXFP8GemmFallbackWarning
 
     with pytest.warns(MXFP8GemmFallbackWarning):
         losses = shard_map_model.main(["--steps", "8", "--seq-len", "256", "--batch", "4", "--log-every", "4",

@@ -13,7 +13,7 @@ from jax import export
 
 import jax_fp8 as jf
 import jax_fp8.mx_gemm
-from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+from jax_fp8 import MXFP8GemmFallbackWarning
 from helpers import assert_bits_equal, deq, on_cpu, stable_seed
 from test_dot_general_vjp import _fwd_bwd, _wide, assert_three_gemms_within
 

@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.primitives.partitioning import ShardingWarning
+from jax_fp8 import ShardingWarning
 from helpers import assert_bits_equal, assert_tensors_equal, random_input, stable_seed
 
 _CPU = jax.devices("cpu")[0]  # the meshes are CPU devices: the unsharded references run there too
@@ -343,7 +343,7 @@ def test_a_split_over_two_axes_that_no_spec_can_name(mode):
 # ---- the stacked quantize of fp8_dot_general's (B, S, K) operands ------------------------------------
 def _stacked_vs_folded(x3, scheme):
     """The stacked outputs, and the folded (B*S, K) quantize's outputs reshaped to the stacked layout."""
-    from jax_fp8.layout import quantize_stacked
+    from jax_fp8.quantization import quantize_stacked
 
     B, S, K = x3.shape
     folded = jf.quantize(x3.reshape(B * S, K), scheme)

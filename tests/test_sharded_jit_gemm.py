@@ -15,8 +15,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.gemm import Fp8GemmFallbackWarning
-from jax_fp8.primitives.partitioning import ShardingWarning
+from jax_fp8 import Fp8GemmFallbackWarning
+from jax_fp8 import ShardingWarning
 from helpers import assert_bits_equal, assert_tensors_equal, random_input, stable_seed
 from test_sharded_jit import (_CPU, MODES, _assert_sharded_as, _large, _mesh, _norm, _put, assert_close_reassociated,
                               collectives)

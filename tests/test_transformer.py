@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from jax_fp8.mx_gemm import MXFP8GemmFallbackWarning
+from jax_fp8 import MXFP8GemmFallbackWarning
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")

@@ -48,6 +48,7 @@ from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from .. import contracts
 from ..scheme import GEMM_SCALE_PAD, Scheme, check_block
 from ..vma import out_aval
+from ..warn import Fp8GemmFallbackWarning
 from .partitioning import Dim, Rule
 from .quantize import scale_dims
 from .registration import define_primitive
@@ -484,11 +485,6 @@ def _as_bytes(x):
 
 
 _as_bytes.defjvp(lambda primals, tangents: ad.primitive_jvps[gemm_p](primals, tangents))
-
-
-class Fp8GemmFallbackWarning(UserWarning):
-    """``fp8_dot_general``, ``fp8_gemm`` or ``jf_fp8_gemm`` computed a product by the reference math
-    (correct, not fast); the message says why."""
 
 
 # ---- lowering: the reference everywhere, the backend's kernel where it runs --------------------------

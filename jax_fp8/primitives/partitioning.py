@@ -46,16 +46,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._compat import Primitive, ShapedArray, apply_primitive, mlir
-from ..warn import warn
-
-
-class ShardingWarning(UserWarning):
-    """A jax_fp8 op under ``jax.jit`` gathers a sharded dim it cannot split (the message says why)."""
-
-
-class PartitioningRuleWarning(ShardingWarning):
-    """A jax_fp8 partitioning rule failed on these shapes and mesh, a bug in jax_fp8 (the message says
-    what failed; please report it): the op runs on whole operands instead, correct but unsplit."""
+from ..warn import PartitioningRuleWarning, ShardingWarning, warn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,10 @@ Kernels see (B, M, K) arrays; tensors keep the input's N-D shape with 2-D scales
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Callable, Optional
+
+import jax
 
 import numpy as np
 import jax.numpy as jnp
@@ -58,7 +61,7 @@ def assemble(scheme: Scheme, pairs, shape, dtype):
     return cls(*row, *col, tuple(shape), jnp.dtype(dtype), scheme)
 
 
-def quantize(x, scheme: Scheme, kernels: Kernels):
+def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
     """Quantize ``x`` (validated here) with ``scheme`` on ``kernels``."""
     x = check_input(x)
     M, K = view_2d(x.shape)
@@ -83,7 +86,7 @@ def quantize_stacked(x3, scheme: Scheme) -> dict:
     return dict(zip(scheme.kernel_usages, _kernel_pairs(scheme, quantize_p.bind(x3, scheme=scheme, stacked=True))))
 
 
-def dequantize(q, dtype, usage: Optional[str], kernels: Kernels):
+def dequantize(q, dtype=None, usage: Optional[str] = None, kernels: Kernels = PRIMITIVES):
     """``data * scale`` of one usage of ``q`` (default: rowwise when present), rounded to ``dtype``
     (default: the dtype that was quantized). A GEMM-ready tensor is read through its compact form."""
     if not isinstance(q, QUANTIZED_TENSORS):
@@ -126,3 +129,17 @@ def to_layout(q, layout: str):
         fields[f"{usage}_data"] = data
         fields[f"{usage}_scale_inv"] = scheme.scales_to_layout(xp, scale, M, K, usage, layout)
     return q.with_scheme(dataclasses.replace(scheme, layout=layout), **fields)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def quantize_dequantize(x, scheme: Scheme, usage: str):
+    """``dequantize(quantize(x, scheme), x.dtype, usage)`` on the primitives, with a straight-through
+    derivative: the tangent passes unchanged (it is linear, so ``jax.grad`` transposes it into the
+    identity VJP, and jvp / jacfwd / hessians see the same rule)."""
+    return dequantize(quantize(x, scheme), x.dtype, usage)
+
+
+@quantize_dequantize.defjvp
+def _quantize_dequantize_jvp(scheme, usage, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return quantize_dequantize(x, scheme, usage), t
