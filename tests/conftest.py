@@ -5,6 +5,7 @@ Both flags must be in XLA_FLAGS before jax creates its backends, hence here, bef
 Without the compiled modules every primitive lowers through the jax.numpy reference, and the suite
 would compare the reference with itself and pass; the session refuses to start instead.
 """
+import glob
 import os
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -23,6 +24,14 @@ import jax_fp8  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--sweep-examples", type=int, default=0, metavar="N",
                      help="test_sharded_sweep.py: also run N sharded-jit programs drawn by hypothesis")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per CPU core, but none beside a GPU, where every
+    worker would take its own share of the one device's memory."""
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _missing_kernels() -> list[str]:
