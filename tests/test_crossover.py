@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8 import crossover
+from jax_fp8.gemm import crossover
 from helpers import assert_bits_equal, stable_seed
 
 flax = pytest.importorskip("flax")
@@ -100,7 +100,7 @@ def test_auto_passes_through_what_is_no_layer(table):
     x = jnp.ones((2, 64, 128), jnp.float32)
     batched = (((2,), (2,)), ((0,), (0,)))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jf.gemm.Fp8GemmFallbackWarning)
+        warnings.simplefilter("ignore", jf.Fp8GemmFallbackWarning)
         got = auto(x, x, batched)
         want = jf.fp8_dot_general(x, x, batched)
     assert_bits_equal(got, want, "batched")

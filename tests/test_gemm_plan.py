@@ -1,4 +1,4 @@
-"""The GEMM plan (jax_fp8/gemm_plan.py): one place decides, per fp8_dot_general call, the three GEMMs'
+"""The GEMM plan (jax_fp8/gemm/plan.py): one place decides, per fp8_dot_general call, the three GEMMs'
 operands and orientations, sizes, blocks, dtypes, backend and fallback reasons; the VJP executes it.
 A second backend plugs in as one GemmBackend in BACKENDS."""
 import dataclasses
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from jax_fp8 import gemm_plan
-from jax_fp8.gemm_plan import Operand, plan_dot_general, plan_gemm
-from jax_fp8.primitives.cublaslt import CUBLASLT
-from jax_fp8.primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from jax_fp8.gemm import backends
+from jax_fp8.gemm.plan import Operand, plan_dot_general, plan_gemm
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
+from jax_fp8.gemm.contract import BLOCK_1D, BLOCK_2D, GemmBackend
 from helpers import assert_bits_equal, stable_seed
 
 KN = (((1,), (0,)), ((), ()))  # x (M, K) . W (K, N), flax's kernel
@@ -96,7 +96,7 @@ def test_a_second_backend_is_one_entry_in_backends(monkeypatch):
     w = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
     f = jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))
     want = f(x, w)
-    monkeypatch.setattr(gemm_plan, "BACKENDS", (other, CUBLASLT))
+    monkeypatch.setattr(backends, "BACKENDS", (other, CUBLASLT))
     assert plan_gemm(192, 128, 256).backend is other and plan_gemm(8, 128, 256).backend is CUBLASLT
     loss = lambda x, w: jf.fp8_dot_general(x, w, KN).sum()  # noqa: E731
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))  # fprop (M 192), dgrad (192), wgrad (M 256)
@@ -105,7 +105,7 @@ def test_a_second_backend_is_one_entry_in_backends(monkeypatch):
         warnings.simplefilter("error")
         assert_bits_equal(jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))(x, w), want)
     gx, gw = jax.grad(loss, (0, 1))(x, w)
-    monkeypatch.setattr(gemm_plan, "BACKENDS", (CUBLASLT,))
+    monkeypatch.setattr(backends, "BACKENDS", (CUBLASLT,))
     rx, rw = jax.grad(loss, (0, 1))(x, w)
     assert_bits_equal(gx, rx)
     assert_bits_equal(gw, rw)

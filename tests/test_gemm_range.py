@@ -17,9 +17,9 @@ import pytest
 
 import jax_fp8 as jf
 from jax_fp8 import _ffi, gemm as G
-from jax_fp8.gemm_plan import plan_gemm
-from jax_fp8.primitives import cublaslt
-from jax_fp8.primitives.gemm import dense_gemm
+from jax_fp8.gemm.plan import plan_gemm
+from jax_fp8.gemm.backends import cublaslt
+from jax_fp8.gemm.reference import dense_gemm
 from helpers import stable_seed
 from test_gemm import B1, B2, BF16, F32, NK, assert_within, gemm_bound, one_warning, strict  # noqa: F401
 

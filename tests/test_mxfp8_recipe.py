@@ -12,7 +12,7 @@ import pytest
 from jax import export
 
 import jax_fp8 as jf
-import jax_fp8.mx_gemm
+from jax_fp8.gemm.backends import cudnn
 from jax_fp8 import MXFP8GemmFallbackWarning
 from helpers import assert_bits_equal, deq, on_cpu, stable_seed
 from test_dot_general_vjp import _fwd_bwd, _wide, assert_three_gemms_within
@@ -103,7 +103,7 @@ def test_mixing_formats_falls_back_with_a_reason(quiet):
     rng = np.random.default_rng(stable_seed("mx mix"))
     x = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
     wb = jf.quantize_blockwise(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), block=(128, 128))
-    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning, match="a Float8 blockwise rhs with the MXFP8 recipe"):
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="a Float8 blockwise rhs with the MXFP8 recipe"):
         jf.fp8_dot_general(x, wb, KN, recipe=jf.MXFP8BlockScaling())
     with pytest.raises(TypeError, match="recipe must be a Float8BlockScaling or MXFP8BlockScaling"):
         jf.fp8_dot_general(x, x.T, KN, recipe="mxfp8")
@@ -116,7 +116,7 @@ def test_cuda_lowering_is_the_block_scaled_dot_on_our_operands(quiet, monkeypatc
     dots (``__op$block_scaled_dot``) whose operands are FP8 data with E8M0 scales, what jax_fp8 quantized
     (no dot_general of dequantized values, no second quantization). The target is a Blackwell: on a
     machine whose own GPUs are older the call would take the reference, so the test says Blackwell."""
-    monkeypatch.setattr(jax_fp8.mx_gemm, "cudnn_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lowers_for_cuda", lambda: None)
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
