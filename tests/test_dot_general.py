@@ -171,7 +171,7 @@ def test_non_finite_values_propagate_like_lax(dtype, dn, where, shape):
         np.testing.assert_array_equal(g, r, err_msg=f"{name}: finite entries differ from lax.dot_general's")
 
 
-def test_inf_input_issue_repro():
+def test_inf_input_reported_case():
     """The reported case: an inf in x gave 449.29 where lax.dot_general gives inf."""
     x = np.ones((128, 128), np.float32)
     x[0, 0] = np.inf

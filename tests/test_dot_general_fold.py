@@ -1,4 +1,4 @@
-"""``fp8_dot_general`` on N-D operands (issue 46): a call whose operands are the GEMM's 2-D problem by
+"""``fp8_dot_general`` on N-D operands: a call whose operands are the GEMM's 2-D problem by
 reshapes alone (several contracting dims folded into one K, an N-D weight's free dims into N; the rules:
 ``jax_fp8.gemm.plan.fold_dot_general``) runs on the FP8 GEMM with its FP8 VJP, bit for bit as the same
 call on the explicitly reshaped 2-D operands (forward and both gradients), unwarned; what cannot fold
@@ -311,7 +311,7 @@ def test_einsum_with_two_contracting_dims(strict):
 # ---- sharded: jit with NamedShardings, and jax.shard_map --------------------------------------------------
 #: The attention block's shapes: x (B, S, d), q/k/v kernel (d, H, Dh), out kernel (H, Dh, d); S = 128:
 #: stacked sequences under jit. (M = B * S = 1024 is a contraction (wgrad) width at which
-#: ``partitioning.py``'s rules crashed before its fix, issue 46.)
+#: ``partitioning.py``'s rules once crashed: a Shardy factor used only in compound factors.)
 B, S, D_MODEL, HEADS = 8, 128, 256, 8
 
 

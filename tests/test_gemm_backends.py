@@ -177,8 +177,11 @@ def test_backend_options_are_one_object_per_choice():
     if CUTLASS is not None:
         with pytest.raises(ValueError, match="swizzle must be one of"):
             CUTLASS.with_options(config=0, swizzle=3)
-    with pytest.raises(TypeError, match="backend must be a GemmBackend"):
-        G.fp8_gemm(*_problem("aligned", "1D2D")[:2], backend="cutlass")
+    qa, qb = _problem("aligned", "1D2D")[:2]
+    with pytest.raises(TypeError, match="backend must be a GemmBackend, a backend's name or None"):
+        G.fp8_gemm(qa, qb, backend=3)
+    with pytest.raises(ValueError, match="backend must be a GemmBackend, one of .*'reference'.* got 'cublas'"):
+        G.fp8_gemm(qa, qb, backend="cublas")
 
 
 # ---- the CUDA lowering of a kernel choice -------------------------------------------------------------

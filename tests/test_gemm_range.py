@@ -91,8 +91,9 @@ def test_fp8_gemm_near_max_is_finite(dtype, out_dtype, huge, blocks, strict, req
     """fp8_gemm on a shape the FP8 GEMM takes (K = 300: padded, three K blocks): finite, within the bound."""
     if CUBLASLT and huge == "a" and blocks == (B1, B1):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "measured on the H200 (bench/RESULTS.md, run 71): cuBLASLt 13.1's 1x128 x 1x128 GEMM overflows on "
-            "this case, where its 1x128 x 128x128 and 128x128 x 1x128 GEMMs and the reference do not")))
+            "measured on the H200 (bench/RESULTS.md, section \"non-finite values through the GEMM, the reference "
+            "GEMM\"): cuBLASLt 13.1's 1x128 x 1x128 GEMM overflows on this case, where its 1x128 x 128x128 and "
+            "128x128 x 1x128 GEMMs and the reference do not")))
     M, N, K = 40, 56, 300
     rng = np.random.default_rng(stable_seed("range-gemm", dtype, huge, blocks))
     qa, qb = _quantize(*planted(rng, M, N, K, dtype, huge), blocks, huge)

@@ -113,19 +113,18 @@ def plan_of(a: GemmOperand, b: GemmOperand, backend=None) -> GemmPlan:
 
 
 def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
-    """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend (padded to its sizes: under the
-    ``jf_fp8_gemm`` primitive, or by the backend's ``compute``), else by the reference math; no warning
-    here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the plan checked), or fp32 values
+    """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend, padded to its sizes (a kernel
+    under the ``jf_fp8_gemm`` primitive, or the backend's ``compute``), else by the reference math on the
+    operands as they are; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the plan checked), or fp32 values
     (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
         return dense_gemm(*vals, c, out_dtype=out_dtype)
-    backend = plan.backend if plan.ok else REFERENCE  # the reference: no overflow the GEMM lacks
-    if backend.compute is not None:  # a jax function (sizes as they are: no padding)
-        return backend.compute(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
-                               out_dtype=out_dtype)
+    if not plan.ok:  # the reference math on the operands as they are: no overflow the GEMM lacks
+        return REFERENCE.compute(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                                 out_dtype=out_dtype)
     dtype = gemm_dtype(out_dtype)
-    if a.data.ndim == 3:  # stacked sequences
+    if a.data.ndim == 3:  # stacked sequences (kernel backends only, as the plan checked)
         out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
                             backend=plan.backend)
         return out.astype(out_dtype)
@@ -133,8 +132,12 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
     if c is not None:
         c = pad_end(c.astype(dtype), (Mp, Np))
     a, b = a.padded(Mp, Kp), b.padded(Np, Kp)
-    out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
-                        backend=plan.backend)
+    if plan.backend.compute is not None:  # a jax function
+        out = plan.backend.compute(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                                   out_dtype=dtype)
+    else:  # a kernel under the primitive
+        out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
+                            backend=plan.backend)
     return out[:M, :N].astype(out_dtype)
 
 

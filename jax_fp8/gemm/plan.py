@@ -90,6 +90,9 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
         return GemmPlan(**args, reason=reason)
     taken, why = [], []
     fmt = format_of(a_block)
+    if backend is backends.REFERENCE:  # at the sizes of the plan's own choice: the same bits where that
+        chosen = plan_gemm(**args)     # computes the reference too (its lowering off its GPU)
+        return GemmPlan(**args, backend=backend, padded=chosen.padded if chosen.ok else (args["M"], args["N"], args["K"]))
     candidates = tuple(b for b in backends.BACKENDS if b.takes(fmt)) if backend is None else (backend,)
     if backend is not None and not backend.takes(fmt):
         return GemmPlan(**args, reason=f"{backend.name} takes {' and '.join(backend.formats)} operands, not {fmt}")
