@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._compat import E8M0_DTYPE
 from ..arrays import bitcast, cdiv, view_2d
