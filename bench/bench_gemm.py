@@ -333,7 +333,7 @@ def show(section: str, t: dict, flops: float, base_name: str = "bf16", what: str
                   f"{base_name}{THREE if three else ''}{what}")
 
 
-#: the crossover grid (issue 31's widths: d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
+#: the crossover grid (d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
 CROSSOVER_M, CROSSOVER_KN = (4096, 8192, 16384), (512, 1024, 2048, 4096, 8192, 14336)
 
 
