@@ -101,9 +101,9 @@ def test_unknown_implementations_raise(bad):
 
 def test_a_named_backend_that_cannot_take_the_call(monkeypatch):
     """A named backend that runs here but cannot take one of the call's GEMMs (its sizes; the backward's
-    count: the call plans them), or a call that is no GEMM at all (batch dims), raises; "reference" takes both (the second as the lax.dot_general
-    fallback, with its warning). A made-up backend that runs anywhere, taking only K <= 256: one more
-    entry in BACKENDS."""
+    count: the call plans them), or a call that is no GEMM at all (batch dims), raises; "reference" takes
+    both (the second as the lax.dot_general fallback, with its warning). A made-up backend that runs
+    anywhere, taking only K <= 256: one more entry in BACKENDS."""
     def small_k(M, N, K, *blocks_and_dtypes):
         return ((M, N, K), None) if K <= 256 else (None, f"K = {K} is over 256")
 

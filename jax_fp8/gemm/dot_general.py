@@ -311,8 +311,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     it is; its GEMMs run on cuDNN where the GPUs are Blackwell, else as their reference (a bf16 GEMM of
     the dequantized operands, fp32 accumulation) with one ``MXFP8GemmFallbackWarning``. Differentiable
     through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on the operands quantized in the
-    forward (see the module docstring); gradients come back in the primal dtypes. Works under ``jit`` (sharded operands split as ``lax.dot_general``'s; README,
-    "Sharded jit"), ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
+    forward (see the module docstring); gradients come back in the primal dtypes. Works under ``jit``
+    (sharded operands split as ``lax.dot_general``'s; README, "Sharded jit"), ``vmap``, ``grad``,
+    ``jax.checkpoint`` and ``shard_map``.
 
     Taken by the GEMM: every call that is a 2-D product ``x (M, K) · W`` by reshapes alone (no transpose,
     no copy; the rules: :func:`~jax_fp8.gemm.plan.fold_dot_general`): ``lhs``'s contracting dims are its

@@ -114,8 +114,8 @@ def plan_of(a: GemmOperand, b: GemmOperand, backend=None) -> GemmPlan:
 def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
     """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend, padded to its sizes (a kernel
     under the ``jf_fp8_gemm`` primitive, or the backend's ``compute``), else by the reference math on the
-    operands as they are; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the plan checked), or fp32 values
-    (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
+    operands as they are; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the
+    plan checked), or fp32 values (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
         return dense_gemm(*vals, c, out_dtype=out_dtype)
@@ -170,7 +170,8 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None, *, backend: GemmBackend | str
     if isinstance(backend, str):
         names = implementations()
         if backend not in names:
-            raise ValueError(f"fp8_gemm: backend must be a GemmBackend, one of {sorted(names)} or None, got {backend!r}")
+            raise ValueError(f"fp8_gemm: backend must be a GemmBackend, one of {sorted(names)} or None, got "
+                             f"{backend!r}")
         backend = names[backend]
     if backend is not None and not isinstance(backend, GemmBackend):
         raise TypeError(f"fp8_gemm: backend must be a GemmBackend, a backend's name or None, got "

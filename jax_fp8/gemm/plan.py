@@ -92,7 +92,8 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
     fmt = format_of(a_block)
     if backend is backends.REFERENCE:  # at the sizes of the plan's own choice: the same bits where that
         chosen = plan_gemm(**args)     # computes the reference too (its lowering off its GPU)
-        return GemmPlan(**args, backend=backend, padded=chosen.padded if chosen.ok else (args["M"], args["N"], args["K"]))
+        padded = chosen.padded if chosen.ok else (args["M"], args["N"], args["K"])
+        return GemmPlan(**args, backend=backend, padded=padded)
     candidates = tuple(b for b in backends.BACKENDS if b.takes(fmt)) if backend is None else (backend,)
     if backend is not None and not backend.takes(fmt):
         return GemmPlan(**args, reason=f"{backend.name} takes {' and '.join(backend.formats)} operands, not {fmt}")
@@ -370,7 +371,8 @@ def _check_blocks(a_block, b_block) -> tuple[tuple, tuple]:
     """Both (1, 32) (MXFP8), or each (1, 128) or (128, 128) (Float8 blockwise)."""
     if MX_BLOCK_1D in (tuple(a_block), tuple(b_block)):
         if tuple(a_block) != tuple(b_block):
-            raise ValueError(f"plan_gemm: an MXFP8 operand with a Float8 blockwise one ({a_block} and {b_block} blocks)")
+            raise ValueError(f"plan_gemm: an MXFP8 operand with a Float8 blockwise one ({a_block} and {b_block} "
+                             "blocks)")
         return MX_BLOCK_1D, MX_BLOCK_1D
     return check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
 
