@@ -37,7 +37,7 @@ __all__ += ["Fp8Warning", "ShardingWarning", "PartitioningRuleWarning", "Fp8Gemm
             "MXFP8GemmFallbackWarning", "CrossoverWarning", "GatherWarning"]
 __version__ = "0.1.0"
 
-#: module attributes that moved: old name -> (new module path, its attribute of jax_fp8)
+#: public module attributes that moved: old name -> the module it names now
 _MOVED = {"crossover": "jax_fp8.gemm.crossover", "gemm_table": "jax_fp8.gemm.table"}
 
 
