@@ -86,7 +86,7 @@ ffi::Error status_error(const GemmResult& r) {
   return ffi::Error(code, "jax_fp8: jf_cutlass_gemm: " + r.message);
 }
 
-// The kernel's alignment rules (sizes() in jax_fp8/primitives/cutlass.py pads to them): K % 16 (16-byte
+// The kernel's alignment rules (sizes() in jax_fp8/gemm/backends/cutlass.py pads to them): K % 16 (16-byte
 // rows of FP8 a and b), N % 8 for bfloat16 out / N % 4 for float32 (16-byte output rows), M % 4 with
 // 128x128 b blocks (a's scales are loaded by TMA then). Empty: fine.
 std::string alignment_problem(int pair, int out_type, int64_t M, int64_t N, int64_t K) {

@@ -1,7 +1,6 @@
 """The cuBLASLt backend (Hopper, sm_90; Float8 blockwise): the shapes its block-scaled FP8 GEMM takes,
-and its CUDA lowering under ``jf_fp8_gemm`` to our handler ``jf_cublaslt_gemm``
-(csrc/cublaslt_gemm.h), which calls cuBLASLt loaded at run
-time (:func:`cublaslt`)."""
+and its CUDA lowering under ``jf_fp8_gemm`` to our handler ``jf_cublaslt_gemm`` (csrc/cublaslt_gemm.h),
+which calls cuBLASLt loaded at run time (:func:`cublaslt`)."""
 from __future__ import annotations
 
 import functools
@@ -33,8 +32,8 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
     output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
     are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
-    padded GEMM does at most :data:`~jax_fp8.gemm.contract.MAX_PAD_GROWTH` times the work. M, N, K >= 1 (the plan and the
-    primitive refuse empty problems before asking a backend).
+    padded GEMM does at most :data:`~jax_fp8.gemm.contract.MAX_PAD_GROWTH` times the work. M, N, K >= 1
+    (the plan and the primitive refuse empty problems before asking a backend).
     """
     if a_block == b_block == BLOCK_2D:
         return None, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)"
