@@ -1,5 +1,5 @@
 // The FP8 block-scaled GEMM on CUTLASS's Hopper blockwise-scaling mainloop (CUTLASS >= 4.2, sm_90a):
-// out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/primitives/gemm.py, the same as the
+// out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/gemm/contract.py, the same as the
 // cuBLASLt backend's (cublaslt_gemm.h). Two parts:
 //
 // - the interface (always): the call's description (GemmCall), what came of it (GemmResult), the

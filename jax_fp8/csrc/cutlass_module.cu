@@ -2,7 +2,7 @@
 // blockwise-scaling mainloop (cutlass_gemm.cuh; kernels in cutlass_gemm_<pair>_<out>.cu), and its nanobind
 // module. Built only on request (CMake: JAX_FP8_CUTLASS), for sm_90a.
 //
-// The handler: out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/primitives/gemm.py, with
+// The handler: out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/gemm/contract.py, with
 // a in 1x128 blocks and b in 128x128 (a_block_rows = 1, b_block_rows = 128) or 1x128 blocks (both 1);
 // 128x128 blocks on a are not implemented. It is command-buffer compatible (a CUDA graph may capture
 // it): it takes its workspace as a result buffer (the lowering allocates `workspace_bytes`), never
