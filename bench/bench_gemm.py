@@ -17,7 +17,7 @@ Also: relative error against fp64 of blockwise vs per-tensor FP8 on activations 
 
   python bench/bench_gemm.py [--shapes 4096x4096x4096,...] [--iters 30] [--table gemm_table.json]
   python bench/bench_gemm.py --crossover [--grid-m ...] [--grid-kn ...] [--crossover-out crossover.json]
-    (the crossover table of jax_fp8.crossover: a linear layer bf16 vs FP8 over a grid of shapes)
+    (the crossover table of jax_fp8.gemm.crossover: a linear layer bf16 vs FP8 over a grid of shapes)
 """
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ from jax import lax
 import jax_fp8 as jf
 from _timing import jax_time
 from jax_fp8 import gemm as G
-from jax_fp8 import gemm_table
-from jax_fp8.primitives import cublaslt
-from jax_fp8.primitives.cublaslt import CUBLASLT
+from jax_fp8.gemm import table as gemm_table
+from jax_fp8.gemm.backends import cublaslt
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
 
 try:
-    from jax_fp8.primitives.cutlass import CUTLASS
+    from jax_fp8.gemm.backends.cutlass import CUTLASS
 except ImportError as e:  # not written / not installed yet
-    CUTLASS, CUTLASS_MISSING = None, f"jax_fp8.primitives.cutlass: {e}"
+    CUTLASS, CUTLASS_MISSING = None, f"jax_fp8.gemm.backends.cutlass: {e}"
 
 SHAPES = ("2048x2048x2048,4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,"
           "16384x512x4096")  # MxKxN
@@ -333,17 +333,17 @@ def show(section: str, t: dict, flops: float, base_name: str = "bf16", what: str
                   f"{base_name}{THREE if three else ''}{what}")
 
 
-#: the crossover grid (issue 31's widths: d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
+#: the crossover grid (d_model 512..4096, FFN 4x, 4096..16384 tokens), M x K x N
 CROSSOVER_M, CROSSOVER_KN = (4096, 8192, 16384), (512, 1024, 2048, 4096, 8192, 14336)
 
 
 def crossover(args) -> None:
-    """The crossover table of ``jax_fp8.crossover``: per shape of a grid, a linear layer's forward +
+    """The crossover table of ``jax_fp8.gemm.crossover``: per shape of a grid, a linear layer's forward +
     backward (quantization included) in bf16 and on ``fp8_dot_general`` (this GPU's GEMM table in use),
     side by side, 3 layers per jitted call (one per call, the small layers' times were JAX's dispatch:
     on the H100 a 4096x512x512 layer took 81 us in bf16); prints each ratio (bf16 time / FP8 time) and
     writes the rows (--crossover-out)."""
-    from jax_fp8 import crossover as X
+    from jax_fp8.gemm import crossover as X
 
     ms = [int(v) for v in args.grid_m.split(",")]
     kns = [int(v) for v in args.grid_kn.split(",")]
@@ -378,12 +378,12 @@ def main():
     ap.add_argument("--table", default=None, help="bench_gemm_tune.py's JSON: loaded into gemm_table.TABLE")
     ap.add_argument("--no-linear", action="store_true", help="GEMMs alone only")
     ap.add_argument("--crossover", action="store_true",
-                    help="measure the crossover table (jax_fp8.crossover) instead: a linear layer bf16 vs FP8 on a grid")
+                    help="measure the crossover table (jax_fp8.gemm.crossover) instead: a linear layer bf16 vs FP8 on a grid")
     ap.add_argument("--crossover-out", default=None, help="write the crossover rows to this JSON (crossover.load)")
     ap.add_argument("--grid-m", default=",".join(map(str, CROSSOVER_M)), help="--crossover: the M values")
     ap.add_argument("--grid-kn", default=",".join(map(str, CROSSOVER_KN)), help="--crossover: the K and N values")
     args = ap.parse_args()
-    warnings.simplefilter("always", G.Fp8GemmFallbackWarning)
+    warnings.simplefilter("always", jf.Fp8GemmFallbackWarning)
     kind = jax.devices()[0].device_kind
     print(f"backend={jax.default_backend()} device={kind} jax={jax.__version__} "
           f"cuBLASLt={cublaslt.cublaslt()} fp8 GEMM on CUDA unavailable because: {cublaslt.unavailable()}")

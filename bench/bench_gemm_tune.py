@@ -1,5 +1,5 @@
 """Autotuner of the FP8 blockwise GEMM (``jf_fp8_gemm``): times every candidate kernel per problem and
-writes the rows of :data:`jax_fp8.gemm_table.TABLE` (JSON for ``gemm_table.load``, and a Python literal).
+writes the rows of :data:`jax_fp8.gemm.table.TABLE` (JSON for ``jax_fp8.gemm.table.load``, and a Python literal).
 
 Problems, per linear-layer shape MxKxN (y = x·Wᵀ, x (M, K), W (N, K)):
   fprop, pair 1D2D: GEMM (M, N, K), a = x in 1x128 blocks, b = W in 128x128 tiles;
@@ -39,14 +39,14 @@ import jax.numpy as jnp
 import jax_fp8 as jf
 from _timing import jax_time
 from jax_fp8 import gemm as G
-from jax_fp8.primitives import cublaslt
-from jax_fp8.primitives.cublaslt import CANDIDATES, CUBLASLT
+from jax_fp8.gemm.backends import cublaslt
+from jax_fp8.gemm.backends.cublaslt import CANDIDATES, CUBLASLT
 
 try:
-    from jax_fp8.primitives.cutlass import CONFIGS, CUTLASS
+    from jax_fp8.gemm.backends.cutlass import CONFIGS, CUTLASS
     CUTLASS_MISSING = None
 except ImportError as e:  # being written: tune cuBLASLt alone
-    CUTLASS, CONFIGS, CUTLASS_MISSING = None, (), f"jax_fp8.primitives.cutlass: {e}"
+    CUTLASS, CONFIGS, CUTLASS_MISSING = None, (), f"jax_fp8.gemm.backends.cutlass: {e}"
 
 SHAPES = ("2048x2048x2048,4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,"
           "16384x512x4096")  # MxKxN
@@ -321,7 +321,7 @@ def main():
             say(f"cuBLASLt cannot run here: {why}")
             sys.exit(2)
         say(f"dry run: cuBLASLt unavailable ({why}); every candidate computes the reference math")
-        warnings.simplefilter("ignore", G.Fp8GemmFallbackWarning)
+        warnings.simplefilter("ignore", jf.Fp8GemmFallbackWarning)
     tuner = Tuner(args, gpu)
     tuner.use_cutlass = False
     if args.no_cutlass:
@@ -380,7 +380,7 @@ def main():
     n = sum(map(len, data["rows"].values()))
     say(f"done: {n} problems in {args.out}" + (" (stopped early by --max-seconds)" if tuner.stopped else ""))
     if n:
-        print("\n# gemm_table.TABLE entry (jax_fp8/gemm_table.py), or gemm_table.load(" + repr(args.out) + "):")
+        print("\n# gemm_table.TABLE entry (jax_fp8/gemm/table.py), or gemm_table.load(" + repr(args.out) + "):")
         print(table_literal(kind, data), flush=True)
 
 

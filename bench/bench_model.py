@@ -20,7 +20,7 @@ d_model / 128, the other sizes from their flags) or ``--configs widths``: 4096x1
 config starts from the same parameters and trains on the same batches; memory is freed between variants
 and configs; one summary table ends the run (step ms, ratio to bf16, loss ratio to bf16 per config).
 
-``fp8-auto`` runs each projection in FP8 only where jax_fp8.crossover's table says it gains on this GPU
+``fp8-auto`` runs each projection in FP8 only where jax_fp8.gemm.crossover's table says it gains on this GPU
 (``--crossover-table FILE``, as ``bench/bench_gemm.py --crossover-out`` writes it, is loaded first).
 
 ``--profile DIR``: after timing each config's variant, trace ``--profile-steps`` more steps with
@@ -57,8 +57,8 @@ import _transformer as T  # noqa: E402
 import step_profile  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
-from jax_fp8 import crossover  # noqa: E402
-from jax_fp8.gemm_table import local_device_kind  # noqa: E402
+from jax_fp8.gemm import crossover  # noqa: E402
+from jax_fp8.gemm.table import local_device_kind  # noqa: E402
 
 TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, untimed=3, dispatch=4,
             loss_window=4, warmup_s=0.0)
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"d_model/{TINY_HEAD_DIM}), or 'widths': " + ", ".join("x".join(map(str, w)) for w in WIDTHS)
                          + " (seq from --seq); default: the one config of the size flags")
     ap.add_argument("--crossover-table", metavar="JSON",
-                    help="jax_fp8.crossover.load() this table first (fp8-auto: where FP8 pays on this GPU)")
+                    help="jax_fp8.gemm.crossover.load() this table first (fp8-auto: where FP8 pays on this GPU)")
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
     ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
     ap.add_argument("--warmup-s", type=float, default=3.0,
@@ -143,7 +143,7 @@ def run_variant(args, cfg, variant: str, params, batches: list, keep: bool = Fal
     state = T.init_state(cfg, variant, jax.tree_util.tree_map(jnp.array, params), T.optimizer(args.lr))
     step = T.make_train_step()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", jf.gemm.Fp8GemmFallbackWarning)
+        warnings.simplefilter("always", jf.Fp8GemmFallbackWarning)
         t0 = time.perf_counter()
         lowered = step.lower(state, batches[0])
         step = lowered.compile()  # the same executable for every step
@@ -171,10 +171,10 @@ def run_variant(args, cfg, variant: str, params, batches: list, keep: bool = Fal
         jax.block_until_ready(state)
         group_s.append((time.perf_counter() - t0) / n)
     losses = [float(l) for l in losses]
-    fallbacks = sorted({str(w.message) for w in caught if issubclass(w.category, jf.gemm.Fp8GemmFallbackWarning)})
+    fallbacks = sorted({str(w.message) for w in caught if issubclass(w.category, jf.Fp8GemmFallbackWarning)})
     res = {"step_s": statistics.median(group_s), "groups": len(group_s), "untimed": n_untimed, "losses": losses,
            "compile_s": compile_s,
-           "fp8_gemm_calls": lowered.as_text().count("@jf_fp8_gemm"), "fallbacks": fallbacks, "profile": None}
+           "fp8_gemm_calls": sum(lowered.as_text().count(f"@jf_{b}_gemm") for b in ("cublaslt", "cutlass")), "fallbacks": fallbacks, "profile": None}
     del lowered
     if keep:
         res["live"] = (step, state)
@@ -230,7 +230,7 @@ def run_config(args, label: str, cfg, batch: int, out) -> dict:
                 f"projections {proj_flops / r['step_s'] / 1e12:.1f} TFLOP/s)  loss {r['losses'][0]:.4f} -> "
                 f"{final_loss(args, r):.4f}  compile+first step {r['compile_s']:.1f} s")
         if v.startswith("fp8"):
-            line += f"  jf_fp8_gemm custom calls: {r['fp8_gemm_calls']} ({n_proj} GEMMs in the model)"
+            line += f"  FP8 GEMM custom calls: {r['fp8_gemm_calls']} ({n_proj} GEMMs in the model)"
         out(line)
         for msg in r["fallbacks"]:
             out(f"           fallback: {msg}")

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 import jax_fp8 as jf
 from jax_fp8 import gemm as G
-from jax_fp8 import gemm_table
-from jax_fp8.primitives.cublaslt import CUBLASLT
+from jax_fp8.gemm import table as gemm_table
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
 
 PAIRS = {"1D2D": ((1, 128), (128, 128)), "1D1D": ((1, 128), (1, 128))}
 
@@ -27,7 +27,7 @@ PAIRS = {"1D2D": ((1, 128), (128, 128)), "1D1D": ((1, 128), (1, 128))}
 def backend_named(name: str):
     if name == CUBLASLT.name:
         return CUBLASLT
-    from jax_fp8.primitives.cutlass import CUTLASS  # noqa: PLC0415 - only when asked for
+    from jax_fp8.gemm.backends.cutlass import CUTLASS  # noqa: PLC0415 - only when asked for
 
     if name == CUTLASS.name:
         return CUTLASS

@@ -54,8 +54,8 @@ if [ "${BUILD:-1}" != 0 ]; then
   echo "SASS: $(grep -c 'LDG.E.128' /tmp/sass.txt) LDG.E.128, $(grep -c -E 'LDL|STL' /tmp/sass.txt) local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' /tmp/sass.txt)" | log sass_summary.txt
   rm -f /tmp/sass.txt
 fi
-python3 -c "import jax_fp8.primitives.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" 2>&1 | log gpu.txt
-python3 -c "from jax_fp8.primitives.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
+python3 -c "import jax_fp8.gemm.backends.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" 2>&1 | log gpu.txt
+python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
 # no -x: one failure hides no other result (run 24 stopped at an example test, before the layout tests)
 [ "${TESTS:-1}" != 0 ] && { stage tests; python3 -m pytest tests -q -n 0 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15; }
 [ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py tests/test_command_buffers.py tests/test_compiled_for_gpu.py -q -n 0 -p no:cacheprovider 2>&1 | log backends.log | tail -15; }

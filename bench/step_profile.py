@@ -30,7 +30,7 @@ What it relies on (check these on a new jax / GPU):
 Categories (the first rule that matches an instruction wins; a fusion is judged by its fused
 computations too):
 
-1. ``fp8 GEMM fprop / dgrad / wgrad``: custom calls ``jf_fp8_gemm*`` (cuBLASLt and CUTLASS). Backward when
+1. ``fp8 GEMM fprop / dgrad / wgrad``: custom calls ``jf_cublaslt_gemm`` and ``jf_cutlass_gemm``. Backward when
    the call's ``metadata={op_name=...}`` holds ``transpose(`` (JAX's name stack of a VJP; the forward
    reads ``jvp(...)``), else fprop. In the backward: wgrad when both operands have 1x128 blocks (the
    call's FFI attributes ``a_block_rows = 1`` and ``b_block_rows = 1``: jax_fp8's plan runs wgrad as
@@ -362,7 +362,7 @@ def classify(hlo: Hlo) -> dict[str, str]:
     for name, ins in hlo.instrs.items():
         names = _op_names(hlo, ins)
         if ours(ins):
-            out[name] = fp8_gemm_kind(hlo, ins) if ins.target.startswith("jf_fp8_gemm") else OURS_Q
+            out[name] = fp8_gemm_kind(hlo, ins) if ins.target in ("jf_cublaslt_gemm", "jf_cutlass_gemm") else OURS_Q
         elif "fmha" in ins.target.lower() or any(ATTN_RE.search(n) for n in names):
             out[name] = ATTN
         elif _is_gemm(hlo, ins):

@@ -8,7 +8,7 @@ the arithmetic, and nothing else changes between the variants:
   and gradients, 128x128 weights) on the FP8 GEMM in forward and backward; no FP8 state;
 - ``"bf16"``: ``lax.dot_general`` (bf16 operands, as flax's mixed precision gives them);
 - ``"fp8-auto"``: as ``"fp8"`` through ``fp8_dot_general_for(recipe, where="auto")``: each projection
-  runs in FP8 only where :mod:`jax_fp8.crossover`'s measured table says a layer of its shapes gains on
+  runs in FP8 only where :mod:`jax_fp8.gemm.crossover`'s measured table says a layer of its shapes gains on
   this GPU, else as ``lax.dot_general`` (no table for the GPU: FP8 everywhere, with a warning);
 - ``"flax-fp8"``: flax's per-tensor FP8 (``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``), whose
   scales and amax histories live in the ``_overwrite_with_gradient`` collection: its "gradients" are

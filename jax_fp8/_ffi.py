@@ -30,7 +30,7 @@ def _register(module_name: str, platform: str, xla_platform: str) -> None:
 
 _register("_jax_fp8_cpu", "cpu", "cpu")
 _register("_jax_fp8_cuda", "cuda", "CUDA")  # XLA wants "CUDA" exactly; lowercase registers nothing
-_register("_jax_fp8_cutlass", "cutlass", "CUDA")  # optional (JAX_FP8_CUTLASS=1): jf_fp8_gemm_cutlass
+_register("_jax_fp8_cutlass", "cutlass", "CUDA")  # optional (JAX_FP8_CUTLASS=1): jf_cutlass_gemm
 
 if not AVAILABLE["cpu"]:
     warnings.warn("jax_fp8: the CPU FFI module is not built (" + LOAD_ERRORS.get("cpu", "?") + "); "

@@ -26,7 +26,7 @@ what it converted and what it left and why (:class:`Fp8Report`):
 Neither touches a parameter (same tree, same values: checkpoints load either way). The attention's
 own products, q·k and p·v (``dot_product_attention``), multiply activations by activations: they are
 not projections and stay in bf16 (the report says so). ``where="auto"`` (every function here) keeps in
-bf16 the calls whose shapes were measured not to gain from FP8 on this GPU (:mod:`jax_fp8.crossover`).
+bf16 the calls whose shapes were measured not to gain from FP8 on this GPU (:mod:`jax_fp8.gemm.crossover`).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import jax.numpy as jnp
 from jax import lax
 
-from .crossover import layer_pays
+from .gemm.crossover import layer_pays
 from .gemm import RECIPES, Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general
 from .warn import warn
 
@@ -70,7 +70,7 @@ def fp8_dot_general_for(recipe: Recipe = None, where: str = "all") -> Callable:
     """``fp8_dot_general`` bound to ``recipe`` (default: :class:`Float8BlockScaling`()), as a ``dot_general``
     for Flax layers, e.g. ``Float8BlockScaling(grad_dtype=jnp.float8_e5m2)`` for E5M2 gradients.
 
-    ``where="auto"``: FP8 only where it pays: each call asks :func:`jax_fp8.crossover.layer_pays` (when
+    ``where="auto"``: FP8 only where it pays: each call asks :func:`jax_fp8.gemm.crossover.layer_pays` (when
     traced) whether a linear layer of its shapes ran faster in FP8 than in bf16 on this GPU, and calls
     ``lax.dot_general`` with the same arguments where it did not. ``"all"`` (the default): every call on
     ``fp8_dot_general``."""
@@ -244,7 +244,7 @@ def use_fp8_dot_general(model: Any, recipe: Recipe = None, *, where: Where = Non
         default recipe (Float8 blockwise).
       where: which layers change. None or ``"all"``: all of them. ``"auto"``: all of them, each call then
         running in FP8 only where a layer of its shapes was measured faster in FP8 than in bf16 on this
-        GPU (:func:`fp8_dot_general_for`, :mod:`jax_fp8.crossover`), else as ``lax.dot_general``. A
+        GPU (:func:`fp8_dot_general_for`, :mod:`jax_fp8.gemm.crossover`), else as ``lax.dot_general``. A
         callable ``where(path, layer) -> bool`` picks them (e.g. to keep an output head in bf16:
         ``where=lambda path, m: "lm_head" not in path``).
       log: also log the report (logger ``"jax_fp8"``, level INFO).

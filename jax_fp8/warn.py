@@ -31,8 +31,8 @@ class Fp8GemmFallbackWarning(Fp8Warning):
 
 
 class MXFP8GemmFallbackWarning(Fp8Warning):
-    """An MXFP8 GEMM ran as its reference (the same quantized operands, dequantized, multiplied at high
-    precision): no block-scaled MXFP8 GEMM here."""
+    """An MXFP8 GEMM ran as its reference (the same quantized operands, dequantized exactly: a bf16 GEMM
+    with fp32 accumulation): no block-scaled MXFP8 GEMM here."""
 
 
 class CrossoverWarning(Fp8Warning):

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8 import crossover
+from jax_fp8.gemm import crossover
 from helpers import assert_bits_equal, stable_seed
 
 flax = pytest.importorskip("flax")
@@ -100,7 +100,7 @@ def test_auto_passes_through_what_is_no_layer(table):
     x = jnp.ones((2, 64, 128), jnp.float32)
     batched = (((2,), (2,)), ((0,), (0,)))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jf.gemm.Fp8GemmFallbackWarning)
+        warnings.simplefilter("ignore", jf.Fp8GemmFallbackWarning)
         got = auto(x, x, batched)
         want = jf.fp8_dot_general(x, x, batched)
     assert_bits_equal(got, want, "batched")
@@ -147,3 +147,13 @@ def test_explicit_sharding_asks_for_each_devices_share(table, monkeypatch):
     f = jax.shard_map(lambda x, w: auto(x, w, KN), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
     jax.jit(f).lower(x, w)
     assert asked == [(1024, 256, 256), (1024, 256, 256)], asked
+
+
+@pytest.mark.parametrize("old,new", [("crossover", "crossover"), ("gemm_table", "table")])
+def test_moved_modules_stay_reachable_with_a_deprecation(old, new):
+    """``jf.crossover`` and ``jf.gemm_table`` (public module attributes before the gemm package) are
+    ``jf.gemm.crossover`` and ``jf.gemm.table``, with a DeprecationWarning naming where they went."""
+    with pytest.warns(DeprecationWarning, match=f"jax_fp8.{old} moved to jax_fp8.gemm.{new}"):
+        assert getattr(jf, old) is getattr(jf.gemm, new)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
+        jf.no_such_module  # noqa: B018

@@ -76,7 +76,7 @@ def test_fallback_warning_points_at_the_callers_line():
         warnings.simplefilter("always")
         jnp.einsum("ij,jk->ik", a, b, _dot_general=jf.fp8_dot_general)  # CALL-EINSUM
         jax.jit(lambda u, v: jf.fp8_dot_general(u, v, KN))(a[:, :2], b[:2])  # CALL-JIT
-    got = [(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)]
+    got = [(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.Fp8GemmFallbackWarning)]
     assert got == [(__file__, _line_of("CALL-EINSUM")), (__file__, _line_of("CALL-JIT"))], got
 
 
@@ -87,7 +87,7 @@ def test_fallback_warning_through_flax_points_at_the_callers_line():
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         params = layer.init(jax.random.key(0), x)  # CALL-FLAX
-    got = {(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)}
+    got = {(r.filename, r.lineno) for r in rec if issubclass(r.category, jf.Fp8GemmFallbackWarning)}
     assert got == {(__file__, _line_of("CALL-FLAX"))}, got
     assert params["params"]["kernel"].shape == (5, 3)
 
@@ -171,7 +171,7 @@ def test_non_finite_values_propagate_like_lax(dtype, dn, where, shape):
         np.testing.assert_array_equal(g, r, err_msg=f"{name}: finite entries differ from lax.dot_general's")
 
 
-def test_inf_input_issue_repro():
+def test_inf_input_reported_case():
     """The reported case: an inf in x gave 449.29 where lax.dot_general gives inf."""
     x = np.ones((128, 128), np.float32)
     x[0, 0] = np.inf
@@ -222,7 +222,7 @@ def test_other_output_dtypes_fall_back_and_differentiate(out):
     # on the CPU device: XLA's complex GEMM fails on cuBLAS 13 ("not supported by cublasLt"), lax's too
     cpu = jax.devices("cpu")[0]
     x, w = (jax.device_put(rng.standard_normal((128, 128), np.float32), cpu) for _ in range(2))
-    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning, match="preferred_element_type"):
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="preferred_element_type"):
         y, vjp = jax.vjp(lambda a, b: jf.fp8_dot_general(a, b, KN, preferred_element_type=out), x, w)
     y_ref, vjp_ref = jax.vjp(lambda a, b: lax.dot_general(a, b, KN, preferred_element_type=out), x, w)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
@@ -281,9 +281,9 @@ def test_the_fallback_warning_says_what_it_computes(dtypes):
     rng = np.random.default_rng(stable_seed("fallback-words", dtypes))
     x, w = (jnp.asarray(rng.integers(-5, 5, s).astype(d) + (1j * rng.integers(-5, 5, s) if d == "complex64" else 0),
                         d) for s, d in zip([(4, 6), (6, 3)], dtypes))
-    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning) as rec:
+    with pytest.warns(jf.Fp8GemmFallbackWarning) as rec:
         y = jf.fp8_dot_general(x, w, KN)
-    (msg,) = [str(r.message) for r in rec if issubclass(r.category, jf.gemm.Fp8GemmFallbackWarning)]
+    (msg,) = [str(r.message) for r in rec if issubclass(r.category, jf.Fp8GemmFallbackWarning)]
     assert f"lhs {dtypes[0]}[4,6], rhs {dtypes[1]}[6,3], dimension_numbers (((1,), (0,)), ((), ()))" in msg, msg
     if dtypes[0] == dtypes[1]:
         assert (f"computing lax.dot_general on the operands as they are ({dtypes[0]} is not a float type FP8 can "

@@ -1,6 +1,6 @@
-"""``fp8_dot_general`` on N-D operands (issue 46): a call whose operands are the GEMM's 2-D problem by
+"""``fp8_dot_general`` on N-D operands: a call whose operands are the GEMM's 2-D problem by
 reshapes alone (several contracting dims folded into one K, an N-D weight's free dims into N; the rules:
-``jax_fp8.gemm_plan.fold_dot_general``) runs on the FP8 GEMM with its FP8 VJP, bit for bit as the same
+``jax_fp8.gemm.plan.fold_dot_general``) runs on the FP8 GEMM with its FP8 VJP, bit for bit as the same
 call on the explicitly reshaped 2-D operands (forward and both gradients), unwarned; what cannot fold
 falls back with one warning that names the call's shapes, dimension numbers and why.
 
@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.gemm_plan import fold_dot_general
+from jax_fp8.gemm.plan import fold_dot_general
 from helpers import assert_bits_equal, random_input, stable_seed
 from test_dot_general_vjp import _ref64, accumulation_bound
 from test_gemm import B1, B2, BF16, E4M3, F32, assert_within, gemm_bound, one_warning, strict  # noqa: F401
@@ -206,8 +206,8 @@ def test_mxfp8_recipe_folds_too():
     x, w, cot = _operands(case, stable_seed("fold-mxfp8"))
     recipe = jf.MXFP8BlockScaling()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jf.gemm.MXFP8GemmFallbackWarning)  # off Blackwell: the reference GEMMs
-        warnings.simplefilter("error", jf.gemm.Fp8GemmFallbackWarning)
+        warnings.simplefilter("ignore", jf.MXFP8GemmFallbackWarning)  # off Blackwell: the reference GEMMs
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
         got, want = jax.jit(lambda x, w, cot: (
             _value_and_grads(lambda x, w: jf.fp8_dot_general(x, w, case.dn, recipe=recipe), x, w, cot),
             _value_and_grads(lambda x, w: jf.fp8_dot_general(x.reshape(6, 320), w.reshape(320, 136),
@@ -311,7 +311,7 @@ def test_einsum_with_two_contracting_dims(strict):
 # ---- sharded: jit with NamedShardings, and jax.shard_map --------------------------------------------------
 #: The attention block's shapes: x (B, S, d), q/k/v kernel (d, H, Dh), out kernel (H, Dh, d); S = 128:
 #: stacked sequences under jit. (M = B * S = 1024 is a contraction (wgrad) width at which
-#: ``partitioning.py``'s rules crashed before its fix, issue 46.)
+#: ``partitioning.py``'s rules once crashed: a Shardy factor used only in compound factors.)
 B, S, D_MODEL, HEADS = 8, 128, 256, 8
 
 
@@ -381,7 +381,7 @@ def test_shard_map_gradients_of_replicated_nd_weights():
     f = jax.jit(jax.shard_map(_attention_block, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
                               out_specs=(P("data"), P("data"), P(), P())))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jf.gemm.Fp8GemmFallbackWarning)
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
         got = f(*args)
     assert_bits_equal(got[0], want[0], "y")
     assert_bits_equal(got[1], want[1], "dx")

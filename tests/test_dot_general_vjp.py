@@ -341,7 +341,7 @@ def test_fallback_dimension_numbers(name):
         warnings.simplefilter("default")
         for _ in range(3):
             jf.fp8_dot_general(x, w, dn)
-    assert len([r for r in rec if issubclass(r.category, G.Fp8GemmFallbackWarning)]) == 1
+    assert len([r for r in rec if issubclass(r.category, jf.Fp8GemmFallbackWarning)]) == 1
 
 
 def test_fallback_operand_kinds():

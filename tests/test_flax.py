@@ -35,7 +35,7 @@ def test_nnx_linear_equals_direct_call(dtype):
                        rngs=nnx.Rngs(stable_seed("nnx linear params", dtype)))
     x = _x(seed=stable_seed("nnx linear input", dtype))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jf.gemm.Fp8GemmFallbackWarning)  # the FP8 GEMM path, no fallback
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # the FP8 GEMM path, no fallback
         y = nnx.jit(lambda m, x: m(x))(layer, x)
     ref = jax.jit(_direct, static_argnums=3)(x, layer.kernel[...], layer.bias[...], dtype)
     assert y.shape == (2, 64, 384) and y.dtype == dtype

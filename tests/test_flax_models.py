@@ -38,7 +38,7 @@ from flax import nnx  # noqa: E402
 from jax_fp8.flax_utils import Fp8Report, fp8_autocast, fp8_model, use_fp8_dot_general  # noqa: E402
 
 GEMM = "jf_fp8_gemm["
-Fallback = jf.gemm.Fp8GemmFallbackWarning
+Fallback = jf.Fp8GemmFallbackWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +365,7 @@ def test_linen_auto_and_a_context_that_traced_nothing():
     x = jnp.ones((2, 128), jnp.float32)
     dense = nn.Dense(128)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jf.crossover.CrossoverWarning)  # no crossover table for a CPU
+        warnings.simplefilter("ignore", jf.CrossoverWarning)  # no crossover table for a CPU
         auto = fp8_model(dense, where="auto")
         variables = auto.init(jax.random.key(0), x)
     assert auto.report == [()] and auto.report.where == "auto" and "where='auto': each call" in str(auto.report)

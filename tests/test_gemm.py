@@ -37,10 +37,10 @@ from jax import lax
 
 import jax_fp8 as jf
 from jax_fp8 import gemm as G
-from jax_fp8.gemm_plan import plan_gemm
-from jax_fp8.primitives import cublaslt
-from jax_fp8.primitives.cublaslt import CUBLASLT
-from jax_fp8.primitives.gemm import fp8_gemm_bind
+from jax_fp8.gemm.plan import plan_gemm
+from jax_fp8.gemm.backends import cublaslt
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
+from jax_fp8.gemm.primitive import fp8_gemm_bind
 from helpers import assert_bits_equal, deq, stable_seed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -99,7 +99,7 @@ def data(rng, shape, dtype, outliers=False, spread=12):
 def strict():
     """Fail on any fallback warning inside the test."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", G.Fp8GemmFallbackWarning)
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
         yield
 
 
@@ -108,7 +108,7 @@ def one_warning(fn, match):
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         out = fn()
-    ours = [r for r in rec if issubclass(r.category, G.Fp8GemmFallbackWarning)]
+    ours = [r for r in rec if issubclass(r.category, jf.Fp8GemmFallbackWarning)]
     assert len(ours) == 1, [str(r.message) for r in ours]
     assert match in str(ours[0].message), str(ours[0].message)
     return out, ours[0]
@@ -246,12 +246,12 @@ def test_cuda_lowering_runs_cublaslt_or_falls_back():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # our custom call has no cross-version guarantee: export checks that unless told not to
-        ok = [export.DisabledSafetyCheck.custom_call("jf_fp8_gemm")]
+        ok = [export.DisabledSafetyCheck.custom_call("jf_cublaslt_gemm")]
         gemm = jax.jit(lambda a, b: G.fp8_gemm(a, b, F32))
         text = export.export(gemm, platforms=["cuda"], disabled_checks=ok)(qa, qb).mlir_module()
-    fallbacks = [str(w.message) for w in caught if issubclass(w.category, G.Fp8GemmFallbackWarning)]
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, jf.Fp8GemmFallbackWarning)]
     why = cublaslt.unavailable()
-    called = "custom_call @jf_fp8_gemm" in text  # the call itself (source locations may name it too)
+    called = "custom_call @jf_cublaslt_gemm" in text  # the call itself (source locations may name it too)
     if _ffi.AVAILABLE["cuda"] and why is None:
         assert called and not fallbacks, fallbacks
     elif _ffi.AVAILABLE["cuda"]:

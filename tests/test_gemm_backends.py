@@ -1,7 +1,7 @@
 """Every GEMM backend and kernel choice (cuBLASLt's heuristic and each of its candidate algorithms, each
 CUTLASS configuration) against the fp64 product of the quantized operands within the derived bound
 (test_gemm.py's module doc), on every shape class, and the backends against each other on the same
-operands; the table that picks a kernel per shape (``jax_fp8.gemm_table``) and the CUDA lowering of a
+operands; the table that picks a kernel per shape (``jax_fp8.gemm.table``) and the CUDA lowering of a
 kernel choice (on any machine with the CUDA module, through ``jax.export``).
 
 The kernels run on an H200 only; elsewhere those tests skip, saying why.
@@ -16,15 +16,16 @@ import pytest
 from jax import export
 
 import jax_fp8 as jf
-from jax_fp8 import _ffi, gemm_plan, gemm_table
+from jax_fp8 import _ffi
+from jax_fp8.gemm import backends, plan as gemm_plan, table as gemm_table
 from jax_fp8 import gemm as G
-from jax_fp8.primitives.cublaslt import CANDIDATES, CUBLASLT, WORKSPACE_BYTES
-from jax_fp8.primitives.gemm import GemmBackend
+from jax_fp8.gemm.backends.cublaslt import CANDIDATES, CUBLASLT, WORKSPACE_BYTES
+from jax_fp8.gemm.contract import GemmBackend
 from helpers import deq, stable_seed
 from test_gemm import BF16, F32, B1, B2, assert_within, data, f64, gemm_bound
 
 try:
-    from jax_fp8.primitives.cutlass import CONFIGS, CUTLASS
+    from jax_fp8.gemm.backends.cutlass import CONFIGS, CUTLASS
 except ImportError:  # pragma: no cover - the module ships with the package
     CUTLASS, CONFIGS = None, ()
 
@@ -78,7 +79,7 @@ _RUN = jax.jit(G.fp8_gemm, static_argnames=("out_dtype", "backend"))
 def _check_backend(backend, shape_id, pair_id):
     qa, qb, c, bounds = _problem(shape_id, pair_id)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", G.Fp8GemmFallbackWarning)  # the kernel itself, never the reference
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # the kernel itself, never the reference
         for out_dtype in (BF16, F32):
             got = _RUN(qa, qb, out_dtype=out_dtype, backend=backend)
             assert got.dtype == out_dtype
@@ -121,7 +122,7 @@ def test_backends_agree(shape_id, pair_id):
     qa, qb, _, bounds = _problem(shape_id, pair_id)
     exact, bound = bounds[F32]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", G.Fp8GemmFallbackWarning)  # both kernels, never the reference
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # both kernels, never the reference
         x = f64(_RUN(qa, qb, out_dtype=F32, backend=CUBLASLT))
         y = f64(_RUN(qa, qb, out_dtype=F32, backend=CUTLASS))
     assert np.all(np.abs(x - y) <= 2 * bound), f"{shape_id} {pair_id}: backends apart by more than their bounds"
@@ -153,7 +154,7 @@ def test_plan_takes_the_tables_kernel(monkeypatch):
     """plan_gemm runs the backend and options the table names for this device's kind, where that backend
     takes the problem and runs here; else the first backend of BACKENDS, on its own choice."""
     runs_here = dataclasses.replace(CUBLASLT, name="test-runs-here", unavailable=lambda platform, devices=None: None)
-    monkeypatch.setattr(gemm_plan, "BACKENDS", (CUBLASLT, runs_here))
+    monkeypatch.setattr(backends, "BACKENDS", (CUBLASLT, runs_here))
     kind = jax.local_devices()[0].device_kind
     monkeypatch.setattr(gemm_table, "TABLE", {kind: {"1D2D": [((256, 256, 256), "test-runs-here", {"algo": 3})]}})
     p = gemm_plan.plan_gemm(300, 200, 250, B1, B2)
@@ -176,14 +177,17 @@ def test_backend_options_are_one_object_per_choice():
     if CUTLASS is not None:
         with pytest.raises(ValueError, match="swizzle must be one of"):
             CUTLASS.with_options(config=0, swizzle=3)
-    with pytest.raises(TypeError, match="backend must be a GemmBackend"):
-        G.fp8_gemm(*_problem("aligned", "1D2D")[:2], backend="cutlass")
+    qa, qb = _problem("aligned", "1D2D")[:2]
+    with pytest.raises(TypeError, match="backend must be a GemmBackend, a backend's name or None"):
+        G.fp8_gemm(qa, qb, backend=3)
+    with pytest.raises(ValueError, match="backend must be a GemmBackend, one of .*'reference'.* got 'cublas'"):
+        G.fp8_gemm(qa, qb, backend="cublas")
 
 
 # ---- the CUDA lowering of a kernel choice -------------------------------------------------------------
 def _cuda_text(backend, pair_id="1D2D", accumulate=False):
     qa, qb, c, _ = _problem("aligned", pair_id)
-    ok = [export.DisabledSafetyCheck.custom_call(t) for t in ("jf_fp8_gemm", "jf_fp8_gemm_cutlass")]
+    ok = [export.DisabledSafetyCheck.custom_call(t) for t in ("jf_cublaslt_gemm", "jf_cutlass_gemm")]
     f = jax.jit(lambda a, b, c: G.fp8_gemm(a, b, F32, c=c if accumulate else None, backend=backend))
     return export.export(f, platforms=["cuda"], disabled_checks=ok)(qa, qb, c).mlir_module()
 
@@ -199,7 +203,7 @@ def test_cublaslt_lowering_passes_algo_and_a_workspace_result():
     lowered = _lowers_here(CUBLASLT)
     for backend, algo in ((lowered, -1), (lowered.with_options(algo=5), 5)):
         text = _cuda_text(backend)
-        call = next(line for line in text.splitlines() if "custom_call @jf_fp8_gemm(" in line)
+        call = next(line for line in text.splitlines() if "custom_call @jf_cublaslt_gemm(" in line)
         assert f"algo = {algo} : i64" in call and "a_block_rows = 1 : i64" in call and "b_block_rows = 128" in call
         assert f"tensor<{WORKSPACE_BYTES}xui8>" in call, call  # the workspace: a result buffer
     if _ffi.AVAILABLE["cuda"]:
@@ -213,7 +217,7 @@ def test_cutlass_lowering_passes_its_options():
         pytest.skip("no CUTLASS backend")
     lowered = _lowers_here(CUTLASS)
     text = _cuda_text(lowered.with_options(config=len(CONFIGS) - 1, raster=1, swizzle=8), "1D1D", accumulate=True)
-    call = next(line for line in text.splitlines() if "custom_call @jf_fp8_gemm_cutlass(" in line)
+    call = next(line for line in text.splitlines() if "custom_call @jf_cutlass_gemm(" in line)
     for attr in (f"config = {len(CONFIGS) - 1} : i64", "raster = 1 : i64", "swizzle = 8 : i64", "b_block_rows = 1 :"):
         assert attr in call, (attr, call)
 
@@ -234,7 +238,7 @@ def test_backends_judge_the_devices_compiled_for():
     """The backends ask whether their kernels run on the GPUs a lowering compiles for (jit's device
     assignment, shard_map's mesh), also ahead of time on a machine without them; with none named (an
     export), on this process's CUDA devices."""
-    from jax_fp8.primitives.gemm import cuda_capabilities
+    from jax_fp8.gemm.contract import cuda_capabilities
     from jax_fp8.primitives.registration import lowering_devices
 
     assert cuda_capabilities([_Device("gpu", "9.0"), _Device("gpu", "9.0")]) == ({"9.0"}, None)

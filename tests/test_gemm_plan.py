@@ -1,7 +1,8 @@
-"""The GEMM plan (jax_fp8/gemm_plan.py): one place decides, per fp8_dot_general call, the three GEMMs'
+"""The GEMM plan (jax_fp8/gemm/plan.py): one place decides, per fp8_dot_general call, the three GEMMs'
 operands and orientations, sizes, blocks, dtypes, backend and fallback reasons; the VJP executes it.
-A second backend plugs in as one GemmBackend in BACKENDS."""
+A new backend plugs in as one module plus its line in BACKENDS."""
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 import jax_fp8 as jf
-from jax_fp8 import gemm_plan
-from jax_fp8.gemm_plan import Operand, plan_dot_general, plan_gemm
-from jax_fp8.primitives.cublaslt import CUBLASLT
-from jax_fp8.primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
+from jax_fp8.gemm import backends
+from jax_fp8.gemm.plan import Operand, plan_dot_general, plan_gemm
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
+from jax_fp8.gemm.contract import BLOCK_1D, BLOCK_2D, GemmBackend
 from helpers import assert_bits_equal, stable_seed
 
 KN = (((1,), (0,)), ((), ()))  # x (M, K) . W (K, N), flax's kernel
@@ -81,22 +82,38 @@ def test_stacked_only_where_sequences_may_split_and_every_gemm_is_aligned():
     assert not plan_dot_general(*odd, *args[2:], sequences_may_split=True).stacked  # dgrad's K = 520: padded
 
 
-def _wide_rows(M, N, K, a_block, b_block, a_dtype, b_dtype):
-    """A made-up backend that takes only GEMMs with M a multiple of 64, unpadded."""
-    return ((M, N, K), None) if M % 64 == 0 and K % 16 == 0 and N % 8 == 0 else (None, "M is not a multiple of 64")
+#: A made-up backend, written as a module of jax_fp8/gemm/backends would be: it takes only GEMMs with M
+#: a multiple of 64, unpadded, and runs cuBLASLt's kernel (the reference where cuBLASLt does not run).
+WIDE_ROWS_MODULE = """
+from jax_fp8.gemm.backends.cublaslt import CUBLASLT
+from jax_fp8.gemm.contract import GemmBackend
 
 
-def test_a_second_backend_is_one_entry_in_backends(monkeypatch):
-    """One GemmBackend more in BACKENDS: the plan picks it where it takes a GEMM and the primitive carries it
-    as its backend param into the lowering. Its kernel here is cuBLASLt's (on a machine without it, the
-    reference): the same bits as the plan without it."""
-    other = GemmBackend("wide_rows", _wide_rows, CUBLASLT.unavailable, CUBLASLT.lowerings)
+def sizes(M, N, K, a_block, b_block, a_dtype, b_dtype):
+    ok = M % 64 == 0 and K % 16 == 0 and N % 8 == 0
+    return ((M, N, K), None) if ok else (None, "M is not a multiple of 64")
+
+
+WIDE_ROWS = GemmBackend("wide_rows", sizes, CUBLASLT.unavailable, lowerings=CUBLASLT.lowerings)
+"""
+
+
+def test_a_new_backend_is_one_module_plus_one_line(monkeypatch, tmp_path):
+    """A backend is one module (above) plus its line in BACKENDS: the plan picks it where it takes a GEMM,
+    the primitive carries it as its backend param into the lowering, and ``implementation=`` names it
+    (where it does not run, the error says why). Its kernel here is cuBLASLt's (on a machine without it,
+    the reference): the same bits as the plan without it."""
+    (tmp_path / "wide_rows_backend.py").write_text(WIDE_ROWS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import wide_rows_backend
+
+    other = wide_rows_backend.WIDE_ROWS
     rng = np.random.default_rng(stable_seed("second-backend"))
     x = jnp.asarray(rng.standard_normal((192, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
     f = jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))
     want = f(x, w)
-    monkeypatch.setattr(gemm_plan, "BACKENDS", (other, CUBLASLT))
+    monkeypatch.setattr(backends, "BACKENDS", (other, *backends.BACKENDS))  # the one line
     assert plan_gemm(192, 128, 256).backend is other and plan_gemm(8, 128, 256).backend is CUBLASLT
     loss = lambda x, w: jf.fp8_dot_general(x, w, KN).sum()  # noqa: E731
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))  # fprop (M 192), dgrad (192), wgrad (M 256)
@@ -105,7 +122,13 @@ def test_a_second_backend_is_one_entry_in_backends(monkeypatch):
         warnings.simplefilter("error")
         assert_bits_equal(jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN))(x, w), want)
     gx, gw = jax.grad(loss, (0, 1))(x, w)
-    monkeypatch.setattr(gemm_plan, "BACKENDS", (CUBLASLT,))
+    why = other.unavailable_here()
+    if why is None:
+        assert_bits_equal(jax.jit(lambda x, w: jf.fp8_dot_general(x, w, KN, implementation="wide_rows"))(x, w), want)
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"implementation='wide_rows' cannot run here: {why}")):
+            jf.fp8_dot_general(x, w, KN, implementation="wide_rows")
+    monkeypatch.setattr(backends, "BACKENDS", (CUBLASLT,))
     rx, rw = jax.grad(loss, (0, 1))(x, w)
     assert_bits_equal(gx, rx)
     assert_bits_equal(gw, rw)

@@ -17,9 +17,9 @@ import pytest
 
 import jax_fp8 as jf
 from jax_fp8 import _ffi, gemm as G
-from jax_fp8.gemm_plan import plan_gemm
-from jax_fp8.primitives import cublaslt
-from jax_fp8.primitives.gemm import dense_gemm
+from jax_fp8.gemm.plan import plan_gemm
+from jax_fp8.gemm.backends import cublaslt
+from jax_fp8.gemm.reference import dense_gemm
 from helpers import stable_seed
 from test_gemm import B1, B2, BF16, F32, NK, assert_within, gemm_bound, one_warning, strict  # noqa: F401
 
@@ -91,8 +91,9 @@ def test_fp8_gemm_near_max_is_finite(dtype, out_dtype, huge, blocks, strict, req
     """fp8_gemm on a shape the FP8 GEMM takes (K = 300: padded, three K blocks): finite, within the bound."""
     if CUBLASLT and huge == "a" and blocks == (B1, B1):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "measured on the H200 (bench/RESULTS.md, run 71): cuBLASLt 13.1's 1x128 x 1x128 GEMM overflows on "
-            "this case, where its 1x128 x 128x128 and 128x128 x 1x128 GEMMs and the reference do not")))
+            "measured on the H200 (bench/RESULTS.md, section \"non-finite values through the GEMM, the reference "
+            "GEMM\"): cuBLASLt 13.1's 1x128 x 1x128 GEMM overflows on this case, where its 1x128 x 128x128 and "
+            "128x128 x 1x128 GEMMs and the reference do not")))
     M, N, K = 40, 56, 300
     rng = np.random.default_rng(stable_seed("range-gemm", dtype, huge, blocks))
     qa, qb = _quantize(*planted(rng, M, N, K, dtype, huge), blocks, huge)

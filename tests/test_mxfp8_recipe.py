@@ -12,10 +12,11 @@ import pytest
 from jax import export
 
 import jax_fp8 as jf
-import jax_fp8.mx_gemm
+from jax_fp8.gemm.backends import cudnn
 from jax_fp8 import MXFP8GemmFallbackWarning
 from helpers import assert_bits_equal, deq, on_cpu, stable_seed
-from test_dot_general_vjp import _fwd_bwd, _wide, assert_three_gemms_within
+from test_dot_general_vjp import _fwd_bwd, _wide, accumulation_bound, assert_three_gemms_within
+from test_gemm import TINY, assert_within
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -79,7 +80,10 @@ def test_each_tensor_quantized_once_and_one_warning():
         jaxpr = str(jax.make_jaxpr(lambda x, w, g: jax.vjp(f, x, w)[1](g))(x, w, g))
     assert jaxpr.count("jf_quantize[") == 3, jaxpr
     ours = [r for r in rec if issubclass(r.category, MXFP8GemmFallbackWarning)]
-    assert len(ours) == 1 and "the MXFP8 GEMMs run as their reference" in str(ours[0].message), ours
+    assert len(ours) == 1, ours
+    msg = str(ours[0].message)
+    assert "the MXFP8 GEMMs run as their reference, a bf16 GEMM of the dequantized operands" in msg, msg
+    assert "with fp32 accumulation" in msg, msg
 
 
 def test_prequantized_mxfp8_used_as_given(quiet):
@@ -103,7 +107,7 @@ def test_mixing_formats_falls_back_with_a_reason(quiet):
     rng = np.random.default_rng(stable_seed("mx mix"))
     x = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
     wb = jf.quantize_blockwise(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), block=(128, 128))
-    with pytest.warns(jf.gemm.Fp8GemmFallbackWarning, match="a Float8 blockwise rhs with the MXFP8 recipe"):
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="a Float8 blockwise rhs with the MXFP8 recipe"):
         jf.fp8_dot_general(x, wb, KN, recipe=jf.MXFP8BlockScaling())
     with pytest.raises(TypeError, match="recipe must be a Float8BlockScaling or MXFP8BlockScaling"):
         jf.fp8_dot_general(x, x.T, KN, recipe="mxfp8")
@@ -116,7 +120,7 @@ def test_cuda_lowering_is_the_block_scaled_dot_on_our_operands(quiet, monkeypatc
     dots (``__op$block_scaled_dot``) whose operands are FP8 data with E8M0 scales, what jax_fp8 quantized
     (no dot_general of dequantized values, no second quantization). The target is a Blackwell: on a
     machine whose own GPUs are older the call would take the reference, so the test says Blackwell."""
-    monkeypatch.setattr(jax_fp8.mx_gemm, "cudnn_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lowers_for_cuda", lambda: None)
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
@@ -182,3 +186,62 @@ def test_flax_layers_take_the_recipe(quiet):
     linear = nnx.Linear(96, 64, use_bias=False, rngs=nnx.Rngs(0))
     assert use_fp8_dot_general(linear, recipe) == [()]
     assert_bits_equal(linear(x), jf.fp8_dot_general(x, linear.kernel[...], KN, recipe=recipe))
+
+
+# ---- the reference where no block-scaled GEMM runs: a bf16 GEMM of the dequantized operands --------------
+def _mx_operand(rng, rows, K, kind):
+    """(rows, K) float32 values for the reference MXFP8 quantizer: normal values with rows scaled by
+    2**[-8, 8); ``kind`` plants zeros (whole blocks and single entries), tiny rows (scaled by
+    2**[-122, -112]: E8M0 scales down to 2**-130, their small entries dequantized below bf16's normal
+    range, 2**-126),
+    or a NaN and an infinity (their blocks' scales become NaN)."""
+    v = rng.standard_normal((rows, K)) * 2.0 ** rng.integers(-8, 8, size=(rows, 1))
+    if kind == "zeros":
+        v[rng.random((rows, K)) < 0.2] = 0.0
+        v[:, :min(K, 32)][rng.random(rows) < 0.5] = 0.0
+    elif kind == "tiny":  # blocks whose E8M0 scales are ~2**-126: their small entries dequantize below it
+        tiny = rng.random(rows) < 0.6
+        v[tiny] = rng.standard_normal((tiny.sum(), K)) * 2.0 ** -rng.integers(112, 123, size=(tiny.sum(), 1))
+    elif kind == "nonfinite":
+        v[rng.integers(rows), rng.integers(K)] = np.nan
+        v[rng.integers(rows), rng.integers(K)] = np.inf
+    return v.astype(np.float32)
+
+
+#: (M, N, K, kind): K across the residues of the 32 block (1, 31, 0, 1, 17, 0), with zeros, tiny values
+#: below bf16's normal range, and NaN/inf
+MX_GEMM_CASES = [(M, N, K, kind) for (M, N, K), kind in zip(
+    [(1, 3, 1), (5, 40, 31), (33, 8, 32), (17, 9, 33), (40, 24, 81), (64, 48, 160), (7, 5, 95), (3, 70, 257)],
+    ["plain", "zeros", "tiny", "nonfinite", "tiny", "zeros", "nonfinite", "tiny"])]
+
+
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("M,N,K,kind", MX_GEMM_CASES, ids=str)
+def test_mx_reference_against_fp64_of_independent_quantizations(M, N, K, kind, out_dtype):
+    """The MXFP8 GEMM where cuDNN's does not run (this machine), fp8_gemm and implementation="reference"
+    alike: a bf16 GEMM of the dequantized operands with fp32 accumulation
+    (``jax_fp8.gemm.reference.mx_gemm_reference``). Against the fp64 product of operands quantized
+    independently (the jax.numpy reference evaluated in NumPy, dequantized in NumPy): every dequantized
+    value of magnitude >= 2**-126 is exact in bf16, a smaller one is off by less than 2**-126 (bf16's
+    subnormal rounding, or XLA CPU's flush to zero), and products of bf16 values are exact in fp32. So
+    |got - exact| <= the fp32 accumulation bound of the contraction + sum_k (|ã_k| + |b̃_k|) * 2**-126 +
+    K * 2**-252, within the output's rounding; NaN and inf exactly where the fp64 product has them."""
+    rng = np.random.default_rng(stable_seed("mx reference", M, N, K, kind))
+    a, b = _mx_operand(rng, M, K, kind), _mx_operand(rng, N, K, kind)
+    qa, qb = (on_cpu(jf.reference.quantize_mxfp8, v) for v in (a, b))
+    A, B = deq(qa), deq(qb)
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = A @ B.T
+    got = np.asarray(jax.jit(lambda qa, qb: jf.gemm.fp8_gemm(qa, qb, out_dtype))(qa, qb)).astype(np.float64)
+    ref = jax.jit(lambda qa, qb: jf.gemm.fp8_gemm(qa, qb, out_dtype, backend="reference"))(qa, qb)
+    assert_bits_equal(got.astype(out_dtype), ref)
+    nonfinite = ~np.isfinite(exact)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(exact), "NaN where the fp64 product has one")
+    np.testing.assert_array_equal(np.isinf(got) & nonfinite, np.isinf(exact), "inf where the fp64 product has one")
+    finite_rows, finite_cols = np.isfinite(A).all(1), np.isfinite(B).all(1)
+    A, B = A[finite_rows], B[finite_cols]
+    exact, acc = accumulation_bound(A, B, out_dtype)
+    small = (np.abs(A) @ np.ones((K, B.shape[0])) + np.ones((A.shape[0], K)) @ np.abs(B).T) * TINY + K * 2.0**-252
+    assert_within(got[np.ix_(finite_rows, finite_cols)], exact, acc + small, f"{kind} {M}x{N}x{K}")
+    if kind == "tiny":  # the case exercises values below bf16's normal range
+        assert ((np.abs(deq(qa)) < TINY) & (deq(qa) != 0)).any() or ((np.abs(deq(qb)) < TINY) & (deq(qb) != 0)).any()

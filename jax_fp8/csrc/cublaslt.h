@@ -102,7 +102,7 @@ struct Loaded {
   std::mutex mu;
   Api api{};
   bool ok = false;
-  std::string error = "cuBLASLt not loaded yet (jax_fp8.primitives.cublaslt.cublaslt() loads it)";
+  std::string error = "cuBLASLt not loaded yet (jax_fp8.gemm.backends.cublaslt.cublaslt() loads it)";
 };
 inline Loaded& loaded() {
   static Loaded l;

@@ -13,7 +13,7 @@
 #include "dequantize.cuh"
 #include "ffi_bindings.h"
 #include "ffi_common.h"
-#include "fp8_gemm.h"
+#include "cublaslt_gemm.h"
 #include "quantize_dense.cuh"
 #include "quantize_shards.cuh"
 
@@ -144,7 +144,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
     d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
     d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
-    d["jf_fp8_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCuda));
+    d["jf_cublaslt_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCuda));
     return d;
   });
   // Loads cuBLASLt for jf_fp8_gemm (once): (version, path), or (0, why not).

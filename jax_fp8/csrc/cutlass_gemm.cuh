@@ -1,6 +1,6 @@
 // The FP8 block-scaled GEMM on CUTLASS's Hopper blockwise-scaling mainloop (CUTLASS >= 4.2, sm_90a):
-// out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/primitives/gemm.py, the same as the
-// cuBLASLt backend's (fp8_gemm.h). Two parts:
+// out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/gemm/contract.py, the same as the
+// cuBLASLt backend's (cublaslt_gemm.h). Two parts:
 //
 // - the interface (always): the call's description (GemmCall), what came of it (GemmResult), the
 //   configurations' names, and one entry point per (scale pair, output type), run_<pair>_<out>, each
@@ -54,7 +54,8 @@ enum Raster : int { kRasterHeuristic = 0, kRasterAlongM = 1, kRasterAlongN = 2 }
 // cluster shape along M and N; "coop": cooperative (two consumer warp groups split a tile along M),
 // "pingpong": two consumer warp groups alternate between tiles.
 // (256x128x128 cluster 1x2, example 67's, spilled 546 bytes with CUTLASS 4.2 and ran at 0.2-0.5x
-// cuBLASLt on the H200: dropped, bench/RESULTS.md.)
+// cuBLASLt on the H200: dropped; bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
+// where="auto"".)
 constexpr int kNumConfigs = 3;
 constexpr const char* kConfigNames[kNumConfigs] = {
     "128x128x128_c1x1_coop",

@@ -1,8 +1,8 @@
-// _jax_fp8_cutlass: the XLA FFI handler jf_fp8_gemm_cutlass, the FP8 block-scaled GEMM on CUTLASS's Hopper
+// _jax_fp8_cutlass: the XLA FFI handler jf_cutlass_gemm, the FP8 block-scaled GEMM on CUTLASS's Hopper
 // blockwise-scaling mainloop (cutlass_gemm.cuh; kernels in cutlass_gemm_<pair>_<out>.cu), and its nanobind
 // module. Built only on request (CMake: JAX_FP8_CUTLASS), for sm_90a.
 //
-// The handler: out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/primitives/gemm.py, with
+// The handler: out (M, N) = a (M, K) · b (N, K)ᵀ [+ c], the contract of jax_fp8/gemm/contract.py, with
 // a in 1x128 blocks and b in 128x128 (a_block_rows = 1, b_block_rows = 128) or 1x128 blocks (both 1);
 // 128x128 blocks on a are not implemented. It is command-buffer compatible (a CUDA graph may capture
 // it): it takes its workspace as a result buffer (the lowering allocates `workspace_bytes`), never
@@ -38,7 +38,7 @@ constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;  // CUTLASS's problem shape 
 constexpr size_t kMinWorkspaceBytes = 256;
 
 ffi::Error invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: jf_fp8_gemm_cutlass: " + msg);
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: jf_cutlass_gemm: " + msg);
 }
 
 std::string shape_str(ffi::Span<const int64_t> d) {
@@ -66,7 +66,7 @@ ffi::Error sm_count(int32_t device, int* out) {
   if (it == counts.end()) {
     int n = 0;
     if (cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess || n <= 0)
-      return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8: jf_fp8_gemm_cutlass: no SM count for device ") +
+      return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_fp8: jf_cutlass_gemm: no SM count for device ") +
                                                        std::to_string(device) + ": " + cudaGetErrorString(e));
     it = counts.emplace(device, n).first;
   }
@@ -83,10 +83,10 @@ ffi::Error status_error(const GemmResult& r) {
   const auto code = r.status == kInvalid         ? ffi::ErrorCode::kInvalidArgument
                     : r.status == kUnimplemented ? ffi::ErrorCode::kUnimplemented
                                                  : ffi::ErrorCode::kInternal;
-  return ffi::Error(code, "jax_fp8: jf_fp8_gemm_cutlass: " + r.message);
+  return ffi::Error(code, "jax_fp8: jf_cutlass_gemm: " + r.message);
 }
 
-// The kernel's alignment rules (sizes() in jax_fp8/primitives/cutlass.py pads to them): K % 16 (16-byte
+// The kernel's alignment rules (sizes() in jax_fp8/gemm/backends/cutlass.py pads to them): K % 16 (16-byte
 // rows of FP8 a and b), N % 8 for bfloat16 out / N % 4 for float32 (16-byte output rows), M % 4 with
 // 128x128 b blocks (a's scales are loaded by TMA then). Empty: fine.
 std::string alignment_problem(int pair, int out_type, int64_t M, int64_t N, int64_t K) {
@@ -163,7 +163,7 @@ ffi::Error GemmCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
     return invalid("the workspace result must be a 1-D uint8 buffer");
   if (M * N * K == 0) return ffi::Error::Success();  // the contract has no empty GEMMs; nothing to do
   if (std::string why = alignment_problem(pair, out_type, M, N, K); !why.empty())
-    return invalid(why + ": pad the operands with zeros (jax_fp8.primitives.cutlass.sizes)");
+    return invalid(why + ": pad the operands with zeros (jax_fp8.gemm.backends.cutlass.sizes)");
 
   call.config = int(config);
   call.raster = int(raster);
@@ -248,7 +248,7 @@ NB_MODULE(_jax_fp8_cutlass, m) {
   namespace cg = jf::cutlass_gemm;
   m.def("registrations", []() {
     nanobind::dict d;
-    d["jf_fp8_gemm_cutlass"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCutlass));
+    d["jf_cutlass_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCutlass));
     return d;
   });
   std::vector<std::string> configs(cg::kConfigNames, cg::kConfigNames + cg::kNumConfigs);

@@ -1,235 +1,41 @@
-"""``jf_fp8_gemm``: ``out = A · Bᵀ (+ C)`` on FP8 operands with Float8 block scales, the "TN" GEMM of
-Hopper's FP8 tensor cores (cuBLASLt ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` / ``BLK128x128_32F``).
+"""``jf_fp8_gemm``, the primitive of a Float8 blockwise GEMM on a backend's kernel (the contract:
+:mod:`jax_fp8.gemm.contract`; the backends: :mod:`jax_fp8.gemm.backends`): its abstract evaluation,
+batching (``vmap``), partitioning under ``jit`` (M and N stay split; a split K gives partial products
+and a psum) and stacked operands (sequences kept apart so a split S stays split), and its lowering:
+the backend's kernel where it runs (``lowerings``), else the reference math
+(:func:`jax_fp8.gemm.reference.blocked_gemm`, with one :class:`Fp8GemmFallbackWarning`).
 
-Contract, the same for every lowering (the jax.numpy reference below, and each backend's kernel:
-:class:`GemmBackend`, e.g. cuBLASLt on CUDA, :mod:`.cublaslt`):
-
-- operands ``a, a_scale, b, b_scale[, c]``:
-
-  - ``a``: (M, K) and ``b``: (N, K), both K-major (the contraction dim is the last one, contiguous),
-    dtype ``float8_e4m3fn`` or ``float8_e5m2`` each, not both E5M2;
-  - ``a_scale`` / ``b_scale``: fp32 ``scale_inv`` (dequantized value = data * scale) in the GEMM-ready
-    order of ``Scheme.scale_shape`` (TransformerEngine's GEMM_READY), for an operand of ``rows`` rows:
-    1x128 blocks ``(ceil(K/128), roundup(rows, 4))`` (transposed: rows contiguous), 128x128 blocks
-    ``(ceil(rows/128), roundup(ceil(K/128), 4))``; padding entries are read by nobody (1.0 by
-    convention, ``GEMM_SCALE_PAD``);
-  - ``c`` (only with ``accumulate=True``): (M, N) of ``out_dtype``; ``out = A·Bᵀ + C``. A lowering may
-    alias it with the output.
-
+- operands ``a, a_scale, b, b_scale[, c]`` as the contract's Float8 blockwise ones; ``a`` and ``b``
+  travel as bytes (uint8), their FP8 dtypes as params; ``c`` only with ``accumulate=True`` (a
+  lowering may alias it with the output);
 - params: ``a_block``, ``b_block`` each ``(1, 128)`` or ``(128, 128)``; ``out_dtype`` ``float32`` or
-  ``bfloat16``; ``accumulate`` (bool); ``backend``, the :class:`GemmBackend` that runs it.
+  ``bfloat16``; ``accumulate`` (bool); ``backend``, the :class:`GemmBackend` that runs it;
 - shapes the backend takes with no padding left to do (its ``sizes`` returns them unchanged; for
   cuBLASLt: M, N, K >= 1, K % 16 == 0, N % 8 == 0, M % 8 == 0 when ``a`` has 1x128 blocks, not both
   operands 128x128 or E5M2). The abstract eval rejects anything else, on every platform, so the
   reference path enforces what the backend needs.
-- result: (M, N) ``out_dtype``. The reference (:func:`blocked_gemm`) forms it as the tensor cores do:
-  for each 128-wide K block, the fp32 product (``Precision.HIGHEST``) of the FP8 data, times that
-  block's ``a`` row scale times its ``b`` row scale, summed over the blocks in fp32; ``+ C`` in fp32;
-  rounded to ``out_dtype``. Values are scaled only after each block's product, so it overflows only
-  where a scaled partial product, a scale product or the sum does (as the FP8 GEMM), never because a
-  dequantized operand times another exceeds fp32. A tensor-core lowering differs from it only by
-  accumulation order and precision.
-
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._compat import ShapedArray, ad, ffi
-from ..arrays import bitcast, cdiv, xp_of
+from .._compat import ShapedArray, ad
+from ..arrays import bitcast
 from ..formats import FLOAT8_BLOCK, FP8_DTYPES
-from .. import contracts
-from ..scheme import GEMM_SCALE_PAD, Scheme, check_block
+from ..primitives.partitioning import Dim, Rule
+from ..primitives.quantize import scale_dims
+from ..primitives.registration import define_primitive
+from ..scheme import GEMM_SCALE_PAD, check_block
 from ..vma import out_aval
 from ..warn import Fp8GemmFallbackWarning
-from .partitioning import Dim, Rule
-from .quantize import scale_dims
-from .registration import define_primitive
-
-BLOCK_1D = (1, FLOAT8_BLOCK)
-BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
-#: Output dtypes of the primitive (others: compute in fp32 and cast).
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-#: GEMM dims are 32-bit ints in cuBLASLt, TE and CUTLASS.
-MAX_DIM = 2**31 - 1
-#: Padding is "cheap" while the padded GEMM does at most this many times the multiply-adds of the
-#: unpadded one. Padding costs one copy of the FP8 operands (<= 15 zero columns, <= 7 zero rows) and a
-#: slice of the output; the fallback (the reference: fp32 dots of the FP8 data at HIGHEST) moves >= 4x
-#: the operand bytes and runs the dot on CUDA cores, ~30x slower than FP8 tensor cores on H100/H200
-#: (67 vs 1979 dense TFLOP/s). Padding up to 16x the work stays ahead; the fallback is left to
-#: degenerate shapes (e.g. M = N = 1, or M = 1 with K = 1).
-MAX_PAD_GROWTH = 16
-
-
-def refused(M: int, N: int, K: int, a_dtype, b_dtype) -> Optional[str]:
-    """What no backend's FP8 GEMM takes: a dim over :data:`MAX_DIM`, both operands E5M2; else None."""
-    if max(M, N, K) > MAX_DIM:
-        return f"a GEMM dim over 2**31 - 1 ({M}x{N}x{K})"
-    if jnp.dtype(a_dtype) == jnp.dtype(jnp.float8_e5m2) == jnp.dtype(b_dtype):
-        return "E5M2 on both operands (FP8 GEMMs take at most one E5M2 operand)"
-    return None
-
-
-def padded_sizes(library: str, M: int, N: int, K: int, align: tuple) -> tuple[Optional[tuple], Optional[str]]:
-    """``((Mp, Np, Kp), None)``: M, N, K rounded up to ``align`` = (M's, N's, K's multiple), which a
-    backend's ``sizes`` gives when zero padding to them is cheap (:data:`MAX_PAD_GROWTH`); else
-    ``(None, why not)`` naming ``library``."""
-    Mp, Np, Kp = (cdiv(v, m) * m for v, m in zip((M, N, K), align))
-    growth = (Mp * Np * Kp) / (M * N * K)
-    if growth > MAX_PAD_GROWTH:
-        return None, (f"padding {M}x{N}x{K} to {library}'s alignment ({Mp}x{Np}x{Kp}) would multiply the GEMM's "
-                      f"work by {growth:.0f} (more than {MAX_PAD_GROWTH})")
-    return (Mp, Np, Kp), None
-
-
-def cuda_capabilities(devices: Optional[Sequence] = None) -> tuple[set, Optional[str]]:
-    """The compute capabilities (``{"9.0"}`` on an H100/H200) of the GPUs among ``devices`` (those a
-    lowering compiles for, also ahead of time on a machine without them), else of this process's CUDA
-    devices; and None, or an empty set and why there are none. Never raises (a backend's
-    ``unavailable`` asks it)."""
-    gpus = [d for d in devices or () if d.platform in ("gpu", "cuda")]
-    try:
-        gpus = gpus or jax.devices("cuda")
-    except Exception as e:  # no CUDA backend
-        return set(), f"no CUDA device ({e})"
-    caps = {str(getattr(d, "compute_capability", "?")) for d in gpus}
-    return caps, None if caps else "no CUDA device"
-
-
-def lower_with_workspace(target: str, ctx, workspace_bytes: int, *operands, **attrs) -> list:
-    """The lowering of a GEMM backend's custom call ``target`` that takes its workspace as one more
-    result, ``workspace_bytes`` of uint8, dropped here: a result buffer, unlike XLA's scratch, lives
-    while a CUDA graph that captured the call replays, and XLA reuses its memory once the call has run."""
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((workspace_bytes,), np.uint8)])
-    return ffi.ffi_lowering(target)(ctx, *operands, **attrs)[:1]
-
-
-def operand_scheme(block, dtype=jnp.float8_e4m3fn) -> Scheme:
-    """The scheme whose rowwise usage is a GEMM operand with ``block`` blocks (GEMM-ready layout)."""
-    return Scheme("blockwise", dtype, block=tuple(block), layout="gemm_ready")
-
-
-def operand_scale_shape(rows: int, k: int, block) -> tuple[int, int]:
-    """GEMM-ready scale shape of a (rows, k) operand, contraction over k (``Scheme.scale_shape``)."""
-    return operand_scheme(block).scale_shape(rows, k, "rowwise")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GemmBackend:
-    """A library that runs ``jf_fp8_gemm``, passed to the primitive as its ``backend`` param (one
-    module per backend; :mod:`jax_fp8.gemm_plan` lists them and picks one per GEMM):
-
-    - ``sizes(M, N, K, a_block, b_block, a_dtype, b_dtype)``: ``((M, N, K) to run at, None)`` (zero
-      padding up to those sizes changes no product), or ``(None, why it cannot take the problem)``;
-    - ``unavailable(platform, devices=None)``: asked when lowering: None where it runs on ``devices``
-      (those the lowering compiles for; None: this process's), else why not (the reference then
-      lowers the call, with one :class:`Fp8GemmFallbackWarning`);
-    - ``lowerings``: platform -> MLIR lowering rule of its kernel, with the primitive's operands and
-      params (``backend`` excepted) and the backend's ``options`` as keywords. ``gemm_p`` dispatches
-      to them on ``cuda``; a backend for another platform adds that platform to ``gemm_p``'s
-      ``ffi_rules`` too (elsewhere the reference lowers it);
-    - ``options``: ``((name, int), ...)``, which of the backend's kernels runs (a cuBLASLt algorithm,
-      a CUTLASS configuration); ``()``: the backend's own choice. :meth:`with_options` makes them, one
-      object per choice (the primitive's params compare backends by identity);
-    - ``check_options(**options)``: raises ValueError or TypeError naming an option the backend does
-      not know or a value out of its range."""
-
-    name: str
-    sizes: Callable
-    unavailable: Callable
-    lowerings: dict
-    check_options: Callable = dataclasses.field(default=lambda **options: None, repr=False)
-    options: tuple = ()
-    base: Optional["GemmBackend"] = dataclasses.field(default=None, repr=False)
-
-    def with_options(self, **options: int) -> "GemmBackend":
-        """This backend running the kernel ``options`` name, checked (the same object for the same
-        options; none: the backend with its own choice)."""
-        root = self.base or self
-        opts = tuple(sorted((k, int(v)) for k, v in options.items()))
-        if not opts:
-            return root
-        key = (id(root), opts)
-        if key not in _VARIANTS:
-            root.check_options(**dict(opts))
-            _VARIANTS[key] = dataclasses.replace(root, options=opts, base=root)
-        return _VARIANTS[key]
-
-    def __repr__(self) -> str:  # the backend as the jaxpr prints it
-        if not self.options:
-            return self.name
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options)})"
-
-
-#: (id of a backend, options) -> its variant; backends live as long as the process (module constants)
-_VARIANTS: dict = {}
-
-
-# ---- reference math: the one definition of the GEMM's numbers -----------------------------------
-def _compact_scales(data, scale, block):
-    """An operand's GEMM-ready ``scale`` as its compact grid (ceil(rows/bm), ceil(K/128))."""
-    rows, k = data.shape
-    return operand_scheme(block, data.dtype).scales_to_layout(xp_of(data, scale), scale, rows, k, "rowwise",
-                                                               "compact")
-
-
-def operand_values(data, scale, block):
-    """fp32 values (rows, K) of a GEMM operand: FP8 ``data`` times its GEMM-ready block ``scale``."""
-    scheme = operand_scheme(block, data.dtype)
-    return contracts.dequantize_blocks(bitcast(data, np.uint8), _compact_scales(data, scale, block),
-                                       scheme=scheme.only("rowwise"), out_dtype=np.float32)
-
-
-def dense_gemm(a_values, b_values, c=None, *, out_dtype):
-    """``a_values · b_valuesᵀ (+ c)`` in fp32 (``Precision.HIGHEST``), rounded to ``out_dtype``: for
-    operands that exist only as fp32 values (FP8 operands: :func:`blocked_gemm`)."""
-    out = lax.dot_general(a_values, b_values, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
-    if c is not None:
-        out = out + c.astype(jnp.float32)
-    return out.astype(out_dtype)
-
-
-def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
-    """``a · bᵀ (+ c)`` of FP8 operands (``jf_fp8_gemm``'s contract, any shape) as the tensor-core GEMM
-    forms it: per 128-wide K block kb, ``acc += (a_kb · b_kbᵀ) * (sa[:, kb] ⊗ sb[:, kb])``, the product
-    of the unscaled FP8 data in fp32 at ``Precision.HIGHEST`` (at most 448² · 128 in size), scaled
-    after it, accumulated in fp32; ``+ c`` in fp32; rounded to ``out_dtype``. A scan over the K
-    blocks: memory O(M·N + (M + N)·K), not one (M, N) partial per block."""
-    K = a.shape[1]
-    nk = cdiv(K, FLOAT8_BLOCK)
-    if nk == 0:  # nothing to contract: zeros (+ c)
-        return dense_gemm(a.astype(jnp.float32), b.astype(jnp.float32), c, out_dtype=out_dtype)
-
-    def k_blocks(data, scale, block):
-        """(nk, rows, 128) FP8 data (K zero-padded: zeros add nothing) and (nk, rows) fp32 row scales."""
-        rows = data.shape[0]
-        s = jnp.repeat(jnp.asarray(_compact_scales(data, scale, block), jnp.float32), block[0], axis=0)[:rows]
-        if K != nk * FLOAT8_BLOCK:
-            data = jnp.pad(data, ((0, 0), (0, nk * FLOAT8_BLOCK - K)))
-        return jnp.swapaxes(jnp.reshape(data, (rows, nk, FLOAT8_BLOCK)), 0, 1), s.T
-
-    def scaled_partial(ak, sa, bk, sb):
-        part = lax.dot_general(ak.astype(jnp.float32), bk.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                               precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return part * (sa[:, None] * sb[None, :])
-
-    xs = (*k_blocks(a, a_scale, a_block), *k_blocks(b, b_scale, b_block))
-    # block 0 starts the sum: the carry then has the operands' type (shard_map's varying axes)
-    acc, _ = lax.scan(lambda acc, blk: (acc + scaled_partial(*blk), None), scaled_partial(*(x[0] for x in xs)),
-                      tuple(x[1:] for x in xs))
-    if c is not None:
-        acc = acc + c.astype(jnp.float32)
-    return acc.astype(out_dtype)
+from .contract import BLOCK_1D, OUT_DTYPES, GemmBackend, operand_scale_shape, operand_scheme
+from .reference import blocked_gemm
 
 
 def gemm_reference(a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, backend=None):

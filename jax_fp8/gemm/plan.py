@@ -2,18 +2,16 @@
 numbers, operand kinds, recipe) before anything is traced.
 
 - :func:`plan_gemm`: one GEMM ``a · bᵀ`` (a (M, K), b (N, K)): the backend and kernel that run it (the
-  one :mod:`jax_fp8.gemm_table` measured fastest on this GPU, else the first of :data:`BACKENDS` that
-  takes it, on its own choice of kernel) and the padded sizes, or why none does (then the reference
-  math computes it, on the same quantized operands).
+  one :mod:`jax_fp8.gemm.table` measured fastest on this GPU, else the first of
+  :data:`jax_fp8.gemm.backends.BACKENDS` that takes its format and shape, on its own choice of kernel)
+  and the padded sizes, or why none does (then the reference math computes it, on the same quantized
+  operands).
 - :func:`fold_dot_general`: whether a ``dot_general``'s operands are the GEMM's 2-D problem by reshapes
   alone (several contracting dims folded into one K, an N-D weight's free dims into N), and how.
 - :func:`plan_dot_general`: one ``fp8_dot_general`` call: either why it runs as ``lax.dot_general``
   of quantize-dequantized operands, or its fold and its three GEMMs (fprop; dgrad where x gets a gradient; wgrad
   where W does), each with its operands' orientation and its :class:`GemmPlan`. The VJP executes it;
   the warnings read it; the primitive's lowering asks the planned backend whether it runs there.
-
-A second backend is one module (a :class:`~jax_fp8.primitives.gemm.GemmBackend`) plus its line in
-:data:`BACKENDS`.
 """
 from __future__ import annotations
 
@@ -24,22 +22,14 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from . import gemm_table
-from .arrays import view_2d
-from .formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MX_BLOCK
-from .primitives.cublaslt import CUBLASLT
-from .primitives.cutlass import CUTLASS
-from .primitives.gemm import BLOCK_1D, BLOCK_2D, GemmBackend
-from .primitives.partitioning import rows_view
-from .scheme import check_block
-from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
+from ..arrays import view_2d
+from ..formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES
+from ..primitives.partitioning import rows_view
+from ..scheme import check_block
+from ..tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
+from . import backends, table
+from .contract import BLOCK_1D, BLOCK_2D, MX_BLOCK_1D, GemmBackend, format_of
 
-#: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
-MX_BLOCK_1D = (1, MX_BLOCK)
-#: The GEMM backends, in order of preference where the GEMM table has no row for this GPU: the first
-#: that takes a GEMM (and runs here) runs it. cuBLASLt first: it takes every pair and dtype and needs no
-#: extra build; CUTLASS (built on request) runs where the table measured it faster.
-BACKENDS: tuple[GemmBackend, ...] = (CUBLASLT, CUTLASS)
 E4M3 = FP8_DTYPES[0]
 
 
@@ -84,13 +74,14 @@ class GemmPlan:
 
 def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtype=E4M3, b_dtype=E4M3,
               reason: Optional[str] = None, backend: Optional[GemmBackend] = None) -> GemmPlan:
-    """The plan of ``a`` (M, K) x ``b`` (N, K)ᵀ with these blocks ((1, 128) or (128, 128)) and FP8
-    dtypes: the backend and kernel :func:`jax_fp8.gemm_table.choose` names for this GPU when it takes the
-    problem and runs here; else the first backend of :data:`BACKENDS` that takes it and runs on this
-    machine (else the first that takes it: its lowering then computes the reference, with a warning);
+    """The plan of ``a`` (M, K) x ``b`` (N, K)ᵀ with these blocks ((1, 128) or (128, 128): Float8
+    blockwise; (1, 32) on both: MXFP8) and FP8 dtypes: the backend and kernel
+    :func:`jax_fp8.gemm.table.choose` names for this GPU when it takes the problem and runs here; else
+    the first backend of :data:`jax_fp8.gemm.backends.BACKENDS` that takes the format and the problem and
+    runs on this machine (else the first that takes it: it then computes the reference, with a warning);
     or why none takes it (``reason`` given: no backend is asked, e.g. an operand exists only as values).
-    ``backend``: this one (with its options) and no other, e.g. to compare backends."""
-    a_block, b_block = check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
+    ``backend``: this one (with its options) and no other (``implementation=``, or to compare backends)."""
+    a_block, b_block = _check_blocks(a_block, b_block)
     args = dict(M=int(M), N=int(N), K=int(K), a_block=a_block, b_block=b_block, a_dtype=jnp.dtype(a_dtype),
                 b_dtype=jnp.dtype(b_dtype))
     if reason is None and min(M, N, K) <= 0:
@@ -98,7 +89,14 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
     if reason is not None:
         return GemmPlan(**args, reason=reason)
     taken, why = [], []
-    candidates = BACKENDS if backend is None else (backend,)
+    fmt = format_of(a_block)
+    if backend is backends.REFERENCE:  # at the sizes of the plan's own choice: the same bits where that
+        chosen = plan_gemm(**args)     # computes the reference too (its lowering off its GPU)
+        padded = chosen.padded if chosen.ok else (args["M"], args["N"], args["K"])
+        return GemmPlan(**args, backend=backend, padded=padded)
+    candidates = tuple(b for b in backends.BACKENDS if b.takes(fmt)) if backend is None else (backend,)
+    if backend is not None and not backend.takes(fmt):
+        return GemmPlan(**args, reason=f"{backend.name} takes {' and '.join(backend.formats)} operands, not {fmt}")
     for each in candidates:
         padded, no = each.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"], args["b_dtype"])
         if no is None:
@@ -119,7 +117,9 @@ def _measured(taken: list) -> Optional[GemmPlan]:
     """The plan of ``taken`` whose backend the GEMM table names for this GPU, with the table's options;
     None without a row, or where that backend does not take the problem or run here."""
     p = taken[0]
-    pick = gemm_table.choose(p.M, p.N, p.K, p.a_block, p.b_block)
+    if format_of(p.a_block) != "blockwise":  # the table measured Float8 blockwise kernels
+        return None
+    pick = table.choose(p.M, p.N, p.K, p.a_block, p.b_block)
     if pick is None:
         return None
     name, options = pick
@@ -130,7 +130,7 @@ def _measured(taken: list) -> Optional[GemmPlan]:
 @functools.lru_cache(maxsize=None)
 def _runs_here(backend: GemmBackend) -> bool:
     """Whether ``backend``'s kernel runs on one of this machine's platforms (asked once per backend)."""
-    return any(backend.unavailable(platform) is None for platform in backend.lowerings)
+    return backend.unavailable_here() is None
 
 
 # ---- fp8_dot_general ----------------------------------------------------------------------------
@@ -367,30 +367,37 @@ def _kind(x, scheme) -> _Kind:
     return _Kind(_block_of(scheme), scheme.dtype)
 
 
-def plan_mx_gemm(M: int, N: int, K: int, a_dtype=E4M3, b_dtype=E4M3, reason: Optional[str] = None) -> GemmPlan:
-    """The plan of one MXFP8 GEMM (``mx_gemm``: cuDNN where it runs, else its reference, decided when
-    it lowers): no backend of :data:`BACKENDS`, no padding; ``reason`` only where an operand exists as
-    values alone."""
-    return GemmPlan(int(M), int(N), int(K), MX_BLOCK_1D, MX_BLOCK_1D, jnp.dtype(a_dtype), jnp.dtype(b_dtype),
-                    padded=(int(M), int(N), int(K)), reason=reason)
+def _check_blocks(a_block, b_block) -> tuple[tuple, tuple]:
+    """Both (1, 32) (MXFP8), or each (1, 128) or (128, 128) (Float8 blockwise)."""
+    if MX_BLOCK_1D in (tuple(a_block), tuple(b_block)):
+        if tuple(a_block) != tuple(b_block):
+            raise ValueError(f"plan_gemm: an MXFP8 operand with a Float8 blockwise one ({a_block} and {b_block} "
+                             "blocks)")
+        return MX_BLOCK_1D, MX_BLOCK_1D
+    return check_block(a_block, "plan_gemm: a_block"), check_block(b_block, "plan_gemm: b_block")
 
 
-def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict) -> Step:
+def _step(name: str, a: Operand, b: Operand, mnk: tuple, kinds: dict, backend: Optional[GemmBackend]) -> Step:
     ka, kb = kinds[a.tensor], kinds[b.tensor]
     lacks = ka.lacks(a.contract) or kb.lacks(b.contract)
     reason = ("a pre-quantized operand lacks the usage this GEMM contracts (1x128 blocks along the other dim)"
               if lacks else None)
-    if ka.block == MX_BLOCK_1D:
-        return Step(name, a, b, plan_mx_gemm(*mnk, ka.dtype, kb.dtype, reason=reason))
-    return Step(name, a, b, plan_gemm(*mnk, ka.block, kb.block, ka.dtype, kb.dtype, reason=reason))
+    plan = plan_gemm(*mnk, ka.block, kb.block, ka.dtype, kb.dtype, reason=reason, backend=backend)
+    if backend is not None and reason is None and not plan.ok:
+        raise ValueError(f"fp8_dot_general: implementation={backend.name!r} cannot take the {name} GEMM "
+                         f"({'x'.join(map(str, mnk))}): {plan.reason}")
+    return Step(name, a, b, plan)
 
 
-def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, sequences_may_split: bool = False) -> DotPlan:
+def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, sequences_may_split: bool = False,
+                     backend: Optional[GemmBackend] = None) -> DotPlan:
     """The plan of ``fp8_dot_general(lhs, rhs, dimension_numbers, ...)`` with ``recipe`` (a
     ``Float8BlockScaling`` or ``MXFP8BlockScaling``): lhs and rhs arrays (or their abstract values) or
-    quantized tensors of the recipe's format, whose
-    shapes, dtypes and (pre-quantized) usages decide. ``sequences_may_split``: the lhs's sequences may
-    be split over devices (stack them when every GEMM takes them unpadded)."""
+    quantized tensors of the recipe's format, whose shapes, dtypes and (pre-quantized) usages decide.
+    ``sequences_may_split``: the lhs's sequences may be split over devices (stack them when every GEMM
+    takes them unpadded under the ``jf_fp8_gemm`` primitive). ``backend``: every GEMM on it (the
+    ``implementation=`` of ``fp8_dot_general``; ValueError where it cannot take one), else the plan's
+    choice per GEMM."""
     fold, why = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     mx = recipe.scheme("lhs").e8m0
     why = why or _why_not_fp8(lhs, rhs, out_dtype, mx) or _why_not_folded(lhs, rhs, fold)
@@ -406,17 +413,18 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, sequences_m
     if M * N * K == 0:  # nothing to multiply
         return DotPlan(fold=fold)
     x_first, dy_first = Operand("x", "first"), Operand("dy", "first")
-    steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds)]
+    steps = [_step("fprop", Operand("x", "last"), Operand("w", w_fprop), (M, N, K), kinds, backend)]
     # pre-quantized tensors get no gradient
     if not isinstance(lhs, QUANTIZED_TENSORS):  # dx (M, K) = dy (M, N) · [W as (K, N)]ᵀ, over N
-        steps.append(_step("dgrad", Operand("dy", "last"), Operand("w", w_dgrad), (M, K, N), kinds))
+        steps.append(_step("dgrad", Operand("dy", "last"), Operand("w", w_dgrad), (M, K, N), kinds, backend))
     if not isinstance(rhs, QUANTIZED_TENSORS):  # dW = dyᵀ · x over M, in W's orientation
-        steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds) if rhs_kn
-                     else _step("wgrad", dy_first, x_first, (N, K, M), kinds))
+        steps.append(_step("wgrad", x_first, dy_first, (K, N, M), kinds, backend) if rhs_kn
+                     else _step("wgrad", dy_first, x_first, (N, K, M), kinds, backend))
     # stacked sequences take no padding: every GEMM must take them as they are
     view = fold.lhs_view
     stacked = (sequences_may_split and not mx and len(view) >= 3 and not isinstance(lhs, QUANTIZED_TENSORS)
-               and view[-2] % FLOAT8_BLOCK == 0 and all(s.gemm.ok and s.gemm.aligned for s in steps))
+               and view[-2] % FLOAT8_BLOCK == 0
+               and all(s.gemm.ok and s.gemm.aligned and s.gemm.backend.lowerings for s in steps))
     return DotPlan(fold=fold, steps=tuple(steps), stacked=stacked)
 
 

@@ -1,7 +1,8 @@
-"""The CUTLASS backend of ``jf_fp8_gemm`` (Hopper, sm_90a): CUTLASS's blockwise-scaled FP8 mainloop
+"""The CUTLASS backend (Hopper, sm_90a; Float8 blockwise), lowered under ``jf_fp8_gemm`` to our handler
+``jf_cutlass_gemm``: CUTLASS's blockwise-scaled FP8 mainloop
 (``KernelTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise``, CUTLASS >= 4.2), compiled into the
 optional module ``_jax_fp8_cutlass`` (build with ``JAX_FP8_CUTLASS=1``; csrc/cutlass_gemm.cuh, the handler
-in csrc/cutlass_module.cu). The contract is :mod:`.gemm`'s, the same as cuBLASLt's
+in csrc/cutlass_module.cu). The contract is :mod:`jax_fp8.gemm.contract`'s, the same as cuBLASLt's
 (:mod:`.cublaslt`), for ``a`` in 1x128 blocks and ``b`` in 128x128 ("1D x 2D": fprop, dgrad) or 1x128
 blocks ("1D x 1D": wgrad); ``a`` in 128x128 blocks is not implemented.
 
@@ -26,8 +27,8 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _ffi
-from .gemm import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes, refused
+from ... import _ffi
+from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes, refused
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
@@ -80,7 +81,7 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     Rules: ``a`` in 1x128 blocks, ``b`` in 128x128 or 1x128 blocks; operand dtypes one of
     :data:`DTYPE_PAIRS` (never both E5M2); K % 16 == 0; N % 8 == 0; M % 4 == 0 when ``b`` has 128x128
     blocks; dims below 2**31. Misaligned dims are padded with zeros when the padded GEMM does at most
-    :data:`~jax_fp8.primitives.gemm.MAX_PAD_GROWTH` times the work."""
+    :data:`~jax_fp8.gemm.contract.MAX_PAD_GROWTH` times the work."""
     a_block, b_block = tuple(a_block), tuple(b_block)
     if a_block != BLOCK_1D:
         return None, "128x128 blocks on a (the CUTLASS kernels take a in 1x128 blocks: 1D x 2D and 1D x 1D)"
@@ -113,7 +114,7 @@ def check_options(config: int = DEFAULT_OPTIONS["config"], raster: int = DEFAULT
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate,
            config=DEFAULT_OPTIONS["config"], raster=DEFAULT_OPTIONS["raster"], swizzle=DEFAULT_OPTIONS["swizzle"]):
     # the options were checked when the variant was made (CUTLASS.with_options)
-    return lower_with_workspace("jf_fp8_gemm_cutlass", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
+    return lower_with_workspace("jf_cutlass_gemm", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
                                 a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
                                 config=np.int64(config), raster=np.int64(raster), swizzle=np.int64(swizzle))
 
@@ -132,4 +133,5 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
     return None
 
 
-CUTLASS = GemmBackend("cutlass", sizes, unavailable, {"cuda": _lower}, check_options)
+CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower}, formats=("blockwise",),
+                      check_options=check_options)

@@ -1,6 +1,6 @@
-"""The cuBLASLt backend of ``jf_fp8_gemm`` (Hopper, sm_90): the shapes its block-scaled FP8 GEMM
-takes, and its CUDA lowering to our handler (csrc/fp8_gemm.h), which calls cuBLASLt loaded at run
-time (:func:`cublaslt`)."""
+"""The cuBLASLt backend (Hopper, sm_90; Float8 blockwise): the shapes its block-scaled FP8 GEMM takes,
+and its CUDA lowering under ``jf_fp8_gemm`` to our handler ``jf_cublaslt_gemm`` (csrc/cublaslt_gemm.h),
+which calls cuBLASLt loaded at run time (:func:`cublaslt`)."""
 from __future__ import annotations
 
 import functools
@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from .. import _ffi
-from .gemm import (BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes,
-                   refused)
+from ... import _ffi
+from ..contract import (BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes,
+                        refused)
 
 #: cuBLASLt's FP8 rules (TE's ``CanonicalizeGemmInput``, cuBLAS "tensor core usage"): K (= lda = ldb of
 #: FP8 operands, in bytes) a multiple of 16; the output's leading dim N a multiple of 8 (16 bytes of a
@@ -32,8 +32,8 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
     2D x 2D); not both operands E5M2; K % 16 == 0 (the FP8 leading dims, in bytes); N % 8 == 0 (the
     output's leading dim); M % 8 == 0 when ``a`` has 1x128 blocks; dims below 2**31. Misaligned dims
     are padded with zeros, which changes no product and no scale grid (16 and 8 divide 128), when the
-    padded GEMM does at most :data:`~jax_fp8.primitives.gemm.MAX_PAD_GROWTH` times the work. M, N, K >= 1 (the plan and the
-    primitive refuse empty problems before asking a backend).
+    padded GEMM does at most :data:`~jax_fp8.gemm.contract.MAX_PAD_GROWTH` times the work. M, N, K >= 1
+    (the plan and the primitive refuse empty problems before asking a backend).
     """
     if a_block == b_block == BLOCK_2D:
         return None, "128x128 blocks on both operands (cuBLASLt takes 1D x 1D, 1D x 2D, 2D x 1D)"
@@ -44,7 +44,7 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
 
 
 #: The workspace result of every call (the CUDA module's ``cublaslt_workspace_bytes``: the 32 MiB
-#: cuBLASLt may use, TE's figure for Hopper, + 256 to align it; :func:`~.gemm.lower_with_workspace`).
+#: cuBLASLt may use, TE's figure for Hopper, + 256 to align it; :func:`~jax_fp8.gemm.contract.lower_with_workspace`).
 WORKSPACE_BYTES = (32 << 20) + 256
 #: How many of cuBLASLt's heuristic candidates ``CUBLASLT.with_options(algo=i)`` picks from.
 CANDIDATES = 16
@@ -59,7 +59,7 @@ def check_options(algo: int = -1) -> None:
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate, algo=-1):
     """``algo``: -1, the heuristic's first choice; i, its i-th candidate (an autotuner's pick)."""
     _prepare_handles()
-    return lower_with_workspace("jf_fp8_gemm", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
+    return lower_with_workspace("jf_cublaslt_gemm", ctx, WORKSPACE_BYTES, a, a_scale, b, b_scale, *c,
                                 a_block_rows=np.int64(a_block[0]), b_block_rows=np.int64(b_block[0]),
                                 algo=np.int64(algo))
 
@@ -146,4 +146,5 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
     return None
 
 
-CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, {"cuda": _lower}, check_options)
+CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, lowerings={"cuda": _lower}, formats=("blockwise",),
+                       check_options=check_options)

@@ -1,5 +1,6 @@
 // The FP8 block-scaled GEMM on cuBLASLt (host code only): out (M, N) = a (M, K) · b (N, K)ᵀ [+ c],
-// the contract of jax_fp8/primitives/gemm.py (which checks every shape before it lowers here).
+// the FFI target jf_cublaslt_gemm. The contract: jax_fp8/gemm/contract.py; the jf_fp8_gemm primitive
+// (jax_fp8/gemm/primitive.py) checks every shape before it lowers here.
 //
 // cuBLASLt is column-major and Hopper's FP8 GEMM is "TN" only, so: cuBLAS A = our b (transa = T,
 // m = N), cuBLAS B = our a (transb = N, n = M), k = K, lda = ldb = K, and D column-major (N, M) with
@@ -10,7 +11,7 @@
 // XLA's scratch, which is freed when the handler returns and so could not be captured in a CUDA graph.
 // `algo` picks the algorithm: -1 the heuristic's first choice, i >= 0 its i-th candidate (of at most
 // kGemmCandidates; the first where the list is shorter), as an autotuner measured them
-// (jax_fp8/gemm_table.py). No host synchronisation, no cudaMalloc.
+// (jax_fp8/gemm/table.py). No host synchronisation, no cudaMalloc.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -6,7 +6,7 @@ A checked-in table rather than a first-call autotuner: the choice is made when a
 (the plan), where timing kernels would mean running them on the device, a host sync and a choice that
 varies from run to run (so from compile to compile); a table gives every process of a multi-host job
 the same kernels, costs nothing at run time, and is reviewed like code. A GEMM whose GPU has no table
-runs the first backend of :data:`jax_fp8.gemm_plan.BACKENDS` that takes it, on that library's own
+runs the first backend of :data:`jax_fp8.gemm.backends.BACKENDS` that takes it, on that library's own
 choice (cuBLASLt's heuristic). Users with another GPU add their rows with :func:`load`.
 
 A row: ``((M, N, K), backend name, options)`` for a pair of blocks, ``"1D2D"`` (a 1x128, b 128x128:
@@ -23,9 +23,9 @@ from typing import Optional
 
 #: device kind (``jax.Device.device_kind``) -> pair -> rows ((M, N, K), backend, options). The H200's:
 #: ``python3 bench/bench_gemm_tune.py`` (run_gpu.sh TUNE=1), 2026-12-05, jax 0.11.2, cuBLASLt 13.1, every
-#: cuBLASLt candidate and CUTLASS configuration timed per problem (bench/RESULTS.md, "Issues 30-31"); a
-#: row picks another kernel than cuBLASLt's heuristic where it measured at least 1% faster (the gain in
-#: the comment).
+#: cuBLASLt candidate and CUTLASS configuration timed per problem (bench/RESULTS.md, section "GEMM
+#: backends, the kernel table, CUDA graphs, where="auto""); a row picks another kernel than cuBLASLt's
+#: heuristic where it measured at least 1% faster (the gain in the comment).
 TABLE: dict[str, dict[str, list]] = {
     "NVIDIA H200": {
         "1D2D": [
@@ -80,7 +80,7 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
     """Adds rows to :data:`TABLE` (replacing the device's rows for the pairs given): a JSON file as
     ``bench/bench_gemm_tune.py --out`` writes it (``{"device_kind": ..., "rows": {pair: [[[M, N, K],
     backend, {options}], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
-    kind, rows = read_rows(path_or_rows, device_kind, "gemm_table.load", ("1D2D", "1D1D", "2D1D"),
+    kind, rows = read_rows(path_or_rows, device_kind, "jax_fp8.gemm.table.load", ("1D2D", "1D1D", "2D1D"),
                            "[[M, N, K], backend, {options}]")
     for p, entries in rows.items():
         TABLE.setdefault(kind, {})[p] = [(tuple(int(v) for v in mnk), str(b), dict(o)) for mnk, b, o in entries]

@@ -1,10 +1,9 @@
-"""FP8 GEMMs: ``fp8_dot_general``, a drop-in ``dot_general`` that multiplies Float8 blockwise operands
-on the ``jf_fp8_gemm`` primitive (or MXFP8 ones, with :class:`MXFP8BlockScaling`, on
-:mod:`jax_fp8.mx_gemm`), with a training VJP whose three GEMMs all run in FP8.
+"""``fp8_dot_general``: a drop-in ``lax.dot_general`` on the FP8 GEMM, with a training VJP whose three
+GEMMs all run in FP8; it executes the plan (:mod:`jax_fp8.gemm.plan`) on the operands
+(:mod:`jax_fp8.gemm.operands`).
 
-Recipe (:class:`Float8BlockScaling`, TransformerEngine's / DeepSeek-V3's): the lhs (activations) and
-the gradients are quantized in 1x128 blocks, the rhs (weights) in 128x128 tiles; E4M3, gradients
-optionally E5M2. For ``y = x · W`` with x (M, K) and W (N, K) (or (K, N), flax's kernel):
+For ``y = x · W`` with x (M, K) and W (N, K) (or (K, N), flax's kernel), with the Float8 blockwise
+recipe (:class:`~jax_fp8.gemm.recipes.Float8BlockScaling`; MXFP8 the same with 1x32 / 32x1 blocks):
 
 - fprop ``y = x · Wᵀ``: x rowwise (1x128) x W with 128x128 tiles, contraction over K;
 - dgrad ``dx = dy · W``: dy rowwise (1x128) x W's other orientation (the same tiles, transposed, from
@@ -27,78 +26,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import vma
-from .arrays import view_2d
-from .formats import HIGH_DTYPES, check_amax_epsilon, fp8_dtype
-from .mx_gemm import warn_reference
-from .gemm_operands import (GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands, run_gemm)
-from .gemm_plan import (DotPlan, GemmPlan, Step, dimension_numbers_tuple, fold_dot_general, plan_dot_general,
-                        plan_gemm, usage_read)
-from .quantization import dequantize, quantize, quantize_dequantize, quantize_stacked
-from .primitives.gemm import BLOCK_1D, BLOCK_2D
-from .primitives.partitioning import explicit_sharding
-from .scheme import Scheme
-from .tensors import QUANTIZED_TENSORS
-from .warn import Fp8GemmFallbackWarning, MXFP8GemmFallbackWarning, warn
+from .. import vma
+from ..arrays import view_2d
+from ..formats import HIGH_DTYPES
+from ..primitives.partitioning import explicit_sharding
+from ..quantization import dequantize, quantize, quantize_dequantize, quantize_stacked
+from ..scheme import Scheme
+from ..tensors import QUANTIZED_TENSORS
+from ..warn import Fp8GemmFallbackWarning, warn
+from .backends import REFERENCE, implementations
+from .backends.cudnn import warn_emulated
+from .contract import BLOCK_1D, BLOCK_2D, GemmBackend
+from .operands import GemmOperand, gemm_operand, run_gemm
+from .plan import DotPlan, Step, dimension_numbers_tuple, fold_dot_general, plan_dot_general, usage_read
+from .recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
 
 Array = Any
-__all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "plan_gemm", "GemmOperand", "GemmPlan",
-           "Float8BlockScaling", "MXFP8BlockScaling", "Fp8GemmFallbackWarning", "MXFP8GemmFallbackWarning",
-           "mxfp8_scaled_matmul_operands"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Float8BlockScaling:
-    """The Float8 blockwise recipe (TE's ``Float8BlockScaling``, DeepSeek-V3): lhs and gradients in 1x128
-    blocks, rhs (weights) in 128x128 tiles, E4M3; ``grad_dtype`` E4M3 (default) or E5M2 for the output
-    gradient; ``pow2_scales`` and ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`. Hashable.
-
-    Its schemes have ``saturate_inf=False``: a block holding an infinity gets an infinite scale_inv, so
-    the GEMMs return non-finite values wherever an infinity of an operand reaches, as lax.dot_general
-    does (TE's rule, saturation, would return finite numbers there)."""
-
-    grad_dtype: Any = jnp.float8_e4m3fn
-    pow2_scales: bool = True
-    amax_epsilon: float = 0.0
-
-    def __post_init__(self):
-        object.__setattr__(self, "grad_dtype", fp8_dtype(self.grad_dtype, "Float8BlockScaling: grad_dtype"))
-        object.__setattr__(self, "amax_epsilon", check_amax_epsilon(self.amax_epsilon, "Float8BlockScaling"))
-        if not isinstance(self.pow2_scales, (bool, np.bool_)):
-            raise TypeError(f"Float8BlockScaling: pow2_scales must be a bool, got {self.pow2_scales!r}")
-
-    def scheme(self, role: str, rowwise: bool = True, colwise: bool = True) -> Scheme:
-        """The GEMM-ready scheme of a role: 'lhs' (activations), 'rhs' (weights) or 'grad'."""
-        block = BLOCK_2D if role == "rhs" else BLOCK_1D
-        dtype = self.grad_dtype if role == "grad" else jnp.float8_e4m3fn
-        return Scheme("blockwise", dtype, rowwise=rowwise, colwise=colwise, block=block,
-                      pow2_scales=bool(self.pow2_scales), amax_epsilon=self.amax_epsilon, layout="gemm_ready",
-                      saturate_inf=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
-    """The MXFP8 recipe (TE's ``MXFP8BlockScaling``, OCP microscaling): every operand in blocks of 32
-    along the contraction with an E8M0 scale (TE's rule), E4M3; ``grad_dtype`` E4M3 (default) or E5M2
-    for the output gradient. Each GEMM contracts its operands along their blocks: fprop x and W over K
-    (rowwise, 1x32), dgrad dy and W over N, wgrad dy and x over M (the columnwise usages, 32x1), so x,
-    W and dy are each quantized once with both usages. The GEMMs run on cuDNN's block-scaled GEMM where
-    the GPUs are Blackwell, else as their reference on the same quantized operands (one warning:
-    :mod:`jax_fp8.mx_gemm`). Hashable."""
-
-    grad_dtype: Any = jnp.float8_e4m3fn
-
-    def __post_init__(self):
-        object.__setattr__(self, "grad_dtype", fp8_dtype(self.grad_dtype, "MXFP8BlockScaling: grad_dtype"))
-
-    def scheme(self, role: str, rowwise: bool = True, colwise: bool = True) -> Scheme:
-        """The scheme of a role: 'lhs' (activations), 'rhs' (weights) or 'grad'."""
-        dtype = self.grad_dtype if role == "grad" else jnp.float8_e4m3fn
-        return Scheme("mxfp8", dtype, rowwise=rowwise, colwise=colwise)
-
-
-#: The recipes ``fp8_dot_general`` takes.
-RECIPES = (Float8BlockScaling, MXFP8BlockScaling)
 
 
 # ---- the linear layer with its VJP: it executes the plan ---------------------------------------------
@@ -120,7 +63,7 @@ class _Stacked:
     """A (B, S, K) activation or gradient quantized as its B*S rows with B and S kept apart, so that a
     split S stays split under jit (:func:`~jax_fp8.quantization.quantize_stacked`): rowwise data (B, S, K)
     with scales (K/128, B, S), columnwise data (K, B, S) with scales (B, S/128, K); the stacked
-    operands of ``jf_fp8_gemm``, folded by reshapes. With S % 128 == 0 every block lies inside one
+    operands of the ``jf_fp8_gemm`` primitive, folded by reshapes. With S % 128 == 0 every block lies inside one
     sequence: the same blocks, bits and GEMMs as the (B*S, K) tensor's."""
 
     usages: dict  # usage -> (FP8 data, fp32 scale)
@@ -331,8 +274,31 @@ def _as_operand(x):
     return x
 
 
+def _implementation(implementation: Optional[str], recipe) -> Optional[GemmBackend]:
+    """The backend ``implementation`` names, checked: it takes the recipe's format and runs here."""
+    if implementation is None:
+        return None
+    names = implementations()
+    if not isinstance(implementation, str) or implementation not in names:
+        raise ValueError(f"fp8_dot_general: implementation must be None or one of {', '.join(map(repr, names))}, "
+                         f"got {implementation!r}")
+    backend = names[implementation]
+    fmt = "mxfp8" if isinstance(recipe, MXFP8BlockScaling) else "blockwise"
+    if not backend.takes(fmt):
+        takers = [n for n, b in names.items() if b.takes(fmt)]
+        raise ValueError(f"fp8_dot_general: implementation={implementation!r} does not take the "
+                         f"{type(recipe).__name__} recipe's operands ({fmt}); for it: {', '.join(map(repr, takers))} "
+                         "or None")
+    why = backend.unavailable_here()
+    if why is not None:
+        raise ValueError(f"fp8_dot_general: implementation={implementation!r} cannot run here: {why} "
+                         "(implementation=None runs what the plan picks; 'reference' runs everywhere)")
+    return backend
+
+
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
-                    recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None, out_sharding=None):
+                    recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None, out_sharding=None,
+                    implementation: Optional[str] = None):
     """``lax.dot_general`` on the FP8 GEMM, with ``lax.dot_general``'s signature: a drop-in for
     ``flax.linen.Dense(dot_general=...)``, ``flax.nnx.Linear(dot_general=...)`` and
     ``jnp.einsum(..., _dot_general=...)``.
@@ -342,14 +308,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     tiles; a :class:`~jax_fp8.BlockwiseTensor` is used as it is (any layout, converted exactly; it gets
     no gradient). With :class:`MXFP8BlockScaling` every operand is quantized in blocks of 32 along the
     contraction of each GEMM (both usages in one pass) and an :class:`~jax_fp8.MXFP8Tensor` is used as
-    it is; its GEMMs run on cuDNN where the GPUs are Blackwell, else as their reference with one
-    ``MXFP8GemmFallbackWarning`` (:mod:`jax_fp8.mx_gemm`). Differentiable through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on
-    the operands quantized in the forward (see the module docstring); gradients come back in the
-    primal dtypes. Works under ``jit`` (sharded operands split as ``lax.dot_general``'s; README,
-    "Sharded jit"), ``vmap``, ``grad``, ``jax.checkpoint`` and ``shard_map``.
+    it is; its GEMMs run on cuDNN where the GPUs are Blackwell, else as their reference (a bf16 GEMM of
+    the dequantized operands, fp32 accumulation) with one ``MXFP8GemmFallbackWarning``. Differentiable
+    through a custom VJP whose dgrad and wgrad GEMMs run in FP8 too, on the operands quantized in the
+    forward (see the module docstring); gradients come back in the primal dtypes. Works under ``jit``
+    (sharded operands split as ``lax.dot_general``'s; README, "Sharded jit"), ``vmap``, ``grad``,
+    ``jax.checkpoint`` and ``shard_map``.
 
     Taken by the GEMM: every call that is a 2-D product ``x (M, K) · W`` by reshapes alone (no transpose,
-    no copy; the rules: :func:`~jax_fp8.gemm_plan.fold_dot_general`): ``lhs``'s contracting dims are its
+    no copy; the rules: :func:`~jax_fp8.gemm.plan.fold_dot_general`): ``lhs``'s contracting dims are its
     trailing dims and fold into K, its leading (free) dims into M; ``rhs``'s contracting dims are
     adjacent, paired with ``lhs``'s in the same order, and come before its free dims ((K, N), as flax's
     kernel, or flax's ``DenseGeneral`` q/k/v kernel (d, heads, head_dim) as (d, heads * head_dim)) or
@@ -363,7 +330,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     (prod(shape[:-1]), shape[-1]) is the folded one. An lhs whose free dims are (..., S) with S %
     128 == 0 and K, N multiples of 16 runs as stacked sequences of S rows, each device folding its own:
     the same bits, and a split S stays split under ``jit``. Shapes are padded to the GEMM backend's
-    alignment (:func:`~jax_fp8.gemm_plan.plan_gemm`). Anything else (batch dims, non-adjacent or
+    alignment (:func:`~jax_fp8.gemm.plan.plan_gemm`). Anything else (batch dims, non-adjacent or
     differently ordered contracting dims, non-float operands, ...) is computed as ``lax.dot_general`` of
     quantize-dequantized operands (dequantized ones for quantized inputs; non-float operands as they
     are), with one :class:`Fp8GemmFallbackWarning` per call naming the operands' shapes, the dimension
@@ -371,7 +338,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     cannot run in FP8 (on cuBLASLt: shapes too small to pad cheaply, 2D x 2D or E5M2 x E5M2
     pre-quantized pairs; a pre-quantized operand without the usage it needs) is computed by the
     reference math on the same quantized operands; the call's one warning names each of them (dgrad
-    and wgrad included, decided by the GEMM plan at the call, :func:`~jax_fp8.gemm_plan.plan_dot_general`).
+    and wgrad included, decided by the GEMM plan at the call, :func:`~jax_fp8.gemm.plan.plan_dot_general`).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
     ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. Arguments that
@@ -386,6 +353,18 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     ``lax.dot_general`` fallback an infinity reaches the dot as it is (lax's pattern exactly) and the
     rest of its block is quantized at scale 1 (TransformerEngine's rule), losing its precision.
 
+    ``implementation`` chooses what runs the three GEMMs of the call (forward, dgrad and wgrad alike),
+    as tokamax's ``implementation=``: None (default), the plan's choice per GEMM (the kernel the
+    measured table names for this GPU, else the first backend that takes it and runs here, else the
+    reference with a warning); ``"cublaslt"`` or ``"cutlass"`` (Float8 blockwise on Hopper),
+    ``"cudnn"`` (MXFP8 on Blackwell), or ``"reference"``: the reference math
+    (:mod:`jax_fp8.gemm.reference`) on the same quantized operands, on every platform and without a
+    fallback warning. A named backend that does not take the recipe's format, does not run on this
+    machine or cannot take one of the call's GEMMs raises a ``ValueError`` saying why; so does a call
+    that is no GEMM (the ``lax.dot_general`` fallback above) with a named backend other than
+    ``"reference"``. E.g. ``fp8_dot_general(x, w, dn, recipe=MXFP8BlockScaling(),
+    implementation="reference")`` develops for Blackwell anywhere.
+
     Reverse mode only on the GEMM path (``jax.grad``, ``jax.vjp``, ``jax.jacrev``): forward mode
     (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) raises a ``TypeError`` that says why; the fallback
     (``lax.dot_general`` of straight-through quantize-dequantized operands) supports both.
@@ -393,6 +372,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
+    backend = _implementation(implementation, recipe)
     _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     quantized_lhs = isinstance(lhs, QUANTIZED_TENSORS)
@@ -402,13 +382,16 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     fold, _ = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
                  and _sequences_may_split(lhs, fold.lhs_free))
-    plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split)
+    plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split, backend)
+    if plan.fallback is not None and backend not in (None, REFERENCE):
+        raise ValueError(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): implementation="
+                         f"{implementation!r} cannot run this call, which is no FP8 GEMM: {plan.fallback}")
     if plan.fallback is None and not plan.empty:
-        if plan.reasons():
+        if plan.reasons() and backend is not REFERENCE:  # the reference, when asked for, unwarned
             _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): computing by the reference math "
                   "(same quantized operands) instead of the FP8 GEMM: " + "; ".join(plan.reasons()))
-        if isinstance(recipe, MXFP8BlockScaling):
-            warn_reference("fp8_dot_general")
+        if isinstance(recipe, MXFP8BlockScaling) and backend is None:
+            warn_emulated("fp8_dot_general")
         fold = plan.fold
         # the GEMM's 2-D operands, by reshapes (quantized tensors: their own 2-D view, which the plan
         # checked is the fold's); sequences (B, S, K) kept apart where the plan stacks them

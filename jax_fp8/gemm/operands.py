@@ -10,20 +10,20 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._compat import E8M0_DTYPE
-from .quantization import to_layout
-from .arrays import bitcast, cdiv, view_2d
-from .formats import MX_BLOCK
-from .gemm_plan import MX_BLOCK_1D, GemmPlan, plan_gemm, plan_mx_gemm, usage_read
-from .mx_gemm import mx_gemm, mx_values
-from .primitives.gemm import (BLOCK_1D, BLOCK_2D, OUT_DTYPES, GemmBackend, blocked_gemm,
-                              dense_gemm, fp8_gemm_bind, operand_scale_shape, operand_values)
-from .primitives.partitioning import pad_end
-from .scheme import GEMM_SCALE_PAD
-from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
-from .warn import Fp8GemmFallbackWarning, warn
+from .._compat import E8M0_DTYPE
+from ..arrays import bitcast, cdiv, view_2d
+from ..formats import MX_BLOCK
+from ..primitives.partitioning import pad_end
+from ..quantization import to_layout
+from ..scheme import GEMM_SCALE_PAD
+from ..tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
+from ..warn import Fp8GemmFallbackWarning, warn
+from .backends import REFERENCE, implementations
+from .contract import BLOCK_1D, BLOCK_2D, MX_BLOCK_1D, GemmBackend, gemm_dtype, operand_scale_shape
+from .plan import GemmPlan, plan_gemm, usage_read
+from .primitive import fp8_gemm_bind
+from .reference import dense_gemm, mx_values, operand_values
 
 Array = Any
 
@@ -108,32 +108,22 @@ def plan_of(a: GemmOperand, b: GemmOperand, backend=None) -> GemmPlan:
     (M, K), (N, _) = a.shape, b.shape
     if (a.block == MX_BLOCK_1D) != (b.block == MX_BLOCK_1D):
         raise ValueError(f"fp8_gemm: an MXFP8 operand with a Float8 blockwise one ({a.block} and {b.block} blocks)")
-    if a.block == MX_BLOCK_1D:
-        return plan_mx_gemm(M, N, K, a.data.dtype, b.data.dtype)
     return plan_gemm(M, N, K, a.block, b.block, a.data.dtype, b.data.dtype, backend=backend)
 
 
-def _gemm_dtype(out_dtype) -> np.dtype:
-    out_dtype = jnp.dtype(out_dtype)
-    return out_dtype if out_dtype in OUT_DTYPES else jnp.dtype(jnp.float32)
-
-
 def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
-    """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend (padded to its sizes), else
-    the reference math; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the plan
-    checked), or fp32 values (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
+    """``a · bᵀ (+ c)`` as ``out_dtype``, as ``plan`` says: on its backend, padded to its sizes (a kernel
+    under the ``jf_fp8_gemm`` primitive, or the backend's ``compute``), else by the reference math on the
+    operands as they are; no warning here. ``a`` / ``b``: GemmOperands (stacked ones: aligned, as the
+    plan checked), or fp32 values (rows, K) where no FP8 operand exists (then dequantize + fp32 dot)."""
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         vals = [x.values() if isinstance(x, GemmOperand) else x for x in (a, b)]
         return dense_gemm(*vals, c, out_dtype=out_dtype)
-    if a.block == MX_BLOCK_1D:  # the MXFP8 recipe's GEMMs: cuDNN's where it runs, else the reference
-        if c is not None:
-            raise NotImplementedError("run_gemm: no accumulator on MXFP8 GEMMs")
-        return mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype)
-    if not plan.ok:  # the primitive's reference numbers: no overflow the GEMM lacks
-        return blocked_gemm(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
-                            out_dtype=out_dtype)
-    dtype = _gemm_dtype(out_dtype)
-    if a.data.ndim == 3:  # stacked sequences
+    if not plan.ok:  # the reference math on the operands as they are: no overflow the GEMM lacks
+        return REFERENCE.compute(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                                 out_dtype=out_dtype)
+    dtype = gemm_dtype(out_dtype)
+    if a.data.ndim == 3:  # stacked sequences (kernel backends only, as the plan checked)
         out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
                             backend=plan.backend)
         return out.astype(out_dtype)
@@ -141,22 +131,28 @@ def run_gemm(a, b, out_dtype, plan: GemmPlan, c=None):
     if c is not None:
         c = pad_end(c.astype(dtype), (Mp, Np))
     a, b = a.padded(Mp, Kp), b.padded(Np, Kp)
-    out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
-                        backend=plan.backend)
+    if plan.backend.compute is not None:  # a jax function
+        out = plan.backend.compute(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block,
+                                   out_dtype=dtype)
+    else:  # a kernel under the primitive
+        out = fp8_gemm_bind(a.data, a.scale, b.data, b.scale, c, a_block=a.block, b_block=b.block, out_dtype=dtype,
+                            backend=plan.backend)
     return out[:M, :N].astype(out_dtype)
 
 
-def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None, *, backend=None):
+def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None, *, backend: GemmBackend | str | None = None):
     """``a · bᵀ (+ c)`` on the FP8 GEMM, for already-quantized operands.
 
     ``a`` (M, K) and ``b`` (N, K): :class:`GemmOperand`, :class:`~jax_fp8.BlockwiseTensor` or
     :class:`~jax_fp8.MXFP8Tensor` (2-D view, contracted over its last dim, see :func:`gemm_operand`;
-    MXFP8 operands run on :mod:`jax_fp8.mx_gemm`, both MXFP8 or neither). Misaligned shapes are padded
-    (:func:`~jax_fp8.gemm_plan.plan_gemm`); what no GEMM backend takes is computed by the reference math,
-    with a :class:`Fp8GemmFallbackWarning`. ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or
-    float16 (computed in fp32). Not differentiable (use :func:`jax_fp8.fp8_dot_general`).
-    ``backend``: a :class:`~jax_fp8.primitives.gemm.GemmBackend` (e.g. ``CUTLASS.with_options(config=1)``)
-    to run it on instead of the plan's choice (to compare backends); Float8 blockwise operands only.
+    both MXFP8 or neither). Misaligned shapes are padded (:func:`~jax_fp8.gemm.plan.plan_gemm`); what
+    no GEMM backend takes is computed by the reference math, with a :class:`Fp8GemmFallbackWarning`.
+    ``out_dtype``: float32, bfloat16 (the GEMM's own outputs) or float16 (computed in fp32). Not
+    differentiable (use :func:`jax_fp8.fp8_dot_general`). ``backend``: a
+    :class:`~jax_fp8.gemm.contract.GemmBackend` (e.g. ``CUTLASS.with_options(config=1)``) or a backend's
+    name (``"cublaslt"``, ``"cutlass"``, ``"cudnn"``, ``"reference"``) to run it on instead of the plan's
+    choice (to compare backends); one that does not take the operands' format or shape computes the
+    reference, with the warning.
     """
     ops = []
     for name, x in (("a", a), ("b", b)):
@@ -171,10 +167,15 @@ def fp8_gemm(a, b, out_dtype=jnp.bfloat16, c=None, *, backend=None):
         ops.append(x)
     if ops[0].shape[1] != ops[1].shape[1]:
         raise ValueError(f"fp8_gemm: a {ops[0].shape} and b {ops[1].shape} must share K, their last dim")
+    if isinstance(backend, str):
+        names = implementations()
+        if backend not in names:
+            raise ValueError(f"fp8_gemm: backend must be a GemmBackend, one of {sorted(names)} or None, got "
+                             f"{backend!r}")
+        backend = names[backend]
     if backend is not None and not isinstance(backend, GemmBackend):
-        raise TypeError(f"fp8_gemm: backend must be a GemmBackend (or None), got {type(backend).__name__}")
-    if backend is not None and MX_BLOCK_1D in (ops[0].block, ops[1].block):
-        raise ValueError("fp8_gemm: backend takes Float8 blockwise operands only (MXFP8 runs on mx_gemm)")
+        raise TypeError(f"fp8_gemm: backend must be a GemmBackend, a backend's name or None, got "
+                        f"{type(backend).__name__}")
     plan = plan_of(*ops, backend=backend)
     if not plan.ok and not plan.empty:
         warn(f"fp8_gemm: computed by the reference math: the FP8 GEMM cannot take {plan.reason}",

@@ -15,17 +15,18 @@ import functools
 import math
 from typing import Optional
 
-from .gemm_plan import fold_dot_general
-from .gemm_table import local_device_kind, nearest, read_rows
-from .primitives.partitioning import explicit_sharding
-from .tensors import QUANTIZED_TENSORS
-from .warn import CrossoverWarning, warn
+from ..primitives.partitioning import explicit_sharding
+from ..tensors import QUANTIZED_TENSORS
+from ..warn import CrossoverWarning, warn
+from .plan import fold_dot_general
+from .table import local_device_kind, nearest, read_rows
 
 #: device kind (``jax.Device.device_kind``) -> recipe ("blockwise" or "mxfp8") -> rows
 #: ((M, K, N), bf16 time / FP8 time of the layer's forward + backward); FP8 pays where the ratio > 1.
 #: The H200's: the LINEAR lines of ``python3 bench/bench_gemm.py --iters 20`` (the same quantity as
 #: ``--crossover``, at its square and model shapes), 2026-12-05, jax 0.11.2, cuBLASLt's heuristic kernels
-#: (bench/RESULTS.md, "Issues 30-31"). Four shapes only: a denser grid (``--crossover``) is to be measured.
+#: (bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
+#: where="auto""). Four shapes only: a denser grid (``--crossover``) is to be measured.
 TABLES: dict[str, dict[str, list]] = {
     "NVIDIA H200": {
         "blockwise": [((2048, 2048, 2048), 0.88), ((4096, 4096, 4096), 1.24), ((8192, 8192, 8192), 1.41),
@@ -70,7 +71,8 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
     """Adds rows to :data:`TABLES` (replacing the GPU's rows for the recipes given): a JSON file as
     ``bench/bench_gemm.py --crossover-out`` writes it (``{"device_kind": ..., "rows": {recipe: [[[M, K,
     N], ratio], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
-    kind, rows = read_rows(path_or_rows, device_kind, "crossover.load", ("blockwise", "mxfp8"), "[[M, K, N], ratio]")
+    kind, rows = read_rows(path_or_rows, device_kind, "jax_fp8.gemm.crossover.load", ("blockwise", "mxfp8"),
+                           "[[M, K, N], ratio]")
     for name, entries in rows.items():
         TABLES.setdefault(kind, {})[name] = [(tuple(int(v) for v in mkn), float(r)) for mkn, r in entries]
 
@@ -90,4 +92,4 @@ def _device_share(x) -> tuple:
 def _warn_unmeasured(kind: str, name: str) -> None:
     warn(f"jax_fp8: where='auto' has no crossover table for {kind!r} and the {name} recipe: every projection "
          "runs in FP8 (measure one with `python bench/bench_gemm.py --crossover --crossover-out F` on this GPU "
-         "and pass it to jax_fp8.crossover.load)", CrossoverWarning)
+         "and pass it to jax_fp8.gemm.crossover.load)", CrossoverWarning)
