@@ -1,4 +1,4 @@
-"""Collectives for ``shard_map``: the distributed cast of sharded fp32 master weights.
+"""The distributed cast of sharded fp32 master weights (inside ``shard_map``).
 
 ``quantize_master_weights`` is the ZeRO / distributed-optimizer step (as TE's master-weight cast):
 every data-parallel rank holds a flat fp32 shard of each weight, boundaries anywhere. Per weight it
@@ -7,8 +7,8 @@ scales with ONE ``lax.pmax`` over one packed buffer, and casts its shard with th
 For MXFP8 the packed buffer is uint8 E8M0 bytes (E8M0 is monotonic in the amax, so the max of the
 bytes is the byte of the max amax: half the bytes of a bf16 amax all-reduce). Float8 blockwise scales
 are not monotonic bytes, so that variant reduces the fp32 amaxes, as their uint32 bit patterns.
-``local_shards`` / ``shard_windows`` / ``split_masters`` give the shards and windows of the standard
-ZeRO splits. Gathering the FP8 shards (``gather_master_weights``) gives exactly
+:mod:`.shards` (``local_shards``, ``shard_windows``, ``split_masters``) gives the shards and windows
+of the standard ZeRO splits. Gathering the FP8 shards (``gather_master_weights``) gives exactly
 ``quantize_*(full_master.astype(model_dtype))``.
 """
 from __future__ import annotations
@@ -22,14 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import vma
-from .arrays import bitcast, view_2d
-from .formats import high_dtype
-from .gather import all_gather_dequantized, all_gather_first_dim
-from .quantization import assemble, to_layout
-from .primitives.partial import partial_amax_p, partial_cast_p
-from .scheme import build_scheme, unpack_grids
-from .master_shards import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
+from .. import vma
+from ..arrays import bitcast, view_2d
+from ..formats import high_dtype
+from ..quantization import assemble, to_layout
+from ..primitives.partial import partial_amax_p, partial_cast_p
+from ..scheme import build_scheme, unpack_grids
+from .shards import check_shapes, tiling_errors
 
 Array = Any
 
@@ -260,5 +259,4 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
     return out
 
 
-__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard",
-           "all_gather_first_dim", "all_gather_dequantized", "local_shards", "shard_windows", "split_masters"]
+__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard"]
