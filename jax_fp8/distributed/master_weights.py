@@ -164,8 +164,9 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     # 3. one collective for every weight, on integers: E8M0 bytes, or the fp32 amaxes' bits (non-negative
     # floats order as their bit patterns; a float pmax may flush subnormal amaxes, XLA's CPU one does)
     packed = packs[0] if len(packs) == 1 else jnp.concatenate(packs)
-    if packed.dtype == jnp.float32:
-        packed = bitcast(lax.pmax(bitcast(packed, jnp.uint32), axis_name), jnp.float32)
+    reduce_as = scheme.format.reduce_dtype
+    if packed.dtype != reduce_as:
+        packed = bitcast(lax.pmax(bitcast(packed, reduce_as), axis_name), packed.dtype)
     else:
         packed = lax.pmax(packed, axis_name)
     packs = jnp.split(packed, np.cumsum([q.size for q in packs])[:-1])
@@ -173,7 +174,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     out = [None] * len(xs)
     for (idx, w, shp), glob in zip(groups, packs):
         res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, scheme=scheme)
-        scales_from = glob if scheme.e8m0 else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
+        # the reduced values where they are the scales (E8M0 bytes), else the cast's scale_inv (fp32)
+        scales_from = glob if scheme.format.partials_are_scales else res[-1]
         nu = len(scheme.kernel_blocks)
         for k, (i, grids) in enumerate(zip(idx, scheme.packed_grids(shp))):
             datas = [bitcast(d, scheme.dtype) for d in res[k * nu:(k + 1) * nu]]
