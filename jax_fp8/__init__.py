@@ -1,8 +1,10 @@
 """jax_fp8: MXFP8 and Float8 blockwise quantization for JAX, on XLA FFI kernels (CPU and CUDA)."""
+import warnings as _warnings
+
 from . import _ffi  # registers the FFI targets before any primitive lowers
-from . import crossover, distributed, flax_utils, gemm_table, reference  # flax_utils imports flax only when called
-from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantize_blockwise, quantize_dequantize,
-                  quantize_mxfp8, to_layout)
+from . import crossover, distributed, flax_utils, formats, gemm_table, reference  # flax_utils imports flax only when called
+from .api import (QuantizedTensor, dequantize, quantize, quantize_blockwise, quantize_dequantize, quantize_mxfp8,
+                  to_layout)
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
@@ -29,8 +31,20 @@ def kernels_available() -> dict:
             "cuda": cuda_module and cuda_device}
 
 
-__all__ = ["crossover", "distributed", "gemm_table", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
-           "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
+#: Low-level helpers once at the top level: still reachable there, with a DeprecationWarning naming their home.
+_MOVED = {"e8m0_from_amax": "jax_fp8.reference.e8m0_from_amax"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        _warnings.warn(f"jax_fp8.{name} is deprecated; use {_MOVED[name]}", DeprecationWarning, stacklevel=2)
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'jax_fp8' has no attribute {name!r}")
+
+
+__all__ = ["crossover", "distributed", "formats", "gemm_table", "quantize", "quantize_mxfp8", "quantize_blockwise",
+           "dequantize", "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
            "kernels_available"]
 __all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands"]
 __all__ += ["Fp8Warning", "ShardingWarning", "PartitioningRuleWarning", "Fp8GemmFallbackWarning",

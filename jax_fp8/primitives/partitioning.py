@@ -9,7 +9,7 @@ lowered to our FFI kernel or the reference), which is what each device runs on i
 The partitioner consults a primitive twice. While it propagates shardings it reads a Shardy rule
 (:func:`sdy_rule`): which dims of the operands and results are one dimension of the op, a scale
 grid's coarse dim (one entry per block) being a compound factor of its data's dim. Then it calls back
-with the operands' shardings and :func:`plan` decides, per dim of the op: it stays sharded when each
+with the operands' shardings and :func:`choose_sharding` decides, per dim of the op: it stays sharded when each
 shard holds whole blocks and every array's local shape tiles its global one (padded GEMM-ready scales
 included); otherwise its mesh axes are dropped, XLA gathers that dim alone, and one warning says
 which and why. A mesh axis that would shard two dims of one op stays on the first in the rule's
@@ -17,12 +17,12 @@ order (a GEMM keeps M, the activations' rows, and gathers the weight). A contrac
 sharded gives local partial products and a ``psum``.
 
 Under a mesh with ``AxisType.Explicit`` axes the operands' shardings are known while tracing: the
-same plan types the results (``jax.typeof`` shows them). The callbacks decode the operands' shardings
+same choice types the results (``jax.typeof`` shows them). The callbacks decode the operands' shardings
 themselves: Shardy may split a mesh axis between the parts of a compound factor, which no
-PartitionSpec names; such an operand is read as replicated (the plan asks for it whole).
+PartitionSpec names; such an operand is read as replicated (the choice takes it whole).
 
 No input makes a rule fail the compile: the Shardy rule is checked as jax will check it, and a rule
-or plan that fails (a bug of ours) gives way to whole operands with a :class:`PartitioningRuleWarning`
+or choice that fails (a bug of ours) gives way to whole operands with a :class:`PartitioningRuleWarning`
 (tests/test_sharded_sweep.py asserts none fires). :func:`rows_view` and :func:`pad_end` are the
 reshape and pad of the ops' wrappers that an Explicit type cannot always carry a split through: they
 gather that split, with a warning, where jax would raise.
@@ -108,7 +108,7 @@ class Whole:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ShardingChoice:
     """What runs where: the specs the operands are taken in and the results come out in (per dim, a
     tuple of mesh axes or None), the axes to ``psum`` the local results over, the padded dims held
     whole (operands, results), and what was gathered, in words."""
@@ -158,7 +158,7 @@ def _split_problem(rule, params, label, axes, mesh_sizes, sizes, arrays) -> Opti
     return rule.why_not(label, local, sizes, params)
 
 
-def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
+def choose_sharding(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> ShardingChoice:
     """Decide which op dims stay split, given the operands' global ``shapes`` and ``specs`` (per dim, a
     tuple of mesh axes). A dim takes the axes of the first operand that splits it at full resolution."""
     sizes = rule.sizes(shapes, params)
@@ -206,7 +206,7 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
     whole_in, whole_out = whole(operands, local_arrays[0]), whole(results, local_arrays[1])
     held_in, held_out = {(w.index, w.dim) for w in whole_in}, {(w.index, w.dim) for w in whole_out}
     reduce_axes = tuple(a for label in rule.contracted for a in chosen.get(label, ()))
-    return Plan([spec(i, x, held_in) for i, x in enumerate(operands)],
+    return ShardingChoice([spec(i, x, held_in) for i, x in enumerate(operands)],
                 [spec(i, x, held_out) for i, x in enumerate(results)], reduce_axes, whole_in, whole_out, gathered)
 
 
@@ -337,7 +337,7 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
 def _axes_of(sharding, mesh, ndim: int) -> tuple:
     """An operand's sharding as mesh axes per dim. The partitioner hands HloShardings (we decode them:
     ``decode_shardings=False``); one no PartitionSpec can name (Shardy may split a mesh axis between
-    a compound factor's parts) is read as replicated: the plan then asks for it whole."""
+    a compound factor's parts) is read as replicated: the choice then takes it whole."""
     if isinstance(sharding, NamedSharding):
         return spec_axes(sharding.spec, ndim)
     try:
@@ -347,9 +347,9 @@ def _axes_of(sharding, mesh, ndim: int) -> tuple:
         return ((),) * ndim
 
 
-def _specs_and_plan(rule, params, mesh, arg_shapes):
+def _specs_and_choice(rule, params, mesh, arg_shapes):
     specs = [_axes_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
-    return plan(rule, params, dict(mesh.shape), [tuple(a.shape) for a in arg_shapes], specs)
+    return choose_sharding(rule, params, dict(mesh.shape), [tuple(a.shape) for a in arg_shapes], specs)
 
 
 def _sharding(mesh, spec):
@@ -361,7 +361,7 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
                           local_abstract: Optional[Callable] = None):
     """``(prim, local)``: the primitive ``name`` the API binds, partitioned by ``rule`` under ``jit``,
     and its local twin, on which the caller registers the per-platform lowerings. ``prim`` has
-    ``abstract`` (and types its results with the plan under an Explicit mesh); ``local`` has
+    ``abstract`` (and types its results with the choice under an Explicit mesh); ``local`` has
     ``local_abstract`` (default: ``abstract``; another one when ``rule.local`` binds other params)."""
     prim, local = Primitive(name), Primitive(f"{name}_local")
     for p in (prim, local):
@@ -380,7 +380,7 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
     def run(items, *args):  # unsplit: one device, or inside shard_map
         return on_device(dict(items), ())(*map(_unsplit, args))
 
-    def lower_fn(items, p: Plan):
+    def lower_fn(items, p: ShardingChoice):
         fn = on_device(dict(items), p.reduce_axes)
 
         def on_shard(*args):
@@ -394,19 +394,19 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
 
         return on_shard
 
-    def safe_plan(items, mesh, arg_shapes, result_shape) -> Plan:
-        """The plan; whole operands and results (with a warning) if planning raised: never a compile
+    def safe_choice(items, mesh, arg_shapes, result_shape) -> ShardingChoice:
+        """The choice; whole operands and results (with a warning) if choosing raised: never a compile
         error."""
         try:
-            return _specs_and_plan(rule, dict(items), mesh, arg_shapes)
+            return _specs_and_choice(rule, dict(items), mesh, arg_shapes)
         except Exception as e:  # noqa: BLE001  (any failure here would abort the user's compile)
-            _rule_failed(name, "planning its split", arg_shapes, mesh, e)
+            _rule_failed(name, "choosing its split", arg_shapes, mesh, e)
             results = result_shape if multiple_results else [result_shape]
-            return Plan([[None] * len(a.shape) for a in arg_shapes], [[None] * len(r.shape) for r in results],
-                        (), (), (), [])
+            return ShardingChoice([[None] * len(a.shape) for a in arg_shapes], [[None] * len(r.shape) for r in results],
+                                  (), (), (), [])
 
     def partition(items, mesh, arg_shapes, result_shape):
-        p = safe_plan(items, mesh, arg_shapes, result_shape)
+        p = safe_choice(items, mesh, arg_shapes, result_shape)
         for note in p.gathered:
             warn(f"jax_fp8: {name} under jax.jit: {note}", ShardingWarning)
         outs = [_sharding(mesh, s) for s in p.results]
@@ -414,12 +414,12 @@ def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_re
             tuple(_sharding(mesh, s) for s in p.operands)
 
     def infer(items, mesh, arg_shapes, result_shape):  # the GSPMD partitioner (jax_use_shardy_partitioner=False)
-        outs = [_sharding(mesh, s) for s in safe_plan(items, mesh, arg_shapes, result_shape).results]
+        outs = [_sharding(mesh, s) for s in safe_choice(items, mesh, arg_shapes, result_shape).results]
         return tuple(outs) if multiple_results else outs[0]
 
     def sharding_rule(items, mesh, value_types, result_types):
         """Shardy's rule, checked here as jax will check it; where it fails, a rule that links no dims
-        (the operands' shardings then reach the plan as they are) and a warning."""
+        (the operands' shardings then reach the choice as they are) and a warning."""
         try:
             text, options = sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
             built = str_to_sdy_sharding_rule(text, **options)
@@ -491,7 +491,7 @@ def _rule_failed(name: str, step: str, shapes, mesh, error: Exception) -> None:
 
 
 def _typed_abstract(abstract, rule, *avals, **params):
-    """``abstract``'s results, typed with the plan's shardings when an operand's type names mesh axes
+    """``abstract``'s results, typed with the choice's shardings when an operand's type names mesh axes
     (an Explicit mesh); as they are otherwise (the partitioner decides at compile time)."""
     outs = abstract(*avals, **params)
     shardings = [explicit_sharding(a) for a in avals]
@@ -499,7 +499,7 @@ def _typed_abstract(abstract, rule, *avals, **params):
     if not any(any(axes) for spec in specs for axes in spec):
         return outs
     mesh = next(s.mesh for s, spec in zip(shardings, specs) if any(spec))
-    p = plan(rule, params, dict(mesh.shape), [a.shape for a in avals], specs)
+    p = choose_sharding(rule, params, dict(mesh.shape), [a.shape for a in avals], specs)
     many = isinstance(outs, (list, tuple))
     typed = [o.update(sharding=_sharding(mesh, s)) for o, s in zip(outs if many else [outs], p.results)]
     return typed if many else typed[0]
