@@ -296,7 +296,7 @@ class BlockwiseFormat(Format):
     scale_dtype = partial_dtype = np.dtype(np.float32)
     reduce_dtype = np.dtype(np.uint32)
     gemm_ready_scales = True
-    empty_scale = 1.0  # the scale_inv of an all-zero block (scheme.GEMM_SCALE_PAD)
+    empty_scale = 1.0  # the scale_inv of an all-zero block (also what pads GEMM-ready scales)
 
     def describe(self, scheme):
         bm, bk = scheme.block

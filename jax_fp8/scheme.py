@@ -22,7 +22,7 @@ from .formats import BLOCKWISE, FORMATS, FP8_DTYPES, MXFP8, Format, check_amax_e
 USAGES = ("rowwise", "colwise")
 LAYOUTS = ("compact", "gemm_ready")
 #: Value of the padding entries of GEMM-ready fp32 scales: the scale_inv of an all-zero block.
-GEMM_SCALE_PAD = 1.0
+GEMM_SCALE_PAD = BLOCKWISE.empty_scale
 #: Each stored row of GEMM-ready fp32 scales is padded to a multiple of this many entries (TE's GEMM_READY).
 GEMM_SCALE_ALIGN = 4
 
