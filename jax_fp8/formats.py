@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import jax.numpy as jnp
 
-from .arrays import bitcast, xp_of
+from .arrays import bitcast, cdiv, xp_of
 
 #: FP8 element dtypes, in the kernels' numbering (0 = E4M3, 1 = E5M2; ffi_common.h's Fp8Kind).
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -154,7 +154,9 @@ class Format:
     master-weight cast computes per shard, and the integer type its ``pmax`` reduces them as),
     ``partials_are_scales`` (the reduced values are the stored scales; else the cast writes
     ``scale_inv``), ``gemm_ready_scales`` (``layout="gemm_ready"`` rearranges the scales as well as the
-    columnwise data), ``empty_scale`` (the scale value of an empty tensor's grids).
+    columnwise data: see :meth:`gemm_scale_shape`), ``gemm_scale_align`` (each stored row of GEMM-ready
+    scales is padded to a multiple of it), ``empty_scale`` (the scale value of an empty tensor's grids,
+    and of the padding of GEMM-ready scales).
     """
 
     name: str = ""
@@ -167,6 +169,7 @@ class Format:
     reduce_dtype: np.dtype = np.dtype(np.uint32)
     partials_are_scales: bool = False
     gemm_ready_scales: bool = False
+    gemm_scale_align: int = 1
     empty_scale: float = 0.0
     _tensor_class: Optional[type] = None
 
@@ -196,6 +199,26 @@ class Format:
         if block == self.tile_block:
             return block
         return (1, self.block) if usage == "rowwise" else (self.block, 1)
+
+    # ---- scale grids ----------------------------------------------------------------------------
+    def grid(self, block: tuple, M: int, K: int, usage: str) -> tuple[int, int]:
+        """Shape of a usage's compact scale grid for the (M, K) view: one scale per block."""
+        bm, bk = self.usage_block(block, usage)
+        return cdiv(M, bm), cdiv(K, bk)
+
+    def gemm_transposed_scales(self, block: tuple, usage: str) -> bool:
+        """Whether GEMM-ready scales of a usage are stored as the transpose of the compact grid."""
+        return False
+
+    def gemm_scale_shape(self, block: tuple, M: int, K: int, usage: str) -> tuple[int, int]:
+        """Shape of a usage's stored scales in the GEMM-ready layout: the compact grid, transposed where
+        :meth:`gemm_transposed_scales` says, each stored row padded to ``gemm_scale_align``."""
+        rows, cols = self.grid(block, M, K, usage)
+        if not self.gemm_ready_scales:
+            return rows, cols
+        if self.gemm_transposed_scales(block, usage):
+            rows, cols = cols, rows
+        return rows, cdiv(cols, self.gemm_scale_align) * self.gemm_scale_align
 
     # ---- scheme options ---------------------------------------------------------------------------
     def check_options(self, pow2_scales: bool, amax_epsilon: float, saturate_inf: bool, where: str) -> None:
@@ -296,6 +319,7 @@ class BlockwiseFormat(Format):
     scale_dtype = partial_dtype = np.dtype(np.float32)
     reduce_dtype = np.dtype(np.uint32)
     gemm_ready_scales = True
+    gemm_scale_align = 4  # TE's GEMM_READY: cuBLASLt reads scale rows in multiples of 4
     empty_scale = 1.0  # the scale_inv of an all-zero block (also what pads GEMM-ready scales)
 
     def describe(self, scheme):
@@ -324,6 +348,11 @@ class BlockwiseFormat(Format):
 
     def cast_from_global(self, glob, scheme, in_dtype):
         return self.scale_rule(scheme, in_dtype)(glob)
+
+    def gemm_transposed_scales(self, block, usage):
+        # 1x128 rowwise scales M-major (the grid transposed); 128x128 columnwise tiles, whose grid is the
+        # transposed tensor's
+        return (usage == "rowwise") != (block == self.tile_block)
 
 
 MXFP8 = MXFP8Format()

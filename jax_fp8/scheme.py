@@ -24,7 +24,7 @@ LAYOUTS = ("compact", "gemm_ready")
 #: Value of the padding entries of GEMM-ready fp32 scales: the scale_inv of an all-zero block.
 GEMM_SCALE_PAD = BLOCKWISE.empty_scale
 #: Each stored row of GEMM-ready fp32 scales is padded to a multiple of this many entries (TE's GEMM_READY).
-GEMM_SCALE_ALIGN = 4
+GEMM_SCALE_ALIGN = BLOCKWISE.gemm_scale_align
 
 
 def check_block(block, where: str) -> tuple[int, int]:
@@ -146,8 +146,7 @@ class Scheme:
 
     def grid(self, M: int, K: int, usage: str) -> tuple[int, int]:
         """Shape of a usage's compact scale grid for the (M, K) view: one scale per block."""
-        bm, bk = self.usage_block(usage)
-        return cdiv(M, bm), cdiv(K, bk)
+        return self.format.grid(self.block, M, K, usage)
 
     @property
     def gemm_ready_scales(self) -> bool:
@@ -158,7 +157,7 @@ class Scheme:
     def transposed_scales(self, usage: str) -> bool:
         """GEMM-ready blockwise scales stored as the transpose of the compact grid (1x128 rowwise
         scales M-major; 128x128 columnwise tiles, whose grid is the transposed tensor's)."""
-        return self.gemm_ready_scales and (usage == "rowwise") != self.tiles
+        return self.gemm_ready_scales and self.format.gemm_transposed_scales(self.block, usage)
 
     def transposed_data(self, usage: str) -> bool:
         """A usage's data stored as the (K, M) transpose of the 2-D view: GEMM-ready columnwise data
@@ -181,18 +180,15 @@ class Scheme:
         padded to 4); 128x128 tiles ``(ceil(R/128), roundup(ceil(C/128), 4))``. Padding entries hold
         ``GEMM_SCALE_PAD`` (1.0, the scale_inv of an all-zero block).
         """
-        rows, cols = self.grid(M, K, usage)
-        if not self.gemm_ready_scales:
-            return rows, cols
-        if self.transposed_scales(usage):
-            rows, cols = cols, rows
-        return rows, cdiv(cols, GEMM_SCALE_ALIGN) * GEMM_SCALE_ALIGN
+        if not self.gemm_ready:
+            return self.grid(M, K, usage)
+        return self.format.gemm_scale_shape(self.block, M, K, usage)
 
     @property
     def scale_row_align(self) -> int:
         """Each stored scale row holds a multiple of this many entries (padded): 4 for GEMM-ready
-        Float8 blockwise scales, else 1."""
-        return GEMM_SCALE_ALIGN if self.gemm_ready_scales else 1
+        Float8 blockwise scales (the format's ``gemm_scale_align``), else 1."""
+        return self.format.gemm_scale_align if self.gemm_ready_scales else 1
 
     def kernel_outputs(self, shape) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
         """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
