@@ -225,10 +225,18 @@ class Format:
         """Raise unless the format takes these scale options (every format takes the defaults)."""
 
     def describe(self, scheme) -> str:
-        """The scheme's one-line description (``str(scheme)``)."""
+        """The scheme's one-line description (``str(scheme)``): the format, its block and options where
+        it has a choice of them (:meth:`describe_block`, :meth:`describe_options`), dtype, usages, layout."""
         usages = "+".join(u for u in ("rowwise", "colwise") if getattr(scheme, u))
         layout = "" if scheme.layout == "compact" else f" {scheme.layout}"
-        return f"{self.name} {scheme.dtype.name} {usages}{layout}"
+        return (f"{self.name}{self.describe_block(scheme)} {scheme.dtype.name} {usages}{layout}"
+                f"{self.describe_options(scheme)}")
+
+    def describe_block(self, scheme) -> str:
+        return ""
+
+    def describe_options(self, scheme) -> str:
+        return ""
 
     # ---- scales ---------------------------------------------------------------------------------
     def scale_rule(self, scheme, in_dtype) -> ScaleRule:
@@ -322,13 +330,13 @@ class BlockwiseFormat(Format):
     gemm_scale_align = 4  # TE's GEMM_READY: cuBLASLt reads scale rows in multiples of 4
     empty_scale = 1.0  # the scale_inv of an all-zero block (also what pads GEMM-ready scales)
 
-    def describe(self, scheme):
+    def describe_block(self, scheme):
         bm, bk = scheme.block
-        usages = "+".join(u for u in ("rowwise", "colwise") if getattr(scheme, u))
-        layout = "" if scheme.layout == "compact" else f" {scheme.layout}"
+        return f" {bm}x{bk}"
+
+    def describe_options(self, scheme):
         inf = "" if scheme.saturate_inf else ", saturate_inf=False"
-        return (f"blockwise {bm}x{bk} {scheme.dtype.name} {usages}{layout} (pow2_scales={scheme.pow2_scales}, "
-                f"amax_epsilon={scheme.amax_epsilon}{inf})")
+        return f" (pow2_scales={scheme.pow2_scales}, amax_epsilon={scheme.amax_epsilon}{inf})"
 
     def scale_rule(self, scheme, in_dtype):
         def rule(amax):

@@ -208,7 +208,8 @@ class Scheme:
     def ffi_attrs(self) -> dict:
         """The scheme as the FFI handlers' ``Scheme`` struct (ffi_common.h): one dictionary attribute.
 
-        ``outputs``: the kernels' outputs in ``kernel_usages`` order, four int32 each, flattened: the
+        ``format``: the format's ``kernel_id`` (int32), which the handlers decode into their ``Format``
+        enum (an unknown value is an FFI error naming it). ``outputs``: the kernels' outputs in ``kernel_usages`` order, four int32 each, flattened: the
         block (bm, bk) (``kernel_blocks``), whether the data is stored transposed (GEMM-ready columnwise
         data, (K, M)) and whether the scales are (``transposed_scales``); compact shared tiles are laid
         out as the rowwise usage (``kernel_outputs``). The handlers read every size, the padded length
