@@ -1,6 +1,7 @@
 """The format objects (jax_fp8.formats) and the one way to name a scheme: a Scheme and the string
 forms that build one give the same bits; the kernels decode the format as an enum and reject unknown
-values by name; the deprecated top-level helper still answers, with a warning."""
+values by name, and both compiled modules register one handler list; the deprecated top-level helper
+still answers, with a warning."""
 import warnings
 
 import jax
@@ -89,3 +90,17 @@ def test_primitives_exports_every_primitive():
     assert set(jf.primitives.__all__) == {"quantize_p", "dequantize_p", "partial_amax_p", "partial_cast_p"}
     assert {p.name for p in (quantize_p, dequantize_p, partial_amax_p, partial_cast_p)} == {
         "jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast"}
+
+
+def test_one_handler_list_for_both_modules():
+    """The CPU and CUDA modules register the handlers of one list (ffi_bindings.h's JF_FFI_HANDLERS);
+    the CUDA module adds its GEMM."""
+    from jax_fp8 import _ffi
+
+    if not _ffi.AVAILABLE["cpu"]:
+        pytest.skip("the CPU module is not built")
+    cpu = set(jf._jax_fp8_cpu.registrations())
+    assert cpu == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast"}
+    if _ffi.AVAILABLE["cuda"]:
+        cuda = set(jf._jax_fp8_cuda.registrations())
+        assert cpu < cuda and len(cuda - cpu) == 1  # the GEMM
