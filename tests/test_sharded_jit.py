@@ -364,7 +364,7 @@ def test_stacked_quantize_is_the_folded_one_reshaped_and_stays_split(mode):
         for g, w, what in zip(got[usage], want[usage], ("data", "scales")):
             assert_bits_equal(g, w, f"{usage} {what}")
 
-    batched = jax.vmap(lambda x: jf.layout.quantize_stacked(x, scheme))(jnp.stack([x3[:2], x3[2:]]))
+    batched = jax.vmap(lambda x: jf.quantization.quantize_stacked(x, scheme))(jnp.stack([x3[:2], x3[2:]]))
     b_dims = {"rowwise": (0, 1), "colwise": (1, 0)}  # where B sits in the data and the scales
     for usage in ("rowwise", "colwise"):
         for v, g, at in zip(batched[usage], got[usage], b_dims[usage]):
@@ -372,7 +372,7 @@ def test_stacked_quantize_is_the_folded_one_reshaped_and_stays_split(mode):
 
     mesh = _mesh((2, 4), ("b", "s"), mode)
     xs = _put(x3, mesh, P("b", "s", None))
-    fn = jax.jit(lambda x: jf.layout.quantize_stacked(x, scheme))
+    fn = jax.jit(lambda x: jf.quantization.quantize_stacked(x, scheme))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardingWarning)
         compiled = fn.lower(xs).compile()
