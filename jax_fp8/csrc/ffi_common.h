@@ -85,22 +85,31 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: " + msg);
 }
 
-inline bool known_format(Format f) { return f == Format::kMxfp8 || f == Format::kBlockwise; }
-// The block length: MXFP8 1x32 / 32x1, Float8 1x128 / 128x1 (and its 128x128 tiles).
-inline int block_length(Format f) { return f == Format::kMxfp8 ? 32 : 128; }
-// Whether the format has 2-D tiles that serve both usages (Float8 128x128).
-inline bool has_tiles(Format f) { return f == Format::kBlockwise; }
-// Whether its scales are rearranged in the GEMM-ready layout (Float8: transposed / padded rows); MXFP8
-// scales stay compact.
-inline bool gemm_ready_scales(Format f) { return f == Format::kBlockwise; }
-// The stored scales, and the partial / reduced values of the master-weight cast: E8M0 bytes (MXFP8) or
-// fp32 (Float8: scale_inv, amaxes).
-inline ffi::DataType scale_type(Format f) { return f == Format::kMxfp8 ? ffi::DataType::U8 : ffi::DataType::F32; }
-inline size_t scale_bytes(Format f) { return f == Format::kMxfp8 ? 1 : 4; }
-inline std::string scale_type_name(Format f) { return f == Format::kMxfp8 ? "uint8" : "float32"; }
-// Whether the reduced partial values are the stored scales (E8M0 bytes); else the partial cast writes
-// an fp32 scale_inv.
-inline bool partials_are_scales(Format f) { return f == Format::kMxfp8; }
+// What differs between the formats, for the handlers (formats.py's Format objects say the same).
+struct FormatTraits {
+  bool known;                // a value some format has
+  int block;                 // the block length: MXFP8 1x32 / 32x1, Float8 1x128 / 128x1
+  bool tiles;                // 2-D tiles (block x block) that serve both usages: Float8 128x128
+  bool gemm_ready_scales;    // GEMM-ready scales rearranged (Float8: transposed / padded rows); else compact
+  ffi::DataType scale_type;  // stored scales, and the master-weight cast's partial and reduced values
+  size_t scale_bytes;
+  const char* scale_name;
+  bool partials_are_scales;  // the reduced partial values are the stored scales (E8M0 bytes); else the
+                             // partial cast writes an fp32 scale_inv
+};
+// One case per format: a new format is a new enumerator and its case here (-Wswitch names a missing
+// one), its scale rule in fp8_math.h and with_rule / with_rule_type below.
+inline FormatTraits traits(Format f) {
+  switch (f) {
+    case Format::kMxfp8: return {true, 32, false, false, ffi::DataType::U8, 1, "uint8", true};
+    case Format::kBlockwise: return {true, 128, true, true, ffi::DataType::F32, 4, "float32", false};
+  }
+  return {false, 0, false, false, ffi::DataType::INVALID, 0, "", false};  // rejected by check_scheme
+}
+inline bool gemm_ready_scales(Format f) { return traits(f).gemm_ready_scales; }
+inline ffi::DataType scale_type(Format f) { return traits(f).scale_type; }
+inline size_t scale_bytes(Format f) { return traits(f).scale_bytes; }
+inline bool partials_are_scales(Format f) { return traits(f).partials_are_scales; }
 
 inline ffi::Error in_type_of(ffi::DataType t, InType* out, float* max_finite) {
   switch (t) {
@@ -124,10 +133,10 @@ inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t
 // The outputs of a scheme (Scheme::outputs), checked against the kernels that exist: MXFP8 1x32 and/or
 // 32x1 blocks; Float8 1x128 and/or 128x1 blocks, or 128x128 tiles (one output, or a rowwise output and
 // a transposed columnwise one), rowwise first. Rowwise data is never stored transposed, columnwise
-// scales never; MXFP8 scales never.
+// scales never; MXFP8 scales never. An unknown format is an error naming its value.
 inline ffi::Error check_scheme(const Scheme& s, Output* out, int* n) {
   if (s.fp8 != kE4M3 && s.fp8 != kE5M2) return bad("scheme.fp8 must be 0 (e4m3) or 1 (e5m2)");
-  if (!known_format(s.format))
+  if (!traits(s.format).known)
     return bad("scheme.format must be 0 (mxfp8) or 1 (blockwise), got " + std::to_string(int32_t(s.format)));
   const size_t size = s.outputs.size();
   if (size != 4 && size != 8) return bad("scheme.outputs must hold one or two outputs of four int32 each");
@@ -137,14 +146,15 @@ inline ffi::Error check_scheme(const Scheme& s, Output* out, int* n) {
     if ((e[2] != 0 && e[2] != 1) || (e[3] != 0 && e[3] != 1)) return bad("scheme.outputs: flags must be 0 or 1");
     out[k] = Output{e[0], e[1], e[2] == 1, e[3] == 1};
   }
-  const int b = block_length(s.format);
-  const bool gemm_scales = gemm_ready_scales(s.format);
+  const FormatTraits f = traits(s.format);
+  const int b = f.block;
+  const bool gemm_scales = f.gemm_ready_scales;
   const auto row = [&](const Output& o) {
     return o.bm == 1 && o.bk == b && !o.data_transposed && (gemm_scales || !o.scales_transposed);
   };
   const auto col = [&](const Output& o) { return o.bm == b && o.bk == 1 && !o.scales_transposed; };
   const auto tile = [&](const Output& o, bool cols) {
-    return has_tiles(s.format) && o.bm == b && o.bk == b && o.data_transposed == cols && o.scales_transposed == cols;
+    return f.tiles && o.bm == b && o.bk == b && o.data_transposed == cols && o.scales_transposed == cols;
   };
   const Output& o0 = out[0];
   const bool ok = *n == 1 ? row(o0) || col(o0) || tile(o0, false) || tile(o0, true)
@@ -190,13 +200,15 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
                " blocks must be uint8 " + shape(a.B, rows, cols) + (o.data_transposed ? " (transposed)" : ""));
   const int64_t sm = cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
   const int64_t stored = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
-  if (scale.element_type() != scale_type(a) || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
-      s[2] - row_len >= kMaxScalePad || (!gemm_ready_scales(a.format) && s[2] != row_len))
+  const FormatTraits f = traits(a.format);  // compact scales (MXFP8) are never padded
+  if (scale.element_type() != f.scale_type || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
+      s[2] - row_len >= kMaxScalePad || (!f.gemm_ready_scales && s[2] != row_len))
     return bad("quantize: the scales of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) + " blocks" +
-               (o.scales_transposed ? " (transposed)" : "") + " must be " +
-               (!gemm_ready_scales(a.format) ? scale_type_name(a.format) + " " + shape(a.B, stored, row_len)
-                       : "float32 " + shape(a.B, stored, row_len) + ", each stored row padded by at most " +
-                             std::to_string(kMaxScalePad - 1) + " entries"));
+               (o.scales_transposed ? " (transposed)" : "") + " must be " + f.scale_name + " " +
+               shape(a.B, stored, row_len) +
+               (f.gemm_ready_scales ? ", each stored row padded by at most " + std::to_string(kMaxScalePad - 1) +
+                                          " entries"
+                                    : ""));
   *l = out_layout(o, a.M, a.K, s[2]);
   return ffi::Error::Success();
 }
@@ -231,7 +243,10 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
 // shards), which then build no kernels for the other rule.
 template <bool SATURATE_ONLY = false, class F>
 auto with_rule(const QuantizeArgs& a, F&& f) {
-  if (a.format == Format::kMxfp8) return f(MxRule{a.fp8});
+  switch (a.format) {
+    case Format::kMxfp8: return f(MxRule{a.fp8});
+    case Format::kBlockwise: break;
+  }
   if constexpr (!SATURATE_ONLY) {
     if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
   }
@@ -242,7 +257,10 @@ auto with_rule(const QuantizeArgs& a, F&& f) {
 // (its ScaleT and dequant_scale, which ignore the scale options), such as dequantize.
 template <class F>
 auto with_rule_type(const Scheme& s, F&& f) {
-  if (s.format == Format::kMxfp8) return f(MxRule{});
+  switch (s.format) {
+    case Format::kMxfp8: return f(MxRule{});
+    case Format::kBlockwise: break;
+  }
   return f(BlockRule{});
 }
 
