@@ -41,7 +41,8 @@ def device_copy(x):
 def timeit(fn, inputs, iters: int, reps: int = 7, per_call: int = 1) -> float:
     """Seconds per application of fn. per_call > 1: each jitted call applies fn to that many of the
     inputs and the time is divided by it, which takes JAX's per-call cost (dispatch, executable launch:
-    11-26 us at 4096³, run 32) out of kernels that run for tens of microseconds."""
+    11-26 us at 4096³; bench/RESULTS.md, "the model with cuDNN attention, every test, the kernels, JAX's
+    per-call cost") out of kernels that run for tens of microseconds."""
     sets = [tuple(inputs[(i + j) % len(inputs)] for j in range(per_call)) for i in range(len(inputs))]
     return jax_time(lambda *xs: [fn(x) for x in xs], sets, iters, reps) / per_call
 

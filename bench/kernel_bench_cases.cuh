@@ -108,7 +108,7 @@ bool same(const Buf& dev, const std::vector<T>& host) {
 QuantizeArgs bf16_args(bool mx, int row_bk, int col_bm, int tile, int64_t M, int64_t K, bool gemm_ready = false) {
   QuantizeArgs a;
   a.fp8 = kE4M3;
-  a.e8m0 = mx;
+  a.format = mx ? Format::kMxfp8 : Format::kBlockwise;
   a.pow2 = false;
   a.eps = 0.0f;
   a.saturate_inf = true;

@@ -1,8 +1,11 @@
 """jax_fp8: MXFP8 and Float8 blockwise quantization for JAX, on XLA FFI kernels (CPU and CUDA)."""
+import importlib as _importlib
+import warnings as _warnings
+
 from . import _ffi  # registers the FFI targets before any primitive lowers
-from . import distributed, flax_utils, gemm, reference  # flax_utils imports flax only when called
-from .api import (QuantizedTensor, dequantize, e8m0_from_amax, quantize, quantize_blockwise, quantize_dequantize,
-                  quantize_mxfp8, to_layout)
+from . import distributed, flax_utils, formats, gemm, reference  # flax_utils imports flax only when called
+from .api import (QuantizedTensor, dequantize, quantize, quantize_blockwise, quantize_dequantize, quantize_mxfp8,
+                  to_layout)
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
 from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
@@ -29,24 +32,25 @@ def kernels_available() -> dict:
             "cuda": cuda_module and cuda_device}
 
 
-__all__ = ["distributed", "gemm", "quantize", "quantize_mxfp8", "quantize_blockwise", "dequantize", "e8m0_from_amax",
-           "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor", "QuantizedTensor", "reference",
-           "kernels_available"]
+#: Names once at the top level, still reachable there with a DeprecationWarning: name -> its home now.
+_MOVED = {"e8m0_from_amax": "jax_fp8.reference.e8m0_from_amax", "crossover": "jax_fp8.gemm.crossover",
+          "gemm_table": "jax_fp8.gemm.table"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        _warnings.warn(f"jax_fp8.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2)
+        if name == "e8m0_from_amax":
+            from . import api  # the validating form it was
+            return api.e8m0_from_amax
+        return _importlib.import_module(_MOVED[name])
+    raise AttributeError(f"module 'jax_fp8' has no attribute {name!r}")
+
+
+__all__ = ["distributed", "formats", "gemm", "reference", "quantize", "quantize_mxfp8", "quantize_blockwise",
+           "dequantize", "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor",
+           "QuantizedTensor", "kernels_available"]
 __all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands"]
 __all__ += ["Fp8Warning", "ShardingWarning", "PartitioningRuleWarning", "Fp8GemmFallbackWarning",
             "MXFP8GemmFallbackWarning", "CrossoverWarning", "GatherWarning"]
 __version__ = "0.1.0"
-
-#: public module attributes that moved: old name -> the module it names now
-_MOVED = {"crossover": "jax_fp8.gemm.crossover", "gemm_table": "jax_fp8.gemm.table"}
-
-
-def __getattr__(name: str):
-    """``jax_fp8.crossover`` and ``jax_fp8.gemm_table``, kept reachable with a DeprecationWarning."""
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(f"jax_fp8.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(_MOVED[name])
-    raise AttributeError(f"module 'jax_fp8' has no attribute {name!r}")

@@ -79,23 +79,36 @@ def dequantize(q: QuantizedTensor, dtype=None, usage: Optional[str] = None):
 
 
 def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
-    """E8M0 scale (uint8, biased 127) for block amaxes, TE's rule; same shape as ``amax``."""
+    """E8M0 scale (uint8, biased 127) for block amaxes, TE's rule; same shape as ``amax``. Deprecated at
+    the top level (``jax_fp8.e8m0_from_amax``): use :func:`jax_fp8.reference.e8m0_from_amax`."""
     fp8_dtype(dtype)
     return _e8m0_from_amax(jnp.asarray(amax, jnp.float32), dtype)
 
 
-def quantize_dequantize(x, fmt: str = "mxfp8", usage: str = "rowwise", **options):
+def quantize_dequantize(x, fmt: Union[Scheme, str] = "mxfp8", usage: str = "rowwise", **options):
     """``dequantize(quantize(x))`` with a straight-through derivative, for training.
 
     The derivative is the identity: ``jax.grad`` passes the cotangent through unchanged and ``jax.jvp``
     passes the tangent through unchanged (forward and reverse mode agree).
 
-    ``fmt`` is 'mxfp8' (options: ``dtype``) or 'blockwise' (options: ``block``, ``dtype``,
-    ``pow2_scales``, ``amax_epsilon``); ``usage`` picks rowwise or columnwise blocks. The forward value
-    equals ``dequantize(quantize_*(x, ...), x.dtype, usage)`` bit for bit.
+    ``fmt`` names the scheme as every quantizing function does, by a :class:`jax_fp8.Scheme` (which
+    must hold ``usage``; no ``options`` then), or, as a convenience that builds one, by a format name
+    with its options: 'mxfp8' (options: ``dtype``) or 'blockwise' (options: ``block``, ``dtype``,
+    ``pow2_scales``, ``amax_epsilon``). ``usage`` picks rowwise or columnwise blocks. The forward value
+    equals ``dequantize(quantize(x, scheme), x.dtype, usage)`` bit for bit, so
+    ``quantize_dequantize(x, jf.Scheme("blockwise", block=(128, 128)))`` and
+    ``quantize_dequantize(x, "blockwise", block=(128, 128))`` are the same.
     """
+    where = "quantize_dequantize"
     x = check_input(x)
     if usage not in ("rowwise", "colwise"):
-        raise ValueError(f"quantize_dequantize: usage must be 'rowwise' or 'colwise', got {usage!r}")
-    scheme = build_scheme("quantize_dequantize", fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
+        raise ValueError(f"{where}: usage must be 'rowwise' or 'colwise', got {usage!r}")
+    if isinstance(fmt, Scheme):
+        if options:
+            raise TypeError(f"{where}: a Scheme says every option; got it and {sorted(options)} as well")
+        if not getattr(fmt, usage):
+            raise ValueError(f"{where}: usage {usage!r} is not one the scheme produces ({fmt})")
+        scheme = fmt.only(usage)
+    else:
+        scheme = build_scheme(where, fmt, rowwise=usage == "rowwise", colwise=usage == "colwise", **options)
     return _q.quantize_dequantize(x, scheme, usage)

@@ -13,8 +13,8 @@ def xp_of(*arrays):
 
 def bitcast(a, dtype):
     """Reinterpret the bits of ``a`` as ``dtype`` (same item size), in ``a``'s namespace."""
-    if isinstance(a, (np.ndarray, np.generic)):
-        return np.ascontiguousarray(a).view(dtype)
+    if isinstance(a, (np.ndarray, np.generic)):  # ascontiguousarray makes a 0-d array 1-d: keep the shape
+        return np.ascontiguousarray(a).view(dtype).reshape(np.shape(a))
     return lax.bitcast_convert_type(a, dtype)
 
 

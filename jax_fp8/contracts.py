@@ -3,7 +3,8 @@
 The FFI kernels (CPU and CUDA) must equal these bit for bit: ``quantize_usages`` and
 ``dequantize_blocks`` are the contracts of ``jf_quantize`` / ``jf_dequantize`` (the fallback lowering
 of those primitives), ``partial_amax_group`` / ``partial_cast_group`` those of the master-weight
-primitives; above them, the per-block math they share with ``csrc/fp8_math.h``.
+primitives; above them, the per-block math they share with ``csrc/fp8_math.h`` (each format's scale
+rule is its :class:`~jax_fp8.formats.Format`'s, in :mod:`jax_fp8.formats`).
 
 They run on NumPy arrays too (see :mod:`jax_fp8.reference` for why that matters). ``jax_fp8.reference``
 runs the public API on them.
@@ -14,26 +15,20 @@ import numpy as np
 import jax.numpy as jnp
 
 from .arrays import bitcast, cdiv, xp_of
-from .formats import FP8_MAX, max_finite
+from .formats import (FP8_MAX, block_scale_from_amax, e8m0_from_amax, e8m0_reciprocal, e8m0_to_float,
+                      quiet as _quiet)
 from .scheme import Scheme, unpack_grids
 
 _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
 
-
-def _bits(v):
-    return bitcast(v.astype(_F32), jnp.uint32)
-
-
-def _from_bits(u):
-    return bitcast(u.astype(jnp.uint32), _F32)
+# the formats' scale math (defined in jax_fp8.formats) is part of this contract, so it is named here too
+__all__ = ["block_amax", "block_scale_from_amax", "cast_to_fp8", "dequantize_blocks", "e8m0_from_amax",
+           "e8m0_reciprocal", "e8m0_to_float", "expand_blocks", "partial_amax", "partial_amax_group",
+           "partial_cast", "partial_cast_group", "quantize_blocks", "quantize_usages", "unshard"]
 
 
 # ---- per-block math (mirrors jax_fp8/csrc/fp8_math.h) ---------------------------------------
-def _quiet():
-    """NumPy path: inf and NaN are expected values here, not errors."""
-    return np.errstate(divide="ignore", over="ignore", invalid="ignore")
-
 
 def block_amax(x, bm: int, bk: int):
     """Amax of |x| over (bm, bk) blocks of the last two dims; NaN ignored, inf counts (as TE's fmaxf)."""
@@ -45,51 +40,6 @@ def block_amax(x, bm: int, bk: int):
     pad = [(0, 0)] * len(lead) + [(0, sm * bm - M), (0, sk * bk - K)]
     a = xp.pad(a, pad).reshape(*lead, sm, bm, sk, bk)
     return a.max(axis=(-3, -1))
-
-
-def e8m0_from_amax(amax, dtype=jnp.float8_e4m3fn):
-    """E8M0 scale (uint8, biased 127) of a block amax, TE's float_to_e8m0(amax * (1/fp8_max))."""
-    xp = xp_of(amax)
-    rcp = np.float32(1.0) / np.float32(FP8_MAX[jnp.dtype(dtype)])
-    with _quiet():
-        v = xp.asarray(amax).astype(_F32) * rcp
-    bits = _bits(v)
-    exp = (bits >> 23) & np.uint32(0xFF)
-    mant = bits & np.uint32(0x7FFFFF)
-    bump = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
-    e = exp + bump.astype(np.uint32)
-    e = xp.where(v == 0, np.uint32(0), e)
-    e = xp.where(xp.isinf(v), np.uint32(0xFE), e)
-    e = xp.where(xp.isnan(v), np.uint32(0xFF), e)
-    return e.astype(np.uint8)
-
-
-def e8m0_reciprocal(e):
-    """Multiplier 2**(127 - e) applied before the cast (1.0 for e == 0), as fp32."""
-    e = e.astype(np.int32)
-    return xp_of(e).where(e == 0, np.float32(1.0), _from_bits(((254 - e) << 23).astype(np.uint32)))
-
-
-def e8m0_to_float(e):
-    """Dequantization scale 2**(e - 127): 2**-127 for e == 0, NaN for 0xFF."""
-    xp = xp_of(e)
-    e32 = e.astype(np.uint32)
-    v = xp.where(e32 == 0, np.float32(2.0**-127), _from_bits(e32 << 23))
-    return xp.where(e32 == 0xFF, np.float32(np.nan), v)
-
-
-def block_scale_from_amax(amax, dtype, pow2: bool, eps: float, inf_value):
-    """Float8 blockwise scale, TE's compute_scale_from_amax (returns the multiplier ``scale``)."""
-    xp = xp_of(amax)
-    amax = amax.astype(_F32)
-    amax = xp.where(amax < np.float32(eps), np.float32(eps), amax)
-    with _quiet():
-        scale = np.float32(FP8_MAX[jnp.dtype(dtype)]) / amax
-    scale = xp.where(xp.isinf(scale), np.float32(inf_value), scale)
-    if pow2:
-        scale = _from_bits(_bits(scale) & np.uint32(0xFF800000))
-    trivial = xp.isinf(amax) | (amax == 0) | xp.isnan(amax)
-    return xp.where(trivial, np.float32(1.0), scale)
 
 
 def cast_to_fp8(v, dtype):
@@ -113,27 +63,10 @@ def _canonical_nan(y):
 
 
 # ---- kernel contract: same inputs and outputs as the primitives -------------------------------
-def _scale_rule(scheme: Scheme, in_dtype):
-    """amax -> (stored scale, multiplier applied before the cast), for the scheme's format."""
-    if scheme.e8m0:
-        def rule(amax):
-            stored = e8m0_from_amax(amax, scheme.dtype)
-            return stored, e8m0_reciprocal(stored)
-    else:
-        def rule(amax):
-            mult = block_scale_from_amax(amax, scheme.dtype, scheme.pow2_scales, scheme.amax_epsilon,
-                                         max_finite(in_dtype))
-            stored = np.float32(1.0) / mult
-            if not scheme.saturate_inf:  # a block that holds an infinity dequantizes to non-finite values
-                stored = xp_of(amax).where(xp_of(amax).isinf(amax), np.float32(np.inf), stored)
-            return stored, mult
-    return rule
-
-
 def quantize_blocks(x, bm, bk, scheme: Scheme):
-    """Quantize (..., M, K) with (bm, bk) blocks: (data as uint8 bytes, scales uint8 or fp32)."""
+    """Quantize (..., M, K) with (bm, bk) blocks: (data as uint8 bytes, the format's stored scales)."""
     M, K = x.shape[-2:]
-    stored, mult = _scale_rule(scheme, x.dtype)(block_amax(x, bm, bk))
+    stored, mult = scheme.format.scale_rule(scheme, x.dtype)(block_amax(x, bm, bk))
     with _quiet():
         scaled = x.astype(_F32) * expand_blocks(mult, bm, bk, M, K)
     return cast_to_fp8(scaled, scheme.dtype), stored
@@ -161,7 +94,7 @@ def dequantize_blocks(data, scale, *, scheme: Scheme, out_dtype):
     (bm, bk), = scheme.kernel_blocks
     M, K = data.shape[-2:]
     values = bitcast(data, scheme.dtype).astype(_F32)
-    s = e8m0_to_float(scale) if scheme.e8m0 else scale.astype(_F32)
+    s = scheme.format.dequantize_scale(scale)
     with _quiet():
         return _canonical_nan((values * expand_blocks(s, bm, bk, M, K)).astype(out_dtype))
 
@@ -183,26 +116,22 @@ def unshard(shard, offset, length, M: int, K: int):
 
 
 def partial_amax(shard, offset, length, *, M, K, scheme: Scheme):
-    """Per-block amax over the elements this shard holds (0 elsewhere): E8M0 bytes, or fp32 amaxes."""
+    """Per-block amax over the elements this shard holds (0 elsewhere), as the format's partial values
+    (``Format.partial_value``: E8M0 bytes for MXFP8, fp32 amaxes for Float8 blockwise)."""
     full, _, _ = unshard(shard, offset, length, M, K)
-    outs = []
-    for bm, bk in scheme.kernel_blocks:
-        amax = block_amax(full, bm, bk)
-        outs.append(e8m0_from_amax(amax, scheme.dtype) if scheme.e8m0 else amax)
-    return outs
+    return [scheme.format.partial_value(block_amax(full, bm, bk), scheme) for bm, bk in scheme.kernel_blocks]
 
 
 def partial_cast(shard, offset, length, *grids, M, K, scheme: Scheme):
-    """Cast the shard's elements with the global scales (E8M0 bytes or fp32 amaxes): flat FP8 bytes per
-    kernel block (0 past the valid elements), then, for fp32 scales, each block's scale_inv grid."""
+    """Cast the shard's elements with the global (reduced partial) values: flat FP8 bytes per kernel
+    block (0 past the valid elements), then, unless the reduced values are the scales
+    (``Format.partials_are_scales``), each block's scale_inv grid."""
     xp = xp_of(shard, offset, length, *grids)
     full, pos, valid = unshard(shard, offset, length, M, K)
     datas, sinvs = [], []
     for (bm, bk), grid in zip(scheme.kernel_blocks, grids):
-        if scheme.e8m0:
-            mult = e8m0_reciprocal(grid)
-        else:
-            sinv, mult = _scale_rule(scheme, shard.dtype)(grid)
+        sinv, mult = scheme.format.cast_from_global(grid, scheme, shard.dtype)
+        if sinv is not None:
             sinvs.append(sinv)
         with _quiet():
             data = cast_to_fp8(full.astype(_F32) * expand_blocks(mult, bm, bk, M, K), scheme.dtype).reshape(-1)
@@ -221,12 +150,12 @@ def partial_amax_group(windows, *shards, shapes, scheme: Scheme):
     xp = xp_of(windows, *shards)
     grids = [g for (M, K), s, w in zip(shapes, shards, windows)
              for g in partial_amax(s, w[0], w[1], M=M, K=K, scheme=scheme)]
-    return [_concat(xp, grids, scheme.scale_dtype if scheme.e8m0 else np.float32)]
+    return [_concat(xp, grids, scheme.format.partial_dtype)]
 
 
 def partial_cast_group(windows, packed, *shards, shapes, scheme: Scheme):
     """:func:`partial_cast` of every weight of a group with the packed global values: every weight's
-    data per kernel block, then, for fp32 scales, the packed scale_inv."""
+    data per kernel block, then, unless the reduced values are the scales, the packed scale_inv."""
     xp = xp_of(windows, packed, *shards)
     datas, sinvs = [], []
     for (M, K), s, w, grids in zip(shapes, shards, windows, scheme.packed_grids(shapes)):
@@ -234,4 +163,4 @@ def partial_cast_group(windows, packed, *shards, shapes, scheme: Scheme):
         res = partial_cast(s, w[0], w[1], *glob, M=M, K=K, scheme=scheme)
         datas += res[:len(glob)]
         sinvs += res[len(glob):]
-    return datas + ([] if scheme.e8m0 else [_concat(xp, sinvs, np.float32)])
+    return datas + ([] if scheme.format.partials_are_scales else [_concat(xp, sinvs, np.float32)])

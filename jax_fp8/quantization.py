@@ -22,8 +22,8 @@ from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
 from .primitives import dequantize_p, quantize_p
 from .primitives.partitioning import rows_view
-from .scheme import GEMM_SCALE_PAD, LAYOUTS, Scheme
-from .tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
+from .scheme import LAYOUTS, Scheme
+from .tensors import QUANTIZED_TENSORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,7 @@ def assemble(scheme: Scheme, pairs, shape, dtype):
     if "tile" in got:
         got = {u: got["tile"] for u in ("rowwise", "colwise") if getattr(scheme, u)}
     row, col = got.get("rowwise", (None, None)), got.get("colwise", (None, None))
-    cls = MXFP8Tensor if scheme.e8m0 else BlockwiseTensor
-    return cls(*row, *col, tuple(shape), jnp.dtype(dtype), scheme)
+    return scheme.format.tensor_class(*row, *col, tuple(shape), jnp.dtype(dtype), scheme)
 
 
 def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
@@ -68,8 +67,8 @@ def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
     shapes = scheme.kernel_outputs(x.shape)
     if x.size == 0:  # empty input: empty data and scales of the documented shapes
         xp = xp_of(x)
-        pad = GEMM_SCALE_PAD if not scheme.e8m0 else 0
-        pairs = [(xp.zeros(d, scheme.dtype), xp.full(sc, pad, scheme.scale_dtype)) for d, sc in shapes]
+        fill = scheme.format.empty_scale
+        pairs = [(xp.zeros(d, scheme.dtype), xp.full(sc, fill, scheme.scale_dtype)) for d, sc in shapes]
         pairs = vma.vary(pairs, vma.axes_of(x))  # per-device wherever x is, as the kernels' outputs
     else:
         # 2-D, then [None]: an Explicit mesh types these reshapes (jax rejects a direct (1, M, K))

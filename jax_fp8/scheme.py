@@ -17,27 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .arrays import cdiv, view_2d
-from .formats import FLOAT8_BLOCK, FP8_DTYPES, MX_BLOCK, check_amax_epsilon, fp8_dtype
+from .formats import BLOCKWISE, FORMATS, FP8_DTYPES, MXFP8, Format, check_amax_epsilon, format_of, fp8_dtype
 
-FORMATS = ("mxfp8", "blockwise")
 USAGES = ("rowwise", "colwise")
 LAYOUTS = ("compact", "gemm_ready")
 #: Value of the padding entries of GEMM-ready fp32 scales: the scale_inv of an all-zero block.
-GEMM_SCALE_PAD = 1.0
+GEMM_SCALE_PAD = BLOCKWISE.empty_scale
 #: Each stored row of GEMM-ready fp32 scales is padded to a multiple of this many entries (TE's GEMM_READY).
-GEMM_SCALE_ALIGN = 4
-BLOCKWISE_BLOCKS = ((1, FLOAT8_BLOCK), (FLOAT8_BLOCK, FLOAT8_BLOCK))
+GEMM_SCALE_ALIGN = BLOCKWISE.gemm_scale_align
 
 
 def check_block(block, where: str) -> tuple[int, int]:
     """Validate a Float8 blockwise block shape: (1, 128) or (128, 128)."""
-    try:
-        block = tuple(int(b) for b in block)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block!r}") from None
-    if block not in BLOCKWISE_BLOCKS:
-        raise ValueError(f"{where}: block must be (1, 128) or (128, 128), got {block}")
-    return block
+    return BLOCKWISE.check_block(block, where)
 
 
 def _check_bool(value, name: str, where: str) -> bool:
@@ -48,7 +40,8 @@ def _check_bool(value, name: str, where: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    """How to quantize: ``fmt`` 'mxfp8' or 'blockwise', the FP8 ``dtype``, which usages (``rowwise``:
+    """How to quantize: ``fmt`` 'mxfp8' or 'blockwise' (or the :class:`~jax_fp8.formats.Format` itself;
+    stored as its name, the format object is ``scheme.format``), the FP8 ``dtype``, which usages (``rowwise``:
     blocks along the last dim; ``colwise``: blocks along the first dim of the 2-D view), and for
     'blockwise' the ``block`` ((1, 128) or (128, 128)), ``pow2_scales`` and ``amax_epsilon``.
 
@@ -82,9 +75,9 @@ class Scheme:
 
     def __post_init__(self):
         where = type(self).__name__
-        if self.fmt not in FORMATS:
-            raise ValueError(f"{where}: fmt must be 'mxfp8' or 'blockwise', got {self.fmt!r}")
+        fmt = format_of(self.fmt, where)
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731  (frozen dataclass)
+        set_("fmt", fmt.name)
         for name in ("rowwise", "colwise", "pow2_scales", "saturate_inf"):
             set_(name, _check_bool(getattr(self, name), name, where))
         if not (self.rowwise or self.colwise):
@@ -93,48 +86,36 @@ class Scheme:
         set_("amax_epsilon", check_amax_epsilon(self.amax_epsilon, where))
         if self.layout not in LAYOUTS:
             raise ValueError(f"{where}: layout must be 'compact' or 'gemm_ready', got {self.layout!r}")
-        if self.fmt == "blockwise":
-            set_("block", check_block((1, FLOAT8_BLOCK) if self.block is None else self.block, where))
-            return
-        if self.block is not None and tuple(self.block) != (1, MX_BLOCK):
-            raise ValueError(f"{where}: MXFP8 blocks are 1x32 / 32x1; block applies to fmt='blockwise', got "
-                             f"{self.block!r}")
-        if not self.pow2_scales or self.amax_epsilon != 0.0 or not self.saturate_inf:
-            raise ValueError(f"{where}: pow2_scales, amax_epsilon and saturate_inf apply to fmt='blockwise' (MXFP8 "
-                             "scales are E8M0 powers of two, and an infinity makes its block NaN)")
-        set_("block", (1, MX_BLOCK))
+        set_("block", fmt.check_block(self.block, where))
+        fmt.check_options(self.pow2_scales, self.amax_epsilon, self.saturate_inf, where)
 
     def __str__(self) -> str:
-        usages = "+".join(u for u in USAGES if getattr(self, u))
-        layout = "" if self.layout == "compact" else f" {self.layout}"
-        if self.fmt == "mxfp8":
-            return f"mxfp8 {self.dtype.name} {usages}{layout}"
-        bm, bk = self.block
-        inf = "" if self.saturate_inf else ", saturate_inf=False"
-        return (f"blockwise {bm}x{bk} {self.dtype.name} {usages}{layout} (pow2_scales={self.pow2_scales}, "
-                f"amax_epsilon={self.amax_epsilon}{inf})")
+        return self.format.describe(self)
 
     # ---- what the scheme implies ------------------------------------------------------------------
     @property
+    def format(self) -> Format:
+        """The :class:`~jax_fp8.formats.Format` object: blocks, scale dtype and rule, GEMM-ready rule."""
+        return FORMATS[self.fmt]
+
+    @property
     def e8m0(self) -> bool:
-        """Scales are E8M0 bytes (MXFP8); else fp32 ``scale_inv`` values (Float8 blockwise)."""
-        return self.fmt == "mxfp8"
+        """Scales are E8M0 bytes (MXFP8); else fp32 ``scale_inv`` values (Float8 blockwise). Kept for the
+        GEMM modules; new code reads ``format``."""
+        return self.format is MXFP8
 
     @property
     def scale_dtype(self) -> np.dtype:
-        return np.dtype(np.uint8 if self.e8m0 else np.float32)
+        return self.format.scale_dtype
 
     @property
     def tiles(self) -> bool:
-        """128x128 tiles (each tile one block for both orientations; see shared_tiles)."""
-        return self.block == (FLOAT8_BLOCK, FLOAT8_BLOCK)
+        """2-D tiles (Float8 128x128: each tile one block for both orientations; see shared_tiles)."""
+        return self.block == self.format.tile_block
 
     def usage_block(self, usage: str) -> tuple[int, int]:
         """The (bm, bk) block of a usage: (1, b) rowwise, (b, 1) columnwise, (128, 128) for tiles."""
-        if self.tiles:
-            return self.block
-        b = self.block[1]
-        return (1, b) if usage == "rowwise" else (b, 1)
+        return self.format.usage_block(self.block, usage)
 
     @property
     def gemm_ready(self) -> bool:
@@ -165,19 +146,18 @@ class Scheme:
 
     def grid(self, M: int, K: int, usage: str) -> tuple[int, int]:
         """Shape of a usage's compact scale grid for the (M, K) view: one scale per block."""
-        bm, bk = self.usage_block(usage)
-        return cdiv(M, bm), cdiv(K, bk)
+        return self.format.grid(self.block, M, K, usage)
 
     @property
     def gemm_ready_scales(self) -> bool:
-        """Scales stored in the GEMM's order (Float8 blockwise, GEMM-ready layout): transposed or not,
-        rows padded; MXFP8 scales stay compact in both layouts."""
-        return self.gemm_ready and not self.e8m0
+        """Scales stored in the GEMM's order (a format whose ``gemm_ready_scales``, Float8 blockwise, in
+        the GEMM-ready layout): transposed or not, rows padded; MXFP8 scales stay compact in both."""
+        return self.gemm_ready and self.format.gemm_ready_scales
 
     def transposed_scales(self, usage: str) -> bool:
         """GEMM-ready blockwise scales stored as the transpose of the compact grid (1x128 rowwise
         scales M-major; 128x128 columnwise tiles, whose grid is the transposed tensor's)."""
-        return self.gemm_ready_scales and (usage == "rowwise") != self.tiles
+        return self.gemm_ready_scales and self.format.gemm_transposed_scales(self.block, usage)
 
     def transposed_data(self, usage: str) -> bool:
         """A usage's data stored as the (K, M) transpose of the 2-D view: GEMM-ready columnwise data
@@ -200,18 +180,15 @@ class Scheme:
         padded to 4); 128x128 tiles ``(ceil(R/128), roundup(ceil(C/128), 4))``. Padding entries hold
         ``GEMM_SCALE_PAD`` (1.0, the scale_inv of an all-zero block).
         """
-        rows, cols = self.grid(M, K, usage)
-        if not self.gemm_ready_scales:
-            return rows, cols
-        if self.transposed_scales(usage):
-            rows, cols = cols, rows
-        return rows, cdiv(cols, GEMM_SCALE_ALIGN) * GEMM_SCALE_ALIGN
+        if not self.gemm_ready:
+            return self.grid(M, K, usage)
+        return self.format.gemm_scale_shape(self.block, M, K, usage)
 
     @property
     def scale_row_align(self) -> int:
         """Each stored scale row holds a multiple of this many entries (padded): 4 for GEMM-ready
-        Float8 blockwise scales, else 1."""
-        return GEMM_SCALE_ALIGN if self.gemm_ready_scales else 1
+        Float8 blockwise scales (the format's ``gemm_scale_align``), else 1."""
+        return self.format.gemm_scale_align if self.gemm_ready_scales else 1
 
     def kernel_outputs(self, shape) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
         """(data shape, scale shape) of each output the kernels write for a tensor of ``shape``, in
@@ -231,7 +208,8 @@ class Scheme:
     def ffi_attrs(self) -> dict:
         """The scheme as the FFI handlers' ``Scheme`` struct (ffi_common.h): one dictionary attribute.
 
-        ``outputs``: the kernels' outputs in ``kernel_usages`` order, four int32 each, flattened: the
+        ``format``: the format's ``kernel_id`` (int32), which the handlers decode into their ``Format``
+        enum (an unknown value is an FFI error naming it). ``outputs``: the kernels' outputs in ``kernel_usages`` order, four int32 each, flattened: the
         block (bm, bk) (``kernel_blocks``), whether the data is stored transposed (GEMM-ready columnwise
         data, (K, M)) and whether the scales are (``transposed_scales``); compact shared tiles are laid
         out as the rowwise usage (``kernel_outputs``). The handlers read every size, the padded length
@@ -240,7 +218,7 @@ class Scheme:
         outputs = []
         for u, (bm, bk) in zip(self.output_usages, self.kernel_blocks):
             outputs += [bm, bk, int(self.transposed_data(u)), int(self.transposed_scales(u))]
-        return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), e8m0=np.bool_(self.e8m0),
+        return dict(fp8=np.int32(FP8_DTYPES.index(self.dtype)), format=np.int32(self.format.kernel_id),
                     pow2=np.bool_(self.pow2_scales), eps=np.float32(self.amax_epsilon),
                     saturate_inf=np.bool_(self.saturate_inf), outputs=np.array(outputs, np.int32))
 
@@ -261,7 +239,7 @@ class Scheme:
         """Whether a tensor quantized with ``other`` already holds every usage this scheme asks for, in
         this format and layout. ``saturate_inf`` does not count: the data are the same bits under both
         rules and so are the scales, but for blocks that held an infinity."""
-        if other.fmt != self.fmt:
+        if other.format is not self.format:
             return False
         same = dataclasses.replace(other, rowwise=self.rowwise, colwise=self.colwise,
                                    saturate_inf=self.saturate_inf) == self
@@ -270,7 +248,7 @@ class Scheme:
     def scales_to_layout(self, xp, scale, M: int, K: int, usage: str, layout: str):
         """A usage's scales (the last two axes of ``scale``) of the (M, K) view, converted to
         ``layout`` from the other one (``xp``: the array namespace). MXFP8 scales are compact in both."""
-        if self.e8m0:
+        if not self.format.gemm_ready_scales:
             return scale
         rows, cols = self.grid(M, K, usage)
         gemm = dataclasses.replace(self, layout="gemm_ready")

@@ -3,7 +3,7 @@ the :class:`~jax_fp8.Scheme` that produced them are static."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import numpy as np
@@ -11,6 +11,7 @@ from jax import lax
 
 from ._compat import E8M0_DTYPE
 from .arrays import view_2d
+from .formats import BLOCKWISE, FORMATS, MXFP8, Format
 from .scheme import Scheme
 
 Array = Any
@@ -31,12 +32,12 @@ class _QuantizedBase:
     dtype: np.dtype
     scheme: Scheme
 
-    _FMT = ""  # the scheme format of the subclass
+    FORMAT: ClassVar[Format]  # the format whose tensors the subclass holds (set by Format.builds)
 
     def __post_init__(self):
-        if not isinstance(self.scheme, Scheme) or self.scheme.fmt != self._FMT:
-            raise TypeError(f"{type(self).__name__}: scheme must be a jax_fp8.Scheme with fmt={self._FMT!r}, got "
-                            f"{self.scheme!r}")
+        if not isinstance(self.scheme, Scheme) or self.scheme.format is not self.FORMAT:
+            raise TypeError(f"{type(self).__name__}: scheme must be a jax_fp8.Scheme with fmt={self.FORMAT.name!r}, "
+                            f"got {self.scheme!r}")
 
     def tree_flatten(self):
         return (self.rowwise_data, self.rowwise_scale_inv, self.colwise_data, self.colwise_scale_inv), \
@@ -108,6 +109,7 @@ class _QuantizedBase:
         return data, self._checked_scale(scale, f"{where}: {cls}.{usage}_scale_inv")
 
 
+@MXFP8.builds
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class MXFP8Tensor(_QuantizedBase):
@@ -119,8 +121,6 @@ class MXFP8Tensor(_QuantizedBase):
     ``(M, K) = (prod(shape[:-1]), shape[-1])``. Fields not asked for are None. ``layout="gemm_ready"``:
     ``colwise_data`` is stored transposed, (K, M) (K-major for a GEMM over M); scales stay as above.
     """
-
-    _FMT = "mxfp8"
 
     @staticmethod
     def _checked_scale(scale, name):
@@ -141,6 +141,7 @@ class MXFP8Tensor(_QuantizedBase):
         return _as_e8m0(self.colwise_scale_inv)
 
 
+@BLOCKWISE.builds
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class BlockwiseTensor(_QuantizedBase):
@@ -156,8 +157,6 @@ class BlockwiseTensor(_QuantizedBase):
     have scale_inv inf.
     """
 
-    _FMT = "blockwise"
-
     @staticmethod
     def _checked_scale(scale, name):
         if scale.dtype != np.float32:
@@ -165,8 +164,9 @@ class BlockwiseTensor(_QuantizedBase):
         return scale
 
 
-#: The quantized tensor types (what the API takes as already quantized).
-QUANTIZED_TENSORS = (MXFP8Tensor, BlockwiseTensor)
+#: The quantized tensor types (what the API takes as already quantized): every format's.
+QUANTIZED_TENSORS = tuple(f.tensor_class for f in FORMATS.values())
+
 
 def _as_e8m0(scale):
     if scale is None:

@@ -130,11 +130,46 @@ def test_pmax_of_e8m0_equals_e8m0_of_pmax(values):
     a = np.array(values, np.float32).reshape(4, 8)
 
     def f(a):
-        return (jax.lax.pmax(jf.e8m0_from_amax(a), "data"), jf.e8m0_from_amax(jax.lax.pmax(a, "data")))
+        return (jax.lax.pmax(jf.reference.e8m0_from_amax(a), "data"), jf.reference.e8m0_from_amax(jax.lax.pmax(a, "data")))
 
     g = jax.jit(shard_map(f, mesh=_mesh(4), in_specs=P("data"), out_specs=P("data")))
     s1, s2 = g(a)
     np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(fmt="blockwise", block=(128, 128), amax_epsilon=1e-6),
+                                dict(fmt="blockwise", dtype=jnp.float8_e5m2, colwise=False)], ids=str)
+def test_scheme_keyword_equals_loose_keywords(kw):
+    """scheme=Scheme(...) and the keywords that build the same scheme give the same bits."""
+    rng = np.random.default_rng(stable_seed("scheme keyword", str(kw)))
+    masters = [random_input(rng, s, jnp.float32) for s in [(130, 300), (33, 70)]]
+    seed = stable_seed("scheme keyword cuts", str(kw))
+    loose, _, _ = _run(masters, 3, False, seed=seed, **kw)
+    fmt = kw.get("fmt", "mxfp8")
+    scheme = Scheme(fmt, kw.get("dtype", jnp.float8_e4m3fn), rowwise=True, colwise=kw.get("colwise", True),
+                    **{k: v for k, v in kw.items() if k in ("block", "amax_epsilon")})
+    named, _, _ = _run(masters, 3, False, seed=seed, scheme=scheme)
+    for q, r, w in zip(named, loose, masters):
+        assert q.scheme == scheme
+        assert_tensors_equal(q, r)
+        assert_tensors_equal(q, jf.quantize(w.astype(jnp.bfloat16), scheme))
+
+
+def test_scheme_keyword_errors():
+    """scheme= together with a keyword that builds one, a non-Scheme, a GEMM-ready or a
+    saturate_inf=False scheme: errors that name the argument."""
+    def call(**kw):
+        shard_map(lambda b: quantize_master_weights([b[0]], [(2, 4)], "data", **kw), mesh=_mesh(2),
+                  in_specs=P("data"), out_specs=P())(np.zeros((2, 4), np.float32))
+
+    with pytest.raises(TypeError, match=r"either scheme= or the keywords.*colwise, fmt"):
+        call(scheme=Scheme("mxfp8"), fmt="mxfp8", colwise=True)
+    with pytest.raises(TypeError, match="scheme must be a jax_fp8.Scheme"):
+        call(scheme="mxfp8")
+    with pytest.raises(ValueError, match="scheme.layout must be 'compact'"):
+        call(scheme=Scheme("blockwise", layout="gemm_ready"))
+    with pytest.raises(ValueError, match="saturate_inf=True"):
+        call(scheme=Scheme("blockwise", saturate_inf=False))
 
 
 def test_empty_shards_and_errors():

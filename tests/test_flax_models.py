@@ -8,8 +8,8 @@ causal mask and a ``Dense``-ReLU-``Dense`` MLP, a final LayerNorm and a ``Dense`
 Every projection runs the FP8 GEMM: the ``jf_fp8_gemm`` primitives in the jaxpr are three per
 projection in a training step (fprop, dgrad, wgrad), one in a forward, and no call falls back
 (``Fp8GemmFallbackWarning``). The attention's 3-D kernels (q/k/v (d, heads, head_dim), out (heads,
-head_dim, d), contracting two dims) reach the GEMM through ``fp8_dot_general``'s fold of them to 2-D
-(issue 46): before it, the three tests that count GEMMs fail on their fallbacks.
+head_dim, d), contracting two dims) reach the GEMM through ``fp8_dot_general``'s fold of them to 2-D;
+without that fold the three tests that count GEMMs would see fallbacks.
 """
 import dataclasses
 import functools

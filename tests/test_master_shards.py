@@ -1,4 +1,4 @@
-"""The ZeRO splits of master weights (jax_fp8/master_shards.py): shard windows that tile every weight
+"""The ZeRO splits of master weights (jax_fp8/distributed/shards.py): shard windows that tile every weight
 once, the split helpers' round trip, the tiling check of quantize_master_weights (concrete and traced
 windows) and its argument errors."""
 import re
@@ -25,7 +25,7 @@ SPLIT_SHAPES = [(64, 96), (33, 70), (1, 31), (0, 16), (129, 257), (5, 3)]
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6),
        st.integers(1, 9), st.sampled_from(["per_weight", "flat"]))
 def test_shard_windows_tile_every_weight_once(shapes, ranks, split):
-    from jax_fp8.master_shards import tiling_errors
+    from jax_fp8.distributed.shards import tiling_errors
 
     wins = shard_windows(shapes, ranks, split=split)
     assert wins.shape == (ranks, len(shapes), 2) and wins.dtype == np.int32

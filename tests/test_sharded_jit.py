@@ -1,5 +1,5 @@
 """Sharded arrays under plain ``jax.jit`` (no ``shard_map``): every jax_fp8 op partitions as the ``lax``
-code it replaces (issue 35).
+code it replaces.
 
 Inputs are ``NamedSharding`` arrays on meshes of the 8 simulated CPU devices, built by
 ``jax.make_mesh`` with ``AxisType.Auto`` axes ("auto") and with its default axis types, Explicit

@@ -1,5 +1,5 @@
 """Sharded arrays under plain ``jax.jit``: ``fp8_dot_general`` partitions as ``lax.dot_general`` on the
-same sharded operands, and vmap inside jit on sharded inputs (issue 35; the method and the helpers:
+same sharded operands, and vmap inside jit on sharded inputs (the method and the helpers:
 test_sharded_jit.py's docstring)."""
 from __future__ import annotations
 

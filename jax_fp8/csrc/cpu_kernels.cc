@@ -231,8 +231,9 @@ ffi::Error DequantizeCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Result<
   if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   IeeeFpEnv env;
   const auto* d = static_cast<const uint8_t*>(data.untyped_data());
-  if (scheme.e8m0) return dequantize_typed<MxRule>(d, scale.untyped_data(), out, B, M, K, u.bm, u.bk, scheme.fp8);
-  return dequantize_typed<BlockRule>(d, scale.untyped_data(), out, B, M, K, u.bm, u.bk, scheme.fp8);
+  return with_rule_type(scheme, [&](auto rule) {
+    return dequantize_typed<decltype(rule)>(d, scale.untyped_data(), out, B, M, K, u.bm, u.bk, scheme.fp8);
+  });
 }
 
 
@@ -335,7 +336,7 @@ ffi::Error PartialAmaxCpu(ffi::AnyBuffer windows, ffi::RemainingArgs shards, ffi
   if (auto e = make_amax_group(windows, shards, *packed, Ms, Ks, scheme, &a, &g); e.failure()) return e;
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   auto* out = static_cast<char*>(packed->untyped_data());
-  const size_t item = a.e8m0 ? 1 : 4;
+  const size_t item = scale_bytes(a.format);
   for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
@@ -362,14 +363,14 @@ ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::Re
   const auto* win = static_cast<const int32_t*>(windows.untyped_data());
   const auto* glob = static_cast<const char*>(global.untyped_data());
   auto* sinv = static_cast<float*>(scale_inv->untyped_data());
-  const size_t item = a.e8m0 ? 1 : 4;
+  const size_t item = scale_bytes(a.format);
   for_weights(g, [&](size_t i) {
     const QuantizeArgs aw = weight_args(a, g[i]);
     const auto [off, n] = shard_window(g[i], win, i);
     for (int k = 0; k < nu; ++k)
       with_loader(a.in, [&](auto ld) {
         partial_cast<decltype(ld)>(aw, g[i].x, g[i].L, off, n, a.out[k], glob + g[i].at[k] * item, data[i * nu + k],
-                                   a.e8m0 ? nullptr : sinv + g[i].at[k]);
+                                   partials_are_scales(a.format) ? nullptr : sinv + g[i].at[k]);
       });
   });
   return ffi::Error::Success();
@@ -380,18 +381,13 @@ ffi::Error PartialCastCpu(ffi::AnyBuffer windows, ffi::AnyBuffer global, ffi::Re
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCpu, jf::QuantizeCpu, jf::bind_quantize(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCpu, jf::DequantizeCpu, jf::bind_dequantize(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCpu, jf::PartialAmaxCpu, jf::bind_partial_amax(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCpu, jf::PartialCastCpu, jf::bind_partial_cast(ffi::Ffi::Bind()));
+// Every handler of ffi_bindings.h's list (jf::<Name>Cpu above), bound with no context and no traits.
+JF_FFI_DEFINE_HANDLERS(Cpu, ffi::Ffi::Bind(), {})
 
 NB_MODULE(_jax_fp8_cpu, m) {
   m.def("registrations", []() {
     nanobind::dict d;
-    d["jf_quantize"] = nanobind::capsule(reinterpret_cast<void*>(JfQuantizeCpu));
-    d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCpu));
-    d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCpu));
-    d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCpu));
+    JF_FFI_REGISTER_HANDLERS(Cpu, d)
     return d;
   });
 }

@@ -124,7 +124,7 @@ inline ffi::Error cuda_type_of(ffi::DataType t, cudaDataType_t* out) {
 // output's type (out = a·bᵀ + c). a_block_rows, b_block_rows: rows per scale block of a and b, 1 (1x128
 // blocks) or 128 (128x128 blocks); workspace: uint8, at least kGemmWorkspaceBytes + 256 bytes; algo: -1
 // or a candidate's index (see above).
-ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+ffi::Error CublasltGemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
                        ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::RemainingArgs c, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> workspace, int64_t a_block_rows, int64_t b_block_rows,
                        int64_t algo) {

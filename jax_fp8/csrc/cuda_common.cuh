@@ -25,12 +25,12 @@ inline ffi::Error check_launch() {
   return ffi::Error::Success();
 }
 
-// A block's scale. fp32 scales go with the L2 policy evict_last: a tile writes 4 bytes of each
-// scale-grid row it touches (a compact 1x128 grid: at a stride of a grid row), and, as we read the
-// measurements in bench/RESULTS.md, lines evicted before the neighbouring tiles fill them reach HBM as
-// partial writes. Kept in L2, compact Float8 1x128 + 128x1 at 8192^2 went from 88.5 to 95.6% of
-// memcpy. E8M0 scales (MXFP8) keep a plain store: the policy's 64-bit register made the 4-CTA/SM
-// GEMM-ready MXFP8 kernel spill, and MXFP8 has not been timed with it.
+// A block's scale. fp32 scales go with the L2 policy evict_last: a tile writes 4 bytes of each scale-grid row it
+// touches (a compact 1x128 grid: at a stride of a grid row), and, as we read the measurements (bench/RESULTS.md,
+// "the compact grid's scale stores, kept in L2"), lines evicted before the neighbouring tiles fill them reach HBM
+// as partial writes. Kept in L2, compact Float8 1x128 + 128x1 at 8192^2 went from 88.5 to 95.6% of memcpy. E8M0
+// scales (MXFP8) keep a plain store: the policy's 64-bit register made the 4-CTA/SM GEMM-ready MXFP8 kernel spill,
+// and MXFP8 has not been timed with it.
 template <class S>
 __device__ __forceinline__ void store_scale(S* p, S v) {
   if constexpr (std::is_same_v<S, float>) {
@@ -86,11 +86,11 @@ struct Load16 {
   }
   __device__ static void set(uint4& r, int e, T v) { word(r, e / 2) |= uint32_t(v) << (16 * (e % 2)); }
 
-  // The amax without unpacking: max.xorsign.abs on f16x2/bf16x2 words gives max(|a|, |b|) per half
-  // in one instruction, a NaN half yielding the other operand, as amax_step's fmaxf does (subnormals
-  // kept: no .ftz). The result's sign bits are the XOR of the operands', so readers mask them. Per 8
-  // elements: 4 instructions and 4 registers of column maxima instead of 8 unpacks, 8 fmaxf and 8
-  // registers (partial amax at 5 CTAs/SM: 160.6 -> 150.1 us; bench/RESULTS.md).
+  // The amax without unpacking: max.xorsign.abs on f16x2/bf16x2 words gives max(|a|, |b|) per half in one
+  // instruction, a NaN half yielding the other operand, as amax_step's fmaxf does (subnormals kept: no .ftz). The
+  // result's sign bits are the XOR of the operands', so readers mask them. Per 8 elements: 4 instructions and 4
+  // registers of column maxima instead of 8 unpacks, 8 fmaxf and 8 registers (partial amax at 5 CTAs/SM: 160.6 ->
+  // 150.1 us; bench/RESULTS.md, "Many small tensors: the grouped master-weight launch").
   __device__ static uint32_t max_abs2(uint32_t a, uint32_t b) {
     uint32_t d;
     if constexpr (kHalf) asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));

@@ -1,7 +1,7 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
 // registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
 // shards), both over the tile of quantize_tile.cuh, and dequantize.cuh; the FP8 GEMM is cuBLASLt's
-// (fp8_gemm.h, loaded at run time through cublaslt.h).
+// (cublaslt_gemm.h, loaded at run time through cublaslt.h).
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -42,7 +42,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
 // partial values (amax) or scale_inv (cast, fp32 only), `global` the packed reduced values (cast).
 std::vector<ShardIO> shard_io(const QuantizeArgs& a, const std::vector<GroupWeight>& g, const void* windows,
                               void* scales, const void* global, const std::vector<uint8_t*>& data) {
-  const size_t item = a.e8m0 ? 1 : 4;
+  const size_t item = scale_bytes(a.format);
   const int nu = a.n_out;
   const auto at = [&](const void* base, int64_t k) -> const void* {
     return base ? static_cast<const char*>(base) + k * item : nullptr;
@@ -84,7 +84,8 @@ ffi::Error PartialCastCuda(cudaStream_t stream, ffi::AnyBuffer windows, ffi::Any
   if (auto e = make_cast_group(windows, global, shards, *scale_inv, datas, Ms, Ks, scheme, &a, &g, &data);
       e.failure())
     return e;
-  const auto io = shard_io(a, g, windows.untyped_data(), a.e8m0 ? nullptr : scale_inv->untyped_data(),
+  const auto io = shard_io(a, g, windows.untyped_data(),
+                           partials_are_scales(a.format) ? nullptr : scale_inv->untyped_data(),
                            global.untyped_data(), data);
   if (auto e = launch_shards<kCast>(stream, a, io.data(), int(io.size())); e.failure()) return e;
   return check_launch();
@@ -112,11 +113,10 @@ ffi::Error DequantizeCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   if (auto e = make_dequantize_args(data, scale, scheme, &B, &M, &K, &u); e.failure()) return e;
   if (B * M * K == 0) return ffi::Error::Success();
   if (!dequantize_fits(B, M, K)) return bad("dequantize: 2**30 or more rows or columns");
-  if (scheme.e8m0)
-    return dequantize_rule<MxRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm, u.bk,
-                                   scheme.fp8);
-  return dequantize_rule<BlockRule>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm, u.bk,
-                                    scheme.fp8);
+  return with_rule_type(scheme, [&](auto rule) {
+    return dequantize_rule<decltype(rule)>(stream, data.untyped_data(), scale.untyped_data(), out, B, M, K, u.bm,
+                                           u.bk, scheme.fp8);
+  });
 }
 
 }  // namespace
@@ -131,23 +131,18 @@ static auto cuda_binding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cud
 // buffer), and caches filled outside capture (the cuBLASLt handles: cublaslt_prepare, at lowering).
 #define JF_GRAPH_SAFE {ffi::Traits::kCmdBufferCompatible}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQuantizeCuda, jf::QuantizeCuda, jf::bind_quantize(cuda_binding()), JF_GRAPH_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfDequantizeCuda, jf::DequantizeCuda, jf::bind_dequantize(cuda_binding()), JF_GRAPH_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialAmaxCuda, jf::PartialAmaxCuda, jf::bind_partial_amax(cuda_binding()), JF_GRAPH_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfPartialCastCuda, jf::PartialCastCuda, jf::bind_partial_cast(cuda_binding()), JF_GRAPH_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCuda, jf::Fp8GemmCuda, jf::bind_fp8_gemm(cuda_binding()), JF_GRAPH_SAFE);
+// Every handler of ffi_bindings.h's list (jf::<Name>Cuda above), then the CUDA-only GEMM.
+JF_FFI_DEFINE_HANDLERS(Cuda, cuda_binding(), JF_GRAPH_SAFE)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfCublasltGemm, jf::CublasltGemm, jf::bind_cublaslt_gemm(cuda_binding()), JF_GRAPH_SAFE);
 
 NB_MODULE(_jax_fp8_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
-    d["jf_quantize"] = nanobind::capsule(reinterpret_cast<void*>(JfQuantizeCuda));
-    d["jf_dequantize"] = nanobind::capsule(reinterpret_cast<void*>(JfDequantizeCuda));
-    d["jf_partial_amax"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialAmaxCuda));
-    d["jf_partial_cast"] = nanobind::capsule(reinterpret_cast<void*>(JfPartialCastCuda));
-    d["jf_cublaslt_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCuda));
+    JF_FFI_REGISTER_HANDLERS(Cuda, d)
+    d["jf_cublaslt_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfCublasltGemm));
     return d;
   });
-  // Loads cuBLASLt for jf_fp8_gemm (once): (version, path), or (0, why not).
+  // Loads cuBLASLt for jf_cublaslt_gemm (once): (version, path), or (0, why not).
   m.def("cublaslt_load", [](const std::vector<std::string>& paths) {
     std::string message;
     const size_t version = jf::lt::load(paths, &message);
@@ -156,7 +151,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
   // Makes the cuBLASLt handles of these devices now, outside any CUDA graph capture: "" or what failed.
   m.def("cublaslt_prepare", [](const std::vector<int32_t>& devices) { return jf::prepare_handles(devices); });
   m.attr("cublaslt_header_checked") = bool(JF_CUBLASLT_HEADER_CHECKED);
-  // The workspace result jf_fp8_gemm's lowering allocates, and how many candidates `algo` picks from.
+  // The workspace result jf_cublaslt_gemm's lowering allocates, and how many candidates `algo` picks from.
   m.attr("cublaslt_workspace_bytes") = jf::kGemmWorkspaceBytes + 256;
   m.attr("cublaslt_candidates") = jf::kGemmCandidates;
 }

@@ -64,8 +64,8 @@ __device__ __forceinline__ uint2 load_fp8(const uint8_t* p) {
 // P = VEC / N pieces of N (one 16-byte store each), interleaved across its warp (piece q of lane l at
 // column q * 32N + lN), so that every store instruction writes 512 contiguous bytes: a thread's VEC
 // contiguous columns half-fill each store instruction's sectors, which cost about 10% of memcpy
-// bandwidth (bench/RESULTS.md). Rows and columns are 32-bit (dequantize_fits), so that a
-// row's addresses are one wide multiply each. Block sizes are powers of two, so block indices are
+// bandwidth (bench/RESULTS.md, "dequantize at 90% of memcpy"). Rows and columns are 32-bit
+// (dequantize_fits), so that a row's addresses are one wide multiply each. Block sizes are powers of two, so block indices are
 // shifts. A piece shares one scale unless blocks are narrower than it (PER_ELEM: columnwise scales, one
 // per column). Pieces that are not aligned (K not a multiple of N) or cross the row's end go element
 // by element.
@@ -150,8 +150,9 @@ inline bool dequantize_fits(int64_t B, int64_t M, int64_t K) {
   return B * M < (int64_t(1) << 30) && K < (int64_t(1) << 30);
 }
 
-// The launch configuration, measured fastest on the H200 (bench/kernel_bench.cu sweeps it;
-// bench/RESULTS.md): 8 columns per thread (one piece), 4 rows in flight, 64 CTAs' worth of rows per SM.
+// The launch configuration, measured fastest on the H200 (bench/kernel_bench.cu sweeps it; bench/RESULTS.md,
+// "dequantize at 90% of memcpy"): 8 columns per thread (one piece), 4 rows in flight, 64 CTAs' worth of rows per
+// SM.
 constexpr int kDeqVec = 8, kDeqUnroll = 4, kDeqCtasPerSm = 64;
 
 // The grid of a dequantize_kernel with `vec` columns per thread over B*M rows of K columns: enough CTAs

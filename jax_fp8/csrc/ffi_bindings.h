@@ -1,7 +1,12 @@
-// The XLA FFI signature of every handler, written once for both platforms: bind_X(binding) appends
+// The XLA FFI handlers, written once for both platforms: their list (JF_FFI_HANDLERS, at the end: the
+// FFI target names, the handler names, their signatures) and their signatures. bind_X(binding) appends
 // handler X's arguments, results and attributes to `binding`, which is ffi::Ffi::Bind() on the CPU and
 // ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA (cpu_kernels.cc, cuda_kernels.cu).
 // The handlers take them in this order, after the binding's own contexts.
+//
+// A new kernel: one line in JF_FFI_HANDLERS, its bind_ function here, and its handler in each platform
+// module (jf::<Name>Cpu in cpu_kernels.cc, jf::<Name>Cuda in cuda_kernels.cu); both modules define and
+// register every listed handler through JF_FFI_DEFINE_HANDLERS / JF_FFI_REGISTER_HANDLERS.
 #pragma once
 
 #include <utility>
@@ -59,9 +64,9 @@ auto bind_partial_cast(Binding b) {
       .template Attr<Scheme>("scheme");
 }
 
-// jf_fp8_gemm (CUDA only): out = a · bᵀ [+ c] on cuBLASLt (fp8_gemm.h).
+// jf_cublaslt_gemm (CUDA only): out = a · bᵀ [+ c] on cuBLASLt (cublaslt_gemm.h).
 template <class Binding>
-auto bind_fp8_gemm(Binding b) {
+auto bind_cublaslt_gemm(Binding b) {
   return std::move(b)
       .template Ctx<ffi::DeviceOrdinal>()     // keys the handle and algorithm caches
       .template Arg<ffi::AnyBuffer>()         // a (M, K) fp8
@@ -70,10 +75,33 @@ auto bind_fp8_gemm(Binding b) {
       .template Arg<ffi::AnyBuffer>()         // b_scale, GEMM-ready fp32
       .RemainingArgs()                        // c (M, N), only when accumulating
       .template Ret<ffi::AnyBuffer>()         // out (M, N) bfloat16 / float32
-      .template Ret<ffi::AnyBuffer>()         // the cuBLASLt workspace, uint8 (fp8_gemm.h)
+      .template Ret<ffi::AnyBuffer>()         // the cuBLASLt workspace, uint8 (cublaslt_gemm.h)
       .template Attr<int64_t>("a_block_rows")  // rows per scale block of a: 1 (1x128 blocks) or 128 (128x128)
       .template Attr<int64_t>("b_block_rows")  // of b likewise
       .template Attr<int64_t>("algo");         // -1: the heuristic's choice; i: its i-th candidate
 }
 
 }  // namespace jf
+
+// Every handler that both platform modules define: X(target, Name, bind, ...) for the FFI target
+// `target` (the name the primitives lower to), the handlers jf::<Name><Platform> and the signature
+// jf::bind(...); the trailing arguments pass through to X.
+#define JF_FFI_HANDLERS(X, ...)                                    \
+  X(jf_quantize, Quantize, bind_quantize, __VA_ARGS__)             \
+  X(jf_dequantize, Dequantize, bind_dequantize, __VA_ARGS__)       \
+  X(jf_partial_amax, PartialAmax, bind_partial_amax, __VA_ARGS__) \
+  X(jf_partial_cast, PartialCast, bind_partial_cast, __VA_ARGS__)
+
+#define JF_FFI_DEFINE_ONE_(target, Name, bind, Platform, binding, traits) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Jf##Name##Platform, jf::Name##Platform, jf::bind(binding), traits);
+// At namespace scope of a platform module: the XLA handler symbol Jf<Name><Platform> of every listed
+// handler, bound with `binding` (an expression: the platform's ffi::Ffi::Bind() and contexts) and
+// declaring `traits` (an initializer list of ffi::Traits, {} for none).
+#define JF_FFI_DEFINE_HANDLERS(Platform, binding, traits) \
+  JF_FFI_HANDLERS(JF_FFI_DEFINE_ONE_, Platform, binding, traits)
+
+#define JF_FFI_REGISTER_ONE_(target, Name, bind, Platform, dict) \
+  dict[#target] = nanobind::capsule(reinterpret_cast<void*>(Jf##Name##Platform));
+// Inside a module's registrations(): every listed handler's symbol into the nanobind dict `dict`, keyed
+// by its FFI target name (what jax_fp8/_ffi.py registers with XLA).
+#define JF_FFI_REGISTER_HANDLERS(Platform, dict) JF_FFI_HANDLERS(JF_FFI_REGISTER_ONE_, Platform, dict)

@@ -14,11 +14,16 @@ namespace ffi = xla::ffi;
 
 enum class InType { kF32, kBF16, kF16 };
 
+// The quantization format of a call: jax_fp8/formats.py's Format.kernel_id. What differs between the
+// formats is decided by the functions below (and by fp8_math.h's rules, picked in with_rule), each a
+// switch over this enum; a new format is a new value and a case in each.
+enum class Format : int32_t { kMxfp8 = 0, kBlockwise = 1 };
+
 // The quantization scheme of a call: jax_fp8/scheme.py's Scheme.ffi_attrs(), passed as one dictionary
 // attribute, "scheme", that XLA decodes into this struct (registered at the end of this file).
 struct Scheme {
   int32_t fp8;         // Fp8Kind (fp8_math.h): 0 = E4M3, 1 = E5M2
-  bool e8m0;           // E8M0 scales (MXFP8); else fp32 scale_inv (Float8 blockwise)
+  Format format;       // checked by check_scheme (XLA decodes any int32)
   bool pow2;           // blockwise: scales rounded down to powers of two
   float eps;           // blockwise: lower bound of every block amax
   bool saturate_inf;   // blockwise: TE's rule; false: an infinite amax stores scale_inv inf
@@ -80,6 +85,32 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fp8: " + msg);
 }
 
+// What differs between the formats, for the handlers (formats.py's Format objects say the same).
+struct FormatTraits {
+  bool known;                // a value some format has
+  int block;                 // the block length: MXFP8 1x32 / 32x1, Float8 1x128 / 128x1
+  bool tiles;                // 2-D tiles (block x block) that serve both usages: Float8 128x128
+  bool gemm_ready_scales;    // GEMM-ready scales rearranged (Float8: transposed / padded rows); else compact
+  ffi::DataType scale_type;  // stored scales, and the master-weight cast's partial and reduced values
+  size_t scale_bytes;
+  const char* scale_name;
+  bool partials_are_scales;  // the reduced partial values are the stored scales (E8M0 bytes); else the
+                             // partial cast writes an fp32 scale_inv
+};
+// One case per format: a new format is a new enumerator and its case here (-Wswitch names a missing
+// one), its scale rule in fp8_math.h and with_rule / with_rule_type below.
+inline FormatTraits traits(Format f) {
+  switch (f) {
+    case Format::kMxfp8: return {true, 32, false, false, ffi::DataType::U8, 1, "uint8", true};
+    case Format::kBlockwise: return {true, 128, true, true, ffi::DataType::F32, 4, "float32", false};
+  }
+  return {false, 0, false, false, ffi::DataType::INVALID, 0, "", false};  // rejected by check_scheme
+}
+inline bool gemm_ready_scales(Format f) { return traits(f).gemm_ready_scales; }
+inline ffi::DataType scale_type(Format f) { return traits(f).scale_type; }
+inline size_t scale_bytes(Format f) { return traits(f).scale_bytes; }
+inline bool partials_are_scales(Format f) { return traits(f).partials_are_scales; }
+
 inline ffi::Error in_type_of(ffi::DataType t, InType* out, float* max_finite) {
   switch (t) {
     case ffi::DataType::F32: *out = InType::kF32; *max_finite = 3.40282347e38f; return ffi::Error::Success();
@@ -102,9 +133,11 @@ inline ffi::Error dims3(const ffi::AnyBuffer& x, int64_t* B, int64_t* M, int64_t
 // The outputs of a scheme (Scheme::outputs), checked against the kernels that exist: MXFP8 1x32 and/or
 // 32x1 blocks; Float8 1x128 and/or 128x1 blocks, or 128x128 tiles (one output, or a rowwise output and
 // a transposed columnwise one), rowwise first. Rowwise data is never stored transposed, columnwise
-// scales never; MXFP8 scales never.
+// scales never; MXFP8 scales never. An unknown format is an error naming its value.
 inline ffi::Error check_scheme(const Scheme& s, Output* out, int* n) {
   if (s.fp8 != kE4M3 && s.fp8 != kE5M2) return bad("scheme.fp8 must be 0 (e4m3) or 1 (e5m2)");
+  if (!traits(s.format).known)
+    return bad("scheme.format must be 0 (mxfp8) or 1 (blockwise), got " + std::to_string(int32_t(s.format)));
   const size_t size = s.outputs.size();
   if (size != 4 && size != 8) return bad("scheme.outputs must hold one or two outputs of four int32 each");
   *n = int(size / 4);
@@ -113,13 +146,15 @@ inline ffi::Error check_scheme(const Scheme& s, Output* out, int* n) {
     if ((e[2] != 0 && e[2] != 1) || (e[3] != 0 && e[3] != 1)) return bad("scheme.outputs: flags must be 0 or 1");
     out[k] = Output{e[0], e[1], e[2] == 1, e[3] == 1};
   }
-  const int b = s.e8m0 ? 32 : 128;
+  const FormatTraits f = traits(s.format);
+  const int b = f.block;
+  const bool gemm_scales = f.gemm_ready_scales;
   const auto row = [&](const Output& o) {
-    return o.bm == 1 && o.bk == b && !o.data_transposed && !(s.e8m0 && o.scales_transposed);
+    return o.bm == 1 && o.bk == b && !o.data_transposed && (gemm_scales || !o.scales_transposed);
   };
   const auto col = [&](const Output& o) { return o.bm == b && o.bk == 1 && !o.scales_transposed; };
   const auto tile = [&](const Output& o, bool cols) {
-    return !s.e8m0 && o.bm == 128 && o.bk == 128 && o.data_transposed == cols && o.scales_transposed == cols;
+    return f.tiles && o.bm == b && o.bk == b && o.data_transposed == cols && o.scales_transposed == cols;
   };
   const Output& o0 = out[0];
   const bool ok = *n == 1 ? row(o0) || col(o0) || tile(o0, false) || tile(o0, true)
@@ -145,7 +180,7 @@ inline ffi::Error fill_quantize_args(ffi::DataType in, int64_t B, int64_t M, int
 }
 
 // The type of stored scales, partial and global values: E8M0 bytes or fp32.
-inline ffi::DataType scale_type(const Scheme& s) { return s.e8m0 ? ffi::DataType::U8 : ffi::DataType::F32; }
+inline ffi::DataType scale_type(const Scheme& s) { return scale_type(s.format); }
 
 // The CUDA tile writes a stored scale row's padding with one CTA, one entry per thread.
 constexpr int64_t kMaxScalePad = 256;
@@ -165,13 +200,15 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
                " blocks must be uint8 " + shape(a.B, rows, cols) + (o.data_transposed ? " (transposed)" : ""));
   const int64_t sm = cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
   const int64_t stored = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
-  if (scale.element_type() != scale_type(a) || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
-      s[2] - row_len >= kMaxScalePad || (a.e8m0 && s[2] != row_len))
+  const FormatTraits f = traits(a.format);  // compact scales (MXFP8) are never padded
+  if (scale.element_type() != f.scale_type || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
+      s[2] - row_len >= kMaxScalePad || (!f.gemm_ready_scales && s[2] != row_len))
     return bad("quantize: the scales of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) + " blocks" +
-               (o.scales_transposed ? " (transposed)" : "") + " must be " +
-               (a.e8m0 ? "uint8 " + shape(a.B, stored, row_len)
-                       : "float32 " + shape(a.B, stored, row_len) + ", each stored row padded by at most " +
-                             std::to_string(kMaxScalePad - 1) + " entries"));
+               (o.scales_transposed ? " (transposed)" : "") + " must be " + f.scale_name + " " +
+               shape(a.B, stored, row_len) +
+               (f.gemm_ready_scales ? ", each stored row padded by at most " + std::to_string(kMaxScalePad - 1) +
+                                          " entries"
+                                    : ""));
   *l = out_layout(o, a.M, a.K, s[2]);
   return ffi::Error::Success();
 }
@@ -191,11 +228,11 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
   for (int k = 0; k < a->n_out; ++k) {
     if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k]); e.failure()) return e;
     const OutLayout& o = a->out[k];
-    a->gemm_scales |= !a->e8m0 && (o.data_transposed || o.scales_transposed || o.pad_rows > 0);
+    a->gemm_scales |= gemm_ready_scales(a->format) && (o.data_transposed || o.scales_transposed || o.pad_rows > 0);
   }
   // Float8 kernels store the columnwise data transposed exactly when the scales are in GEMM order
   for (int k = 0; k < a->n_out; ++k)
-    if (!a->e8m0 && a->out[k].bk == 1 && a->out[k].data_transposed != a->gemm_scales)
+    if (gemm_ready_scales(a->format) && a->out[k].bk == 1 && a->out[k].data_transposed != a->gemm_scales)
       return bad("unsupported block configuration: Float8 columnwise data is stored transposed exactly when the "
                  "scales are transposed or padded");
   return ffi::Error::Success();
@@ -206,11 +243,25 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
 // shards), which then build no kernels for the other rule.
 template <bool SATURATE_ONLY = false, class F>
 auto with_rule(const QuantizeArgs& a, F&& f) {
-  if (a.e8m0) return f(MxRule{a.fp8});
+  switch (a.format) {
+    case Format::kMxfp8: return f(MxRule{a.fp8});
+    case Format::kBlockwise: break;
+  }
   if constexpr (!SATURATE_ONLY) {
     if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
   }
   return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
+}
+
+// Calls f(rule) with a default rule of the scheme's format: for code that needs only the rule's type
+// (its ScaleT and dequant_scale, which ignore the scale options), such as dequantize.
+template <class F>
+auto with_rule_type(const Scheme& s, F&& f) {
+  switch (s.format) {
+    case Format::kMxfp8: return f(MxRule{});
+    case Format::kBlockwise: break;
+  }
+  return f(BlockRule{});
 }
 
 // ---- master-weight groups ------------------------------------------------------------------------
@@ -287,7 +338,7 @@ inline ffi::Error make_cast_group(const ffi::AnyBuffer& windows, const ffi::AnyB
       e.failure())
     return e;
   if (auto e = check_packed(scale_inv.element_type(), scale_inv.element_count(), ffi::DataType::F32,
-                            a->e8m0 ? 0 : n_packed, "the scale_inv output");
+                            partials_are_scales(a->format) ? 0 : n_packed, "the scale_inv output");
       e.failure())
     return e;
   const size_t nu = size_t(a->n_out);
@@ -327,8 +378,10 @@ inline ffi::Error make_dequantize_args(const ffi::AnyBuffer& data, const ffi::An
 
 }  // namespace jf
 
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jf::Format);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jf::Scheme, ::xla::ffi::StructMember<int32_t>("fp8"),
-                                      ::xla::ffi::StructMember<bool>("e8m0"), ::xla::ffi::StructMember<bool>("pow2"),
+                                      ::xla::ffi::StructMember<jf::Format>("format"),
+                                      ::xla::ffi::StructMember<bool>("pow2"),
                                       ::xla::ffi::StructMember<float>("eps"),
                                       ::xla::ffi::StructMember<bool>("saturate_inf"),
                                       ::xla::ffi::StructMember<::xla::ffi::Span<const int32_t>>("outputs"));

@@ -11,12 +11,12 @@
 namespace jf {
 namespace {
 
-// A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs
-// about 3.4 us of GPU time over its HBM time on the H200, bench/RESULTS.md). Each job's CTAs are
-// `n_fill` CTAs that write what the tiles do not, then its tiles. The fill covers the blocks of the tile
-// rows outside the walk (partial value 0; when casting, the fp32 scale_inv from the global amax) and,
-// when casting, zeros in the data past the shard's elements; it goes first so that its writes overlap
-// the tiles' reads. The jobs live in the kernel's parameter space (under 4 KB).
+// A group launch takes up to kMaxJobs weights (a transformer has hundreds; one launch each costs about 3.4 us of
+// GPU time over its HBM time on the H200, bench/RESULTS.md, "Many small tensors: the grouped master-weight
+// launch"). Each job's CTAs are `n_fill` CTAs that write what the tiles do not, then its tiles. The fill covers the
+// blocks of the tile rows outside the walk (partial value 0; when casting, the fp32 scale_inv from the global amax)
+// and, when casting, zeros in the data past the shard's elements; it goes first so that its writes overlap the
+// tiles' reads. The jobs live in the kernel's parameter space (under 4 KB).
 
 template <class S>
 struct ShardJob {
@@ -80,11 +80,11 @@ __device__ void fill_outside_walk(const ShardJob<typename Cfg::S>& jb, const typ
   }
 }
 
-// One CTA of a group launch: the job it belongs to, then its fill or tile work. ONE: a single job (a
-// large weight launched alone): its fields sit at fixed parameter offsets, which the instructions read
-// directly; a job picked at run time costs a register and a load per field (a half-weight 32768x16384
-// shard: amax tiles 173.9 us picked at run time, 165.7 us as ONE; bench/RESULTS.md). The fill CTAs come
-// first, so that their writes overlap the tiles' reads.
+// One CTA of a group launch: the job it belongs to, then its fill or tile work. ONE: a single job (a large weight
+// launched alone): its fields sit at fixed parameter offsets, which the instructions read directly; a job picked at
+// run time costs a register and a load per field (a half-weight 32768x16384 shard: amax tiles 173.9 us picked at
+// run time, 165.7 us as ONE; bench/RESULTS.md, "Many small tensors: the grouped master-weight launch"). The fill
+// CTAs come first, so that their writes overlap the tiles' reads.
 template <class L, class Cfg, int MODE, bool ONE>
 __device__ __forceinline__ void shard_cta(const ShardGroup<typename Cfg::S>& grp, const typename Cfg::Rule& rule,
                                           int fp8) {

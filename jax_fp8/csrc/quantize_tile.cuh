@@ -1,15 +1,14 @@
 // The CUDA quantize tile: every usage (rowwise, columnwise, 2-D tile) and every mode (quantize a dense
 // tensor; partial amax or partial cast of a master-weight shard) from one device function.
 //
-// One CTA of 256 threads owns a TM x TK tile of one (M, K) matrix. Each thread loads 16-byte vectors
-// of one fixed column chunk on rows g, g+G, ... and keeps them in registers, so the input is read
-// from HBM exactly once and every usage is cast from the same registers: rowwise blocks reduce by
-// warp shuffles, columnwise blocks by a small shared-memory reduction, 2-D tiles by a CTA reduction.
-// Tiles inside the matrix (and the shard window) take a path without per-vector bounds checks: at
-// these rates the kernel is bound by instruction issue as much as by HBM, and the checks cost more
-// than the block math (bench/RESULTS.md). The per-block math is fp8_math.h, shared with the CPU
-// kernels; loads, stores and positions are quantize_tile_io.cuh. The launches: quantize_dense.cuh
-// (dense tensors), quantize_shards.cuh (master weights).
+// One CTA of 256 threads owns a TM x TK tile of one (M, K) matrix. Each thread loads 16-byte vectors of one fixed
+// column chunk on rows g, g+G, ... and keeps them in registers, so the input is read from HBM exactly once and
+// every usage is cast from the same registers: rowwise blocks reduce by warp shuffles, columnwise blocks by a small
+// shared-memory reduction, 2-D tiles by a CTA reduction. Tiles inside the matrix (and the shard window) take a path
+// without per-vector bounds checks: at these rates the kernel is bound by instruction issue as much as by HBM, and
+// the checks cost more than the block math (bench/RESULTS.md, "What changed, and what each step measured"). The
+// per-block math is fp8_math.h, shared with the CPU kernels; loads, stores and positions are quantize_tile_io.cuh.
+// The launches: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master weights).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -246,14 +245,13 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   else quantize_tile_vectors<false>(th);
 }
 
-// CTAs per SM for the register allocation, measured fastest on the H200 (bench/kernel_bench.cu sweeps
-// them; bench/RESULTS.md). fp32 tiles of 8-16 vectors per thread need the registers: the compiler's
-// allocation. ONE: a shard kernel with its one job at fixed parameter offsets; a job picked at run time
-// needs more registers (the partial amax spills above 4). COL_T: columnwise data transposed through
-// shared memory, where one more CTA per SM hides the staging (+5 to +7 points of memcpy). Dense Float8
-// at 3: no spills there since cast_store recomputes its positions, and faster than 2 (at 8192^2:
-// 1x128 + 128x1 89.3 against 87.1%, 128x1 98.4 against 92.2%); Float8 shard kernels with a columnwise
-// usage stay at 2.
+// CTAs per SM for the register allocation, measured fastest on the H200 (bench/kernel_bench.cu sweeps them;
+// bench/RESULTS.md, "What changed, and what each step measured"). fp32 tiles of 8-16 vectors per thread need the
+// registers: the compiler's allocation. ONE: a shard kernel with its one job at fixed parameter offsets; a job
+// picked at run time needs more registers (the partial amax spills above 4). COL_T: columnwise data transposed
+// through shared memory, where one more CTA per SM hides the staging (+5 to +7 points of memcpy). Dense Float8 at
+// 3: no spills there since cast_store recomputes its positions, and faster than 2 (at 8192^2: 1x128 + 128x1 89.3
+// against 87.1%, 128x1 98.4 against 92.2%); Float8 shard kernels with a columnwise usage stay at 2.
 template <class L, class Rule, bool COL, int MODE, bool ONE = true, bool COL_T = false>
 constexpr int min_blocks_for() {
   if (L::VEC != 8) return 1;
@@ -273,9 +271,10 @@ struct TileCfg {
   static constexpr int TM = TM_, TK = TK_, RBK = RBK_;
   static constexpr bool COL = COL_, TILE = TILE_, COL_T = COL_T_;
   static constexpr bool GEMM_SCALES = GEMM_SCALES_;  // scales in GEMM-ready order (the call's ScaleAt)
-  // Dense walks in groups of GROUP tile rows (Span::group), measured on the H200 (bench/RESULTS.md).
-  // Float8 with transposed columnwise data: 2 rather than 1 gains 0.6-0.8 points of memcpy at
-  // 32768x16384 and 0-0.8 at 8192^2; compact kernels lose with larger groups, MXFP8 gains nothing.
+  // Dense walks in groups of GROUP tile rows (Span::group), measured on the H200 (bench/RESULTS.md, "the tile
+  // order, the bulk-copy ceiling, and the spills removed"). Float8 with transposed columnwise data: 2 rather than 1
+  // gains 0.6-0.8 points of memcpy at 32768x16384 and 0-0.8 at 8192^2; compact kernels lose with larger groups,
+  // MXFP8 gains nothing.
   static constexpr int GROUP = COL_T && TM == 128 ? 2 : 1;
   // Which of the call's outputs (rowwise first) goes to the kernel's `row` and `col` slots.
   static constexpr int ROW_SLOT = RBK || TILE ? 0 : -1, COL_SLOT = COL ? (RBK ? 1 : 0) : -1;

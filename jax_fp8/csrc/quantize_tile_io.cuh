@@ -252,7 +252,8 @@ __device__ __forceinline__ void cast_store(const TileVectors<Th, INTERIOR>& tv, 
 // transposed in registers (4x4 byte blocks) and staged in shared memory as the tile's transpose (TK
 // columns of TM bytes); the CTA then writes whole 16-byte pieces of each column's run of TM bytes, so
 // every sector of the output is written whole (stores straight from the registers wrote 4-8 bytes at
-// a stride of M and ran at 65% of memcpy; bench/RESULTS.md).
+// a stride of M and ran at 65% of memcpy; bench/RESULTS.md, "the Scheme refactor and the first GEMM-ready
+// kernels").
 template <class Th, bool INTERIOR, class MultOf>
 __device__ __forceinline__ void cast_store_T(const TileVectors<Th, INTERIOR>& tv, uint8_t* out, MultOf&& mult_of) {
   constexpr int TM = Th::TM, TK = Th::TK, VEC = Th::VEC, NV = Th::NV;

@@ -1,5 +1,6 @@
 """JAX primitives backed by the FFI kernels: abstract eval, batching, partitioning and per-platform
 lowering, each defined through :func:`.registration.define_primitive`."""
+from .partial import partial_amax_p, partial_cast_p
 from .quantize import dequantize_p, quantize_p
 
-__all__ = ["quantize_p", "dequantize_p"]
+__all__ = ["quantize_p", "dequantize_p", "partial_amax_p", "partial_cast_p"]

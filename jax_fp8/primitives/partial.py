@@ -19,10 +19,10 @@ from .registration import define_primitive
 
 
 def _packed(shapes, scheme, *inputs, dtype=None):
-    """The packed buffer of every weight's grids: partial values (E8M0 bytes or fp32 amaxes) or scale_inv,
-    varying over the axes of ``inputs`` (what it is computed from)."""
+    """The packed buffer of every weight's grids: partial values (the format's ``partial_dtype``) or
+    scale_inv (``dtype``), varying over the axes of ``inputs`` (what it is computed from)."""
     n = packed_size(scheme.packed_grids(shapes))
-    return out_aval((n,), dtype or (scheme.scale_dtype if scheme.e8m0 else np.float32), *inputs)
+    return out_aval((n,), dtype or scheme.format.partial_dtype, *inputs)
 
 
 def _check_group(windows, shards, shapes, scheme):
@@ -52,7 +52,7 @@ def _cast_abstract(windows, glob, *shards, shapes, scheme):
                          f"({want.dtype}{want.shape})")
     datas = [out_aval(s.shape, np.uint8, windows, glob, *shards) for s in shards for _ in scheme.kernel_blocks]
     # the fp32 scale_inv depends on the global scales alone: replicated wherever they are
-    return datas + ([] if scheme.e8m0 else [_packed(shapes, scheme, glob, dtype=np.float32)])
+    return datas + ([] if scheme.format.partials_are_scales else [_packed(shapes, scheme, glob, dtype=np.float32)])
 
 
 def _attrs(shapes, scheme):
@@ -65,8 +65,9 @@ def _amax_ffi(ctx, windows, *shards, shapes, scheme):
 
 
 def _cast_ffi(ctx, windows, glob, *shards, shapes, scheme):
-    # the FFI target returns scale_inv first (an empty placeholder for E8M0 scales), then the data
-    fp32 = not scheme.e8m0
+    # the FFI target returns scale_inv first (an empty placeholder where the reduced values are the
+    # scales: E8M0), then the data
+    fp32 = not scheme.format.partials_are_scales
     datas = ctx.avals_out[:len(ctx.avals_out) - fp32]
     sinv = ctx.avals_out[-1] if fp32 else ShapedArray((0,), np.float32)
     outs = ffi.ffi_lowering("jf_partial_cast")(ctx.replace(avals_out=[sinv, *datas]), windows, glob, *shards,

@@ -1,7 +1,8 @@
 """How the primitives split under ``jax.jit`` over a mesh: sharded operands, no ``shard_map``.
 
 Without a rule, XLA runs a custom call whole on every device: it gathers every operand to each one.
-So each primitive with a partitioning rule is registered as a pair (:func:`partitioned_primitive`):
+So each primitive with a partitioning rule is registered as a pair (:mod:`.partitioned`'s
+:func:`~.partitioned.partitioned_primitive`, which applies the rule this module defines):
 the primitive the API binds (abstract eval, batching), whose lowering is a
 ``jax.experimental.custom_partitioning`` of its local twin (``<name>_local``: the same arguments,
 lowered to our FFI kernel or the reference), which is what each device runs on its shard.
@@ -9,20 +10,20 @@ lowered to our FFI kernel or the reference), which is what each device runs on i
 The partitioner consults a primitive twice. While it propagates shardings it reads a Shardy rule
 (:func:`sdy_rule`): which dims of the operands and results are one dimension of the op, a scale
 grid's coarse dim (one entry per block) being a compound factor of its data's dim. Then it calls back
-with the operands' shardings and :func:`plan` decides, per dim of the op: it stays sharded when each
-shard holds whole blocks and every array's local shape tiles its global one (padded GEMM-ready scales
+with the operands' shardings and :func:`choose_sharding` decides, per dim of the op: it stays sharded
+when each shard holds whole blocks and every array's local shape tiles its global one (padded GEMM-ready scales
 included); otherwise its mesh axes are dropped, XLA gathers that dim alone, and one warning says
 which and why. A mesh axis that would shard two dims of one op stays on the first in the rule's
 order (a GEMM keeps M, the activations' rows, and gathers the weight). A contracted dim that stays
 sharded gives local partial products and a ``psum``.
 
 Under a mesh with ``AxisType.Explicit`` axes the operands' shardings are known while tracing: the
-same plan types the results (``jax.typeof`` shows them). The callbacks decode the operands' shardings
-themselves: Shardy may split a mesh axis between the parts of a compound factor, which no
-PartitionSpec names; such an operand is read as replicated (the plan asks for it whole).
+same choice types the results (``jax.typeof`` shows them). The callbacks decode the operands'
+shardings themselves: Shardy may split a mesh axis between the parts of a compound factor, which no
+PartitionSpec names; such an operand is read as replicated (the choice takes it whole).
 
 No input makes a rule fail the compile: the Shardy rule is checked as jax will check it, and a rule
-or plan that fails (a bug of ours) gives way to whole operands with a :class:`PartitioningRuleWarning`
+or choice that fails (a bug of ours) gives way to whole operands with a :class:`PartitioningRuleWarning`
 (tests/test_sharded_sweep.py asserts none fires). :func:`rows_view` and :func:`pad_end` are the
 reshape and pad of the ops' wrappers that an Explicit type cannot always carry a split through: they
 gather that split, with a warning, where jax would raise.
@@ -32,21 +33,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import threading
-from functools import partial
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch, sharding_impls
-from jax._src.custom_partitioning_sharding_rule import sdy_sharding_rule_to_mlir, str_to_sdy_sharding_rule
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._compat import Primitive, ShapedArray, apply_primitive, mlir
-from ..warn import PartitioningRuleWarning, ShardingWarning, warn
+from .._compat import ShapedArray
+from ..warn import ShardingWarning, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +104,7 @@ class Whole:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ShardingChoice:
     """What runs where: the specs the operands are taken in and the results come out in (per dim, a
     tuple of mesh axes or None), the axes to ``psum`` the local results over, the padded dims held
     whole (operands, results), and what was gathered, in words."""
@@ -158,7 +154,7 @@ def _split_problem(rule, params, label, axes, mesh_sizes, sizes, arrays) -> Opti
     return rule.why_not(label, local, sizes, params)
 
 
-def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
+def choose_sharding(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> ShardingChoice:
     """Decide which op dims stay split, given the operands' global ``shapes`` and ``specs`` (per dim, a
     tuple of mesh axes). A dim takes the axes of the first operand that splits it at full resolution."""
     sizes = rule.sizes(shapes, params)
@@ -206,7 +202,7 @@ def plan(rule: Rule, params: dict, mesh_sizes: dict, shapes, specs) -> Plan:
     whole_in, whole_out = whole(operands, local_arrays[0]), whole(results, local_arrays[1])
     held_in, held_out = {(w.index, w.dim) for w in whole_in}, {(w.index, w.dim) for w in whole_out}
     reduce_axes = tuple(a for label in rule.contracted for a in chosen.get(label, ()))
-    return Plan([spec(i, x, held_in) for i, x in enumerate(operands)],
+    return ShardingChoice([spec(i, x, held_in) for i, x in enumerate(operands)],
                 [spec(i, x, held_out) for i, x in enumerate(results)], reduce_axes, whole_in, whole_out, gathered)
 
 
@@ -250,41 +246,12 @@ def pad_end(x, shape: tuple, value=0):
         if keep != list(spec):
             warn(f"jax_fp8: an array of shape {tuple(x.shape)} split as {s.spec} is padded to {tuple(shape)}, "
                  f"which its shards do not divide: those dims are gathered", ShardingWarning)
-            x = jax.sharding.reshard(x, _sharding(s.mesh, keep))
+            x = jax.sharding.reshard(x, named_sharding(s.mesh, keep))
     return jnp.pad(x, widths, constant_values=np.asarray(value, x.dtype))
-
-
-def _unsplit(x):
-    """``x`` typed whole. custom_partitioning traces the unsplit function on the global types, and
-    those name mesh axes on an Explicit mesh, where a local reshape of the per-device function would
-    not type; that function runs only where nothing is split (one device, inside shard_map)."""
-    s = explicit_sharding(x)
-    if s is not None and any(e is not None for e in s.spec):
-        return jax.sharding.reshard(x, NamedSharding(s.mesh, PartitionSpec()))
-    return x
 
 
 def _shards(axes: Axes, mesh_sizes) -> int:
     return int(np.prod([mesh_sizes[a] for a in axes]))
-
-
-def _own_entries(x, w: Whole, pad_value):
-    """This device's entries of an operand dim held whole, padded as a shard's layout."""
-    start = lax.axis_index(w.axes) * w.entries
-    x = lax.dynamic_slice_in_dim(x, start, w.entries, axis=w.dim)
-    return _pad_to(x, w.dim, w.local, pad_value)
-
-
-def _all_entries(x, w: Whole, pad_value):
-    """A result dim held whole: every device's entries, in order, padded as the global layout."""
-    x = lax.all_gather(lax.slice_in_dim(x, 0, w.entries, axis=w.dim), w.axes, axis=w.dim, tiled=True)
-    return _pad_to(x, w.dim, w.size, pad_value)
-
-
-def _pad_to(x, dim: int, size: int, value):
-    widths = [(0, 0)] * x.ndim
-    widths[dim] = (0, size - x.shape[dim])
-    return jnp.pad(x, widths, constant_values=np.asarray(value, x.dtype))
 
 
 def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
@@ -333,173 +300,7 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
     return text, dict(factor_sizes, reduction_factors=reduction)
 
 
-# ---- registration -------------------------------------------------------------------------------
-def _axes_of(sharding, mesh, ndim: int) -> tuple:
-    """An operand's sharding as mesh axes per dim. The partitioner hands HloShardings (we decode them:
-    ``decode_shardings=False``); one no PartitionSpec can name (Shardy may split a mesh axis between
-    a compound factor's parts) is read as replicated: the plan then asks for it whole."""
-    if isinstance(sharding, NamedSharding):
-        return spec_axes(sharding.spec, ndim)
-    try:
-        return spec_axes(PartitionSpec(*sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]),
-                         ndim)
-    except Exception:  # a sub-axis split, or no sharding to read
-        return ((),) * ndim
-
-
-def _specs_and_plan(rule, params, mesh, arg_shapes):
-    specs = [_axes_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
-    return plan(rule, params, dict(mesh.shape), [tuple(a.shape) for a in arg_shapes], specs)
-
-
-def _sharding(mesh, spec):
+def named_sharding(mesh, spec):
+    """The NamedSharding of per-dim mesh axes (a spec as ``ShardingChoice`` holds them)."""
     return NamedSharding(mesh, PartitionSpec(*[None if not axes else axes[0] if len(axes) == 1 else axes
                                                for axes in spec]))
-
-
-def partitioned_primitive(name: str, abstract: Callable, rule: Rule, multiple_results: bool = False,
-                          local_abstract: Optional[Callable] = None):
-    """``(prim, local)``: the primitive ``name`` the API binds, partitioned by ``rule`` under ``jit``,
-    and its local twin, on which the caller registers the per-platform lowerings. ``prim`` has
-    ``abstract`` (and types its results with the plan under an Explicit mesh); ``local`` has
-    ``local_abstract`` (default: ``abstract``; another one when ``rule.local`` binds other params)."""
-    prim, local = Primitive(name), Primitive(f"{name}_local")
-    for p in (prim, local):
-        p.multiple_results = multiple_results
-        p.def_impl(partial(apply_primitive, p))
-    local.def_abstract_eval(local_abstract or abstract)
-    prim.def_abstract_eval(partial(_typed_abstract, abstract, rule))
-    dispatch.prim_requires_devices_during_lowering.add(prim)  # the partitioner needs the device mesh
-
-    def on_device(params, reduce_axes):
-        """What one device runs on its operands (its shard, or the whole array)."""
-        if rule.local is not None:
-            return rule.local(local.bind, reduce_axes, params)
-        return lambda *args: tuple(local.bind(*args, **params)) if multiple_results else local.bind(*args, **params)
-
-    def run(items, *args):  # unsplit: one device, or inside shard_map
-        return on_device(dict(items), ())(*map(_unsplit, args))
-
-    def lower_fn(items, p: Plan):
-        fn = on_device(dict(items), p.reduce_axes)
-
-        def on_shard(*args):
-            args = list(args)
-            for w in p.whole_in:
-                args[w.index] = _own_entries(args[w.index], w, rule.pad_value)
-            outs = list(fn(*args)) if multiple_results else [fn(*args)]
-            for w in p.whole_out:
-                outs[w.index] = _all_entries(outs[w.index], w, rule.pad_value)
-            return tuple(outs) if multiple_results else outs[0]
-
-        return on_shard
-
-    def safe_plan(items, mesh, arg_shapes, result_shape) -> Plan:
-        """The plan; whole operands and results (with a warning) if planning raised: never a compile
-        error."""
-        try:
-            return _specs_and_plan(rule, dict(items), mesh, arg_shapes)
-        except Exception as e:  # noqa: BLE001  (any failure here would abort the user's compile)
-            _rule_failed(name, "planning its split", arg_shapes, mesh, e)
-            results = result_shape if multiple_results else [result_shape]
-            return Plan([[None] * len(a.shape) for a in arg_shapes], [[None] * len(r.shape) for r in results],
-                        (), (), (), [])
-
-    def partition(items, mesh, arg_shapes, result_shape):
-        p = safe_plan(items, mesh, arg_shapes, result_shape)
-        for note in p.gathered:
-            warn(f"jax_fp8: {name} under jax.jit: {note}", ShardingWarning)
-        outs = [_sharding(mesh, s) for s in p.results]
-        return mesh, _traced_without_mesh(lower_fn(items, p)), tuple(outs) if multiple_results else outs[0], \
-            tuple(_sharding(mesh, s) for s in p.operands)
-
-    def infer(items, mesh, arg_shapes, result_shape):  # the GSPMD partitioner (jax_use_shardy_partitioner=False)
-        outs = [_sharding(mesh, s) for s in safe_plan(items, mesh, arg_shapes, result_shape).results]
-        return tuple(outs) if multiple_results else outs[0]
-
-    def sharding_rule(items, mesh, value_types, result_types):
-        """Shardy's rule, checked here as jax will check it; where it fails, a rule that links no dims
-        (the operands' shardings then reach the plan as they are) and a warning."""
-        try:
-            text, options = sdy_rule(rule, dict(items), [tuple(t.shape) for t in value_types], dict(mesh.shape))
-            built = str_to_sdy_sharding_rule(text, **options)
-            sdy_sharding_rule_to_mlir(built, value_types, result_types)
-            return built
-        except Exception as e:  # noqa: BLE001
-            _rule_failed(name, "writing its Shardy rule", [tuple(t.shape) for t in value_types], mesh, e)
-            fresh = itertools.count()
-            side = lambda types: ", ".join(" ".join(f"z{next(fresh)}" for _ in t.shape) for t in types)  # noqa: E731
-            return str_to_sdy_sharding_rule(f"{side(value_types)} -> {side(result_types)}")
-
-    split = custom_partitioning(run, static_argnums=(0,))
-    split.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
-                        decode_shardings=False)
-
-    def lowering(ctx, *args, **params):
-        items = tuple(sorted(params.items()))
-        return mlir.lower_fun(partial(split, items), multiple_results=multiple_results)(ctx, *args)
-
-    mlir.register_lowering(prim, lowering)
-    return prim, local
-
-
-class _MeshContext(threading.local):
-    """The abstract mesh context of this thread (jax keeps it per thread), set aside while jax traces a
-    per-device function."""
-
-    pending: Optional[jax.sharding.use_abstract_mesh] = None
-
-    def leave(self) -> None:
-        self.restore()
-        self.pending = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        self.pending.__enter__()
-
-    def restore(self) -> None:
-        if self.pending is not None:
-            cm, self.pending = self.pending, None
-            cm.__exit__(None, None, None)
-
-
-_MESH_CONTEXT = _MeshContext()
-
-
-def _traced_without_mesh(fn: Callable) -> Callable:
-    """``fn``, the per-device function a partition callback returns, traced with no mesh context.
-
-    jax traces it (``make_jaxpr`` of the shards' shapes) right after the callback returns, under the
-    caller's context: inside ``jax.set_mesh`` of a mesh with Explicit axes, jax 0.12 types its values
-    with that mesh and lowers them with sharding annotations that nothing partitions any more (the
-    compile fails: "No registered implementation for untyped custom call to Sharding"). The values
-    are one device's: the context is left here, before jax types the arguments, and restored when
-    ``fn`` returns (or, should jax not call it, at the next callback)."""
-    _MESH_CONTEXT.leave()
-
-    def local(*args):
-        try:
-            return fn(*args)
-        finally:
-            _MESH_CONTEXT.restore()
-
-    return local
-
-
-def _rule_failed(name: str, step: str, shapes, mesh, error: Exception) -> None:
-    shapes = [tuple(getattr(a, "shape", a)) for a in shapes]
-    warn(f"jax_fp8: {name} under jax.jit: {step} failed for operands {shapes} on mesh {dict(mesh.shape)} "
-         f"({type(error).__name__}: {error}); running it on whole operands instead. This is a bug in jax_fp8: "
-         f"please report it with this message.", PartitioningRuleWarning)
-
-
-def _typed_abstract(abstract, rule, *avals, **params):
-    """``abstract``'s results, typed with the plan's shardings when an operand's type names mesh axes
-    (an Explicit mesh); as they are otherwise (the partitioner decides at compile time)."""
-    outs = abstract(*avals, **params)
-    shardings = [explicit_sharding(a) for a in avals]
-    specs = [spec_axes(s.spec, a.ndim) if s is not None else ((),) * a.ndim for s, a in zip(shardings, avals)]
-    if not any(any(axes) for spec in specs for axes in spec):
-        return outs
-    mesh = next(s.mesh for s, spec in zip(shardings, specs) if any(spec))
-    p = plan(rule, params, dict(mesh.shape), [a.shape for a in avals], specs)
-    many = isinstance(outs, (list, tuple))
-    typed = [o.update(sharding=_sharding(mesh, s)) for o, s in zip(outs if many else [outs], p.results)]
-    return typed if many else typed[0]

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
-from ..formats import FLOAT8_BLOCK
+from ..formats import BLOCKWISE, FLOAT8_BLOCK
 from .. import contracts
 from ..scheme import GEMM_SCALE_PAD
 from ..vma import out_aval
@@ -28,7 +28,7 @@ def _quantize_abstract(x, *, scheme, stacked=False):
     if x.ndim != 3:
         raise ValueError(f"jf_quantize takes a (batch, rows, cols) array, got shape {x.shape}")
     B, M, K = x.shape
-    if stacked and not (scheme.fmt == "blockwise" and scheme.block == (1, FLOAT8_BLOCK) and scheme.gemm_ready
+    if stacked and not (scheme.format is BLOCKWISE and scheme.block == (1, FLOAT8_BLOCK) and scheme.gemm_ready
                         and M % FLOAT8_BLOCK == 0):
         raise ValueError(f"jf_quantize: stacked sequences take GEMM-ready 1x{FLOAT8_BLOCK} blocks and rows (sequence "
                          f"length) a multiple of {FLOAT8_BLOCK}; got {scheme} and shape {x.shape}")

@@ -15,7 +15,8 @@ import numpy as np
 from .. import _ffi
 from .._compat import Primitive, ad, apply_primitive, batching, mlir
 from ..warn import warn
-from .partitioning import Rule, partitioned_primitive
+from .partitioned import partitioned_primitive
+from .partitioning import Rule
 
 
 def _no_jvp(name: str, hint: str):

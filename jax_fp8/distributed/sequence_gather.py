@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import vma
-from .quantization import dequantize, quantize, to_layout
-from .arrays import bitcast, view_2d
-from .scheme import Scheme
-from .tensors import QUANTIZED_TENSORS
-from .warn import GatherWarning, warn
+from .. import vma
+from ..arrays import bitcast, view_2d
+from ..quantization import dequantize, quantize, to_layout
+from ..scheme import Scheme
+from ..tensors import QUANTIZED_TENSORS
+from ..warn import GatherWarning, warn
 
 
 def _gather(a, axis_name, axis: int = 0):

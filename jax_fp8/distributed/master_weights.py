@@ -1,4 +1,4 @@
-"""Collectives for ``shard_map``: the distributed cast of sharded fp32 master weights.
+"""The distributed cast of sharded fp32 master weights (inside ``shard_map``).
 
 ``quantize_master_weights`` is the ZeRO / distributed-optimizer step (as TE's master-weight cast):
 every data-parallel rank holds a flat fp32 shard of each weight, boundaries anywhere. Per weight it
@@ -7,8 +7,8 @@ scales with ONE ``lax.pmax`` over one packed buffer, and casts its shard with th
 For MXFP8 the packed buffer is uint8 E8M0 bytes (E8M0 is monotonic in the amax, so the max of the
 bytes is the byte of the max amax: half the bytes of a bf16 amax all-reduce). Float8 blockwise scales
 are not monotonic bytes, so that variant reduces the fp32 amaxes, as their uint32 bit patterns.
-``local_shards`` / ``shard_windows`` / ``split_masters`` give the shards and windows of the standard
-ZeRO splits. Gathering the FP8 shards (``gather_master_weights``) gives exactly
+:mod:`.shards` (``local_shards``, ``shard_windows``, ``split_masters``) gives the shards and windows
+of the standard ZeRO splits. Gathering the FP8 shards (``gather_master_weights``) gives exactly
 ``quantize_*(full_master.astype(model_dtype))``.
 """
 from __future__ import annotations
@@ -22,14 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import vma
-from .arrays import bitcast, view_2d
-from .formats import high_dtype
-from .gather import all_gather_dequantized, all_gather_first_dim
-from .quantization import assemble, to_layout
-from .primitives.partial import partial_amax_p, partial_cast_p
-from .scheme import build_scheme, unpack_grids
-from .master_shards import check_shapes, local_shards, shard_windows, split_masters, tiling_errors
+from .. import vma
+from ..arrays import bitcast, view_2d
+from ..formats import high_dtype
+from ..quantization import assemble, to_layout
+from ..primitives.partial import partial_amax_p, partial_cast_p
+from ..scheme import Scheme, build_scheme, unpack_grids
+from .shards import check_shapes, tiling_errors
 
 Array = Any
 
@@ -73,12 +72,46 @@ def _per_weight(values, name, n):
     return list(values)
 
 
+#: The keyword conveniences that build the scheme of quantize_master_weights, with their defaults.
+_SCHEME_KEYWORDS = dict(fmt="mxfp8", dtype=jnp.float8_e4m3fn, rowwise=True, colwise=True, block=None,
+                        pow2_scales=True, amax_epsilon=0.0)
+
+
+class _Unset:
+    """A keyword left out (its default applies, and it does not clash with ``scheme=``)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _master_scheme(scheme, given: dict, where: str) -> Scheme:
+    """The scheme of a master-weight cast: ``scheme``, or one built from the keyword conveniences."""
+    passed = sorted(k for k, v in given.items() if v is not _UNSET)
+    if scheme is None:
+        kw = {k: _SCHEME_KEYWORDS[k] if v is _UNSET else v for k, v in given.items()}
+        return build_scheme(where, kw.pop("fmt"), kw.pop("dtype"), **kw)
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"{where}: scheme must be a jax_fp8.Scheme or None, got {scheme!r}")
+    if passed:
+        raise TypeError(f"{where}: pass either scheme= or the keywords that build one, not both; got scheme={scheme} "
+                        f"and {', '.join(passed)}")
+    if scheme.layout != "compact":
+        raise ValueError(f"{where}: scheme.layout must be 'compact' (master-weight shards are flat); "
+                         f"gather_master_weights(layout='gemm_ready') gives the GEMM-ready tensors, got {scheme}")
+    if not scheme.saturate_inf:
+        raise ValueError(f"{where}: master-weight casts take TransformerEngine's rule for infinities "
+                         f"(saturate_inf=True), got {scheme}")
+    return scheme
+
+
 def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[int]], axis_name,
                             offsets: Optional[Sequence[Array]] = None, lengths: Optional[Sequence[Array]] = None,
-                            model_dtype=jnp.bfloat16, dtype=jnp.float8_e4m3fn, fmt: str = "mxfp8",
-                            rowwise: bool = True, colwise: bool = True, block: Optional[Sequence[int]] = None,
-                            pow2_scales: bool = True, amax_epsilon: float = 0.0,
-                            check: bool = False) -> list[QuantizedShard]:
+                            model_dtype=jnp.bfloat16, dtype=_UNSET, fmt=_UNSET, rowwise=_UNSET, colwise=_UNSET,
+                            block=_UNSET, pow2_scales=_UNSET, amax_epsilon=_UNSET, check: bool = False,
+                            scheme: Optional[Scheme] = None) -> list[QuantizedShard]:
     """Quantize this rank's flat master-weight shards with globally consistent scales (inside shard_map).
 
     Args:
@@ -92,9 +125,12 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
         negative (not a valid window) is treated as holding none.
       model_dtype: the master values are first rounded to this dtype, as TE does (float32, bfloat16,
         float16, or None to keep them).
-      dtype: FP8 element dtype. fmt: 'mxfp8' or 'blockwise' (then ``block``, default (1, 128),
-        ``pow2_scales``, ``amax_epsilon`` as in :func:`jax_fp8.quantize_blockwise`).
-      rowwise, colwise: usages to produce (for 128x128 tiles, one set of tiles serves both).
+      scheme: the :class:`jax_fp8.Scheme` to quantize with (compact layout; ``saturate_inf`` True), as
+        every quantizing function takes it. Or, as conveniences that build it (not together with
+        ``scheme``): ``dtype`` (FP8 element dtype, default E4M3), ``fmt`` ('mxfp8', the default, or
+        'blockwise': then ``block``, default (1, 128), ``pow2_scales`` (True), ``amax_epsilon`` (0.0) as
+        in :func:`jax_fp8.quantize_blockwise`), ``rowwise`` and ``colwise`` (both True by default: the
+        usages to produce; for 128x128 tiles one set of tiles serves both).
       check: also verify that the windows of all ranks tile every weight exactly once (no element held
         by no rank or by two); otherwise a ValueError names the weight and what is wrong. When every
         window is known while tracing (each offset and length None or a Python/NumPy int, not traced),
@@ -122,8 +158,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     if len(shards) != len(shapes):
         raise ValueError(f"{where}: {len(shards)} shards but {len(shapes)} shapes")
     offsets, lengths = _per_weight(offsets, "offsets", len(shards)), _per_weight(lengths, "lengths", len(shards))
-    scheme = build_scheme(where, fmt, dtype, rowwise=rowwise, colwise=colwise, block=block, pow2_scales=pow2_scales,
-                          amax_epsilon=amax_epsilon)
+    scheme = _master_scheme(scheme, dict(fmt=fmt, dtype=dtype, rowwise=rowwise, colwise=colwise, block=block,
+                                         pow2_scales=pow2_scales, amax_epsilon=amax_epsilon), where)
     if model_dtype is not None:
         model_dtype = high_dtype(model_dtype, f"{where}: model_dtype")
 
@@ -165,8 +201,9 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     # 3. one collective for every weight, on integers: E8M0 bytes, or the fp32 amaxes' bits (non-negative
     # floats order as their bit patterns; a float pmax may flush subnormal amaxes, XLA's CPU one does)
     packed = packs[0] if len(packs) == 1 else jnp.concatenate(packs)
-    if packed.dtype == jnp.float32:
-        packed = bitcast(lax.pmax(bitcast(packed, jnp.uint32), axis_name), jnp.float32)
+    reduce_as = scheme.format.reduce_dtype
+    if packed.dtype != reduce_as:
+        packed = bitcast(lax.pmax(bitcast(packed, reduce_as), axis_name), packed.dtype)
     else:
         packed = lax.pmax(packed, axis_name)
     packs = jnp.split(packed, np.cumsum([q.size for q in packs])[:-1])
@@ -174,7 +211,8 @@ def quantize_master_weights(shards: Sequence[Array], shapes: Sequence[Sequence[i
     out = [None] * len(xs)
     for (idx, w, shp), glob in zip(groups, packs):
         res = partial_cast_p.bind(w, glob, *[xs[i] for i in idx], shapes=shp, scheme=scheme)
-        scales_from = glob if scheme.e8m0 else res[-1]  # E8M0 bytes as reduced; fp32 scale_inv from the cast
+        # the reduced values where they are the scales (E8M0 bytes), else the cast's scale_inv (fp32)
+        scales_from = glob if scheme.format.partials_are_scales else res[-1]
         nu = len(scheme.kernel_blocks)
         for k, (i, grids) in enumerate(zip(idx, scheme.packed_grids(shp))):
             datas = [bitcast(d, scheme.dtype) for d in res[k * nu:(k + 1) * nu]]
@@ -260,5 +298,4 @@ def gather_master_weights(qshards: Sequence[QuantizedShard], axis_name, layout: 
     return out
 
 
-__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard",
-           "all_gather_first_dim", "all_gather_dequantized", "local_shards", "shard_windows", "split_masters"]
+__all__ = ["quantize_master_weights", "gather_master_weights", "QuantizedShard"]

@@ -22,8 +22,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from . import vma
-from .arrays import cdiv
+from .. import vma
+from ..arrays import cdiv
 
 SPLITS = ("per_weight", "flat")
 
