@@ -1,7 +1,7 @@
 """What carrying non-finite values through ``fp8_dot_general`` costs: one linear layer's forward +
 backward (jitted, bf16 activations) as the library runs it (the recipe's ``saturate_inf=False``: a
 block holding an inf gets an infinite scale), next to the same layer quantizing by TE's rule (an inf
-saturates: the GEMM path before issue 28), and bf16 ``lax.dot_general``, side by side in one run.
+saturates: the GEMM path before non-finite operands were kept), and bf16 ``lax.dot_general``, side by side in one run.
 
   python bench/bench_nonfinite.py [--shapes 8192x4096x4096,8192x4096x14336,8192x14336x4096] [--iters 50]
 """

@@ -34,7 +34,7 @@ Launch quantize_cfg() {
     if (!RBK && !TILE) c = r;  // a single columnwise usage comes first
     using C = TileCfg<Rule, TM, TK, RBK, COL, TILE>;
     // (no rowwise usage: RBK 0; a 1-wide grid then, never a division by zero, which GCC turned into a
-    // trap: the "Illegal instruction" of runs 24-25)
+    // trap: an "Illegal instruction")
     const ScaleAt r_at = compact_scale_at(sp.M, sp.K, TILE ? TM : 1, TILE ? TK : (RBK ? RBK : 1));
     const ScaleAt c_at = compact_scale_at(sp.M, sp.K, TM, 1);
     bench_launch_tiles<C, MINB>(a, x, sp, rule, r, c, r_at, c_at);

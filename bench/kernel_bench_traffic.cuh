@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(256) tiled_traffic_kernel(const uint16_t* __re
     } else if constexpr (SCALES == 1) {
       sc[T ? tk * M + tm * 128 + tid : (tm * 128 + tid) * (K / 128) + tk] = one;
     } else if (tk % SCALES == 0) {  // compact 1x128 scales as if gathered: every SCALES-th tile writes
-                                    // SCALES words a row (run 62: fewer, wider stores still cost)
+                                    // SCALES words a row (fewer, wider stores, which measured still cost)
       float* d = sc + (tm * 128 + tid) * (K / 128) + tk;
       if constexpr (SCALES == 2) {
         *reinterpret_cast<float2*>(d) = make_float2(one, one);

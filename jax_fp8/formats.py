@@ -369,6 +369,15 @@ BLOCKWISE = BlockwiseFormat()
 FORMATS = {f.name: f for f in (MXFP8, BLOCKWISE)}
 
 
+def format_of_block(block) -> Format:
+    """The format whose blocks include ``block`` (an operand's block shape, e.g. a GEMM's (1, 32))."""
+    block = tuple(block)
+    for f in FORMATS.values():
+        if block in f.blocks:
+            return f
+    raise ValueError(f"no format has {block} blocks")
+
+
 def format_of(fmt, where: str = "Scheme") -> Format:
     """The :class:`Format` named by ``fmt`` (its name, or the format itself)."""
     if isinstance(fmt, Format):

@@ -33,22 +33,15 @@ import numpy as np
 
 from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
-from ..formats import FLOAT8_BLOCK, MX_BLOCK
+from ..formats import BLOCKWISE, FLOAT8_BLOCK, MX_BLOCK, format_of
 from ..scheme import Scheme
 
-#: The operand formats a backend may take.
-FORMATS = ("blockwise", "mxfp8")
 BLOCK_1D = (1, FLOAT8_BLOCK)
 BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
 #: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
 MX_BLOCK_1D = (1, MX_BLOCK)
 #: Output dtypes of the kernels (others: compute in fp32 and cast).
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def format_of(block) -> str:
-    """The format of an operand with ``block`` blocks: ``"mxfp8"`` for (1, 32), else ``"blockwise"``."""
-    return "mxfp8" if tuple(block) == MX_BLOCK_1D else "blockwise"
 
 
 def gemm_dtype(out_dtype) -> np.dtype:
@@ -127,8 +120,9 @@ class GemmBackend:
     :mod:`jax_fp8.gemm.backends`; the plan, :mod:`jax_fp8.gemm.plan`, picks one per GEMM). What every
     backend states:
 
-    - what it takes: ``formats`` (``"blockwise"``: Float8 blocks (1, 128) / (128, 128), fp32 scales;
-      ``"mxfp8"``: (1, 32) blocks with E8M0 scales) and ``sizes(M, N, K, a_block, b_block, a_dtype,
+    - what it takes: ``formats``, :class:`~jax_fp8.formats.Format` objects or their names
+      (``BLOCKWISE``: Float8 blocks (1, 128) / (128, 128), fp32 scales; ``MXFP8``: (1, 32) blocks with
+      E8M0 scales) and ``sizes(M, N, K, a_block, b_block, a_dtype,
       b_dtype)``: ``((M, N, K) to run at, None)`` (zero padding up to those sizes changes no product:
       its padding), or ``(None, why it cannot take the problem)``;
     - whether it runs here and why not: ``unavailable(platform, devices=None)``: None where its kernel
@@ -151,7 +145,7 @@ class GemmBackend:
     unavailable: Callable
     lowerings: dict = dataclasses.field(default_factory=dict)
     compute: Optional[Callable] = None
-    formats: tuple = ("blockwise",)
+    formats: tuple = (BLOCKWISE,)
     platforms: tuple = ("cuda",)
     check_options: Callable = dataclasses.field(default=lambda **options: None, repr=False)
     options: tuple = ()
@@ -161,13 +155,12 @@ class GemmBackend:
         if (self.compute is None) == (not self.lowerings):
             raise ValueError(f"GemmBackend {self.name!r}: give lowerings (a kernel under jf_fp8_gemm) or compute "
                              "(a jax function), one of the two")
-        unknown = set(self.formats) - set(FORMATS)
-        if unknown:
-            raise ValueError(f"GemmBackend {self.name!r}: formats must be among {FORMATS}, got {sorted(unknown)}")
+        object.__setattr__(self, "formats", tuple(format_of(f, f"GemmBackend {self.name!r}: formats")
+                                                 for f in self.formats))
 
-    def takes(self, fmt: str) -> bool:
-        """Whether it multiplies operands of format ``fmt`` ("blockwise" or "mxfp8")."""
-        return fmt in self.formats
+    def takes(self, fmt) -> bool:
+        """Whether it multiplies operands of format ``fmt`` (a :class:`~jax_fp8.formats.Format` or its name)."""
+        return format_of(fmt, "GemmBackend.takes") in self.formats
 
     def unavailable_here(self) -> Optional[str]:
         """None where it runs on one of this machine's platforms, else why not (the first platform's)."""

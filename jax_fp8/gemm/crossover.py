@@ -15,6 +15,7 @@ import functools
 import math
 from typing import Optional
 
+from ..formats import BLOCKWISE
 from ..primitives.partitioning import explicit_sharding
 from ..tensors import QUANTIZED_TENSORS
 from ..warn import CrossoverWarning, warn
@@ -37,7 +38,7 @@ TABLES: dict[str, dict[str, list]] = {
 
 def recipe_name(recipe) -> str:
     """The tables' key of a recipe: ``"mxfp8"`` for MXFP8 (E8M0 scales), else ``"blockwise"``."""
-    return "mxfp8" if recipe is not None and recipe.scheme("lhs").e8m0 else "blockwise"
+    return recipe.scheme("lhs").format.name if recipe is not None else BLOCKWISE.name
 
 
 def fp8_pays(M: int, K: int, N: int, recipe=None, device_kind: Optional[str] = None) -> bool:

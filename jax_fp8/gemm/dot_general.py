@@ -28,7 +28,7 @@ from jax import lax
 
 from .. import vma
 from ..arrays import view_2d
-from ..formats import HIGH_DTYPES
+from ..formats import HIGH_DTYPES, MXFP8
 from ..primitives.partitioning import explicit_sharding
 from ..quantization import dequantize, quantize, quantize_dequantize, quantize_stacked
 from ..scheme import Scheme
@@ -223,7 +223,7 @@ def _fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
         return x, f"as it is ({'a scalar' if x.ndim == 0 else 'empty'}: nothing to quantize)"
     qdq = quantize_dequantize(x, dataclasses.replace(scheme.only("rowwise"), layout="compact", saturate_inf=True),
                               "rowwise")
-    if scheme.e8m0:
+    if scheme.format is MXFP8:
         return qdq, "quantize-dequantized (MXFP8)"
     blocks = "128x128 tiles" if tuple(scheme.block) == BLOCK_2D else "x".join(map(str, scheme.block)) + " blocks"
     # infinities reach the dot, as in lax.dot_general
@@ -283,11 +283,11 @@ def _implementation(implementation: Optional[str], recipe) -> Optional[GemmBacke
         raise ValueError(f"fp8_dot_general: implementation must be None or one of {', '.join(map(repr, names))}, "
                          f"got {implementation!r}")
     backend = names[implementation]
-    fmt = "mxfp8" if isinstance(recipe, MXFP8BlockScaling) else "blockwise"
+    fmt = recipe.scheme("lhs").format
     if not backend.takes(fmt):
         takers = [n for n, b in names.items() if b.takes(fmt)]
         raise ValueError(f"fp8_dot_general: implementation={implementation!r} does not take the "
-                         f"{type(recipe).__name__} recipe's operands ({fmt}); for it: {', '.join(map(repr, takers))} "
+                         f"{type(recipe).__name__} recipe's operands ({fmt.name}); for it: {', '.join(map(repr, takers))} "
                          "or None")
     why = backend.unavailable_here()
     if why is not None:

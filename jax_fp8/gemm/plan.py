@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..arrays import view_2d
-from ..formats import FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES
+from ..formats import BLOCKWISE, FLOAT8_BLOCK, FP8_DTYPES, HIGH_DTYPES, MXFP8, format_of_block
 from ..primitives.partitioning import rows_view
 from ..scheme import check_block
 from ..tensors import QUANTIZED_TENSORS, BlockwiseTensor, MXFP8Tensor
 from . import backends, table
-from .contract import BLOCK_1D, BLOCK_2D, MX_BLOCK_1D, GemmBackend, format_of
+from .contract import BLOCK_1D, BLOCK_2D, MX_BLOCK_1D, GemmBackend
 
 E4M3 = FP8_DTYPES[0]
 
@@ -89,14 +89,14 @@ def plan_gemm(M: int, N: int, K: int, a_block=BLOCK_1D, b_block=BLOCK_2D, a_dtyp
     if reason is not None:
         return GemmPlan(**args, reason=reason)
     taken, why = [], []
-    fmt = format_of(a_block)
+    fmt = format_of_block(a_block)
     if backend is backends.REFERENCE:  # at the sizes of the plan's own choice: the same bits where that
         chosen = plan_gemm(**args)     # computes the reference too (its lowering off its GPU)
         padded = chosen.padded if chosen.ok else (args["M"], args["N"], args["K"])
         return GemmPlan(**args, backend=backend, padded=padded)
     candidates = tuple(b for b in backends.BACKENDS if b.takes(fmt)) if backend is None else (backend,)
     if backend is not None and not backend.takes(fmt):
-        return GemmPlan(**args, reason=f"{backend.name} takes {' and '.join(backend.formats)} operands, not {fmt}")
+        return GemmPlan(**args, reason=f"{backend.name} takes {' and '.join(f.name for f in backend.formats)} operands, not {fmt.name}")
     for each in candidates:
         padded, no = each.sizes(args["M"], args["N"], args["K"], a_block, b_block, args["a_dtype"], args["b_dtype"])
         if no is None:
@@ -117,7 +117,7 @@ def _measured(taken: list) -> Optional[GemmPlan]:
     """The plan of ``taken`` whose backend the GEMM table names for this GPU, with the table's options;
     None without a row, or where that backend does not take the problem or run here."""
     p = taken[0]
-    if format_of(p.a_block) != "blockwise":  # the table measured Float8 blockwise kernels
+    if format_of_block(p.a_block) is not BLOCKWISE:  # the table measured Float8 blockwise kernels
         return None
     pick = table.choose(p.M, p.N, p.K, p.a_block, p.b_block)
     if pick is None:
@@ -357,7 +357,7 @@ def _why_not_fp8(lhs, rhs, out_dtype, mx: bool) -> Optional[str]:
 
 
 def _block_of(scheme) -> tuple:
-    return MX_BLOCK_1D if scheme.e8m0 else scheme.block
+    return scheme.block
 
 
 def _kind(x, scheme) -> _Kind:
@@ -399,7 +399,7 @@ def plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, sequences_m
     ``implementation=`` of ``fp8_dot_general``; ValueError where it cannot take one), else the plan's
     choice per GEMM."""
     fold, why = fold_dot_general(lhs.shape, rhs.shape, dimension_numbers)
-    mx = recipe.scheme("lhs").e8m0
+    mx = recipe.scheme("lhs").format is MXFP8
     why = why or _why_not_fp8(lhs, rhs, out_dtype, mx) or _why_not_folded(lhs, rhs, fold)
     if why is not None:
         return DotPlan(fallback=why)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from ... import _ffi
+from ...formats import BLOCKWISE
 from ..contract import (BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes,
                         refused)
 
@@ -146,5 +147,5 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
     return None
 
 
-CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, lowerings={"cuda": _lower}, formats=("blockwise",),
+CUBLASLT = GemmBackend("cublaslt", sizes, unavailable, lowerings={"cuda": _lower}, formats=(BLOCKWISE,),
                        check_options=check_options)

@@ -21,7 +21,7 @@ from jax import lax
 from ... import vma
 from ..._compat import E8M0_DTYPE
 from ...arrays import bitcast, cdiv
-from ...formats import MX_BLOCK
+from ...formats import MX_BLOCK, MXFP8
 from ...warn import MXFP8GemmFallbackWarning, warn
 from ..contract import MX_BLOCK_1D, GemmBackend, cuda_capabilities, gemm_dtype, refused
 from ..reference import mx_gemm_reference
@@ -112,4 +112,4 @@ def warn_emulated(where: str) -> None:
              MXFP8GemmFallbackWarning)
 
 
-CUDNN = GemmBackend("cudnn", sizes, unavailable, compute=compute, formats=("mxfp8",))
+CUDNN = GemmBackend("cudnn", sizes, unavailable, compute=compute, formats=(MXFP8,))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import _ffi
+from ...formats import BLOCKWISE
 from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes, refused
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
@@ -133,5 +134,5 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
     return None
 
 
-CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower}, formats=("blockwise",),
+CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower}, formats=(BLOCKWISE,),
                       check_options=check_options)

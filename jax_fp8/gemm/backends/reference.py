@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..contract import FORMATS, GemmBackend, format_of, gemm_dtype
+from ...formats import FORMATS, MXFP8, format_of_block
+from ..contract import GemmBackend, gemm_dtype
 from ..reference import blocked_gemm, mx_gemm_reference
 
 
@@ -21,10 +22,10 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
 
 def compute(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype):
     """``a · bᵀ (+ c)`` by the reference math of the operands' format."""
-    if format_of(a_block) == "mxfp8":
+    if format_of_block(a_block) is MXFP8:
         return mx_gemm_reference(a, a_scale, b, b_scale, c, out_dtype=gemm_dtype(out_dtype)).astype(out_dtype)
     return blocked_gemm(a, a_scale, b, b_scale, c, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
 
 
-REFERENCE = GemmBackend("reference", sizes, unavailable, compute=compute, formats=FORMATS,
+REFERENCE = GemmBackend("reference", sizes, unavailable, compute=compute, formats=tuple(FORMATS.values()),
                         platforms=("cpu", "cuda", "rocm", "tpu"))
