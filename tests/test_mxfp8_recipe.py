@@ -161,8 +161,10 @@ def test_collectives_feed_the_recipe_without_requantizing(quiet):
     shards = jnp.asarray(np.asarray(w).reshape(8, -1))
     args = (jax.device_put(x, NamedSharding(mesh, P("data"))), jax.device_put(shards, NamedSharding(mesh, P("data"))))
     got = np.asarray(f(*args))
-    with jax.default_device(mesh.devices.flat[0]):  # one device of the same platform: its GEMM's sum order
-        want = jax.jit(lambda x, w: jf.fp8_dot_general(x, w.astype(jnp.bfloat16), KN, recipe=recipe))(x, w)
+    # the one-device product, run on each device of the same mesh (the same platform and GEMM: its sum order)
+    whole = jax.jit(jax.shard_map(lambda x, w: jf.fp8_dot_general(x, w.astype(jnp.bfloat16), KN, recipe=recipe)[None],
+                                  mesh=mesh, in_specs=(P(), P()), out_specs=P("data")))
+    want = np.asarray(whole(jax.device_put(x, NamedSharding(mesh, P())), jax.device_put(w, NamedSharding(mesh, P()))))[0]
     for r in range(8):
         assert_bits_equal(got[r], want, f"rank {r}")
     jaxpr = str(jax.make_jaxpr(f)(*args))
