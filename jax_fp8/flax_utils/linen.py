@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 import jax.numpy as jnp
 from jax import lax
 
-from .gemm.crossover import layer_pays
-from .gemm import RECIPES, Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general
-from .warn import warn
+from ..gemm.crossover import layer_pays
+from ..gemm import RECIPES, Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general
+from ..warn import warn
 
 __all__ = ["use_fp8_dot_general", "fp8_dot_general_for", "fp8_model", "fp8_autocast", "Fp8Model", "Fp8Report",
            "Layer"]
