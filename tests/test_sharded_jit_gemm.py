@@ -147,7 +147,10 @@ def test_fp8_dot_general_partitions_like_lax(case, mode):
 
     ours, theirs = compiled.memory_analysis().temp_size_in_bytes, lax_compiled.memory_analysis().temp_size_in_bytes
     print(f"\n{case} ({mode}): temp bytes per device: fp8 {ours}, lax {theirs} ({ours / theirs:.2f}x)")
-    assert ours <= 2 * theirs, (ours, theirs)
+    # a guard against multiples (a gathered operand once made it 10x): the FP8 step holds its FP8 copies
+    # and fp32 GEMM results beside lax's; at tp-row jax 0.12.1's lax needs 2.10 MB where 0.12.0's took
+    # 2.62, ours 4.22 MB under both (2.01x and 1.61x)
+    assert ours <= 2.5 * theirs, (ours, theirs)
 
 
 # ---- 5. vmap inside jit on sharded inputs --------------------------------------------------------------
