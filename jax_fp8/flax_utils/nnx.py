@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 from jax import lax
 
 from .dot_general import Recipe, Where, _check_recipe, _is_fp8, _is_fp8_einsum, _where, fp8_dot_general_for
 from .report import Fp8Report, Layer, _dot_general_like, _name, _new_report, _unknown_reason, logger
+
+
+def _convert(report: Fp8Report, node, path: tuple, kind: str, why: Optional[str], pick, attr: str, value) -> None:
+    """Set ``node.<attr>`` to our ``value`` unless ``why`` (it has its own) or ``where`` excludes it; report it."""
+    if why is None and pick is not None and not pick(path, node):
+        why = "excluded by where"
+    if why is None:
+        setattr(node, attr, value)
+    report._add(Layer(path, kind, why or ""), why is None)
 
 
 def use_fp8_dot_general(model: Any, recipe: Recipe = None, *, where: Where = None, log: bool = False) -> Fp8Report:
@@ -58,24 +67,17 @@ def use_fp8_dot_general(model: Any, recipe: Recipe = None, *, where: Where = Non
             report._add_attention(path)  # its projections are LinearGenerals of their own, met below
         elif isinstance(node, (nnx.Linear, nnx.LinearGeneral)):
             current, cls = node.dot_general, getattr(node, "dot_general_cls", None)
+            why = None
             if cls is not None:
-                report._add(Layer(path, kind, f"has its own dot_general_cls ({_name(cls)})"), False)
+                why = f"has its own dot_general_cls ({_name(cls)})"
             elif current is not None and current is not lax.dot_general and not _is_fp8(current):
-                report._add(Layer(path, kind, f"has its own dot_general ({_name(current)})"), False)
-            elif pick is not None and not pick(path, node):
-                report._add(Layer(path, kind, "excluded by where"), False)
-            else:
-                node.dot_general = dot_general
-                report._add(Layer(path, kind), True)
+                why = f"has its own dot_general ({_name(current)})"
+            _convert(report, node, path, kind, why, pick, "dot_general", dot_general)
         elif isinstance(node, nnx.Einsum):
             current = node.einsum_op
-            if current is not jnp.einsum and not _is_fp8_einsum(current):
-                report._add(Layer(path, kind, f"has its own einsum_op ({_name(current)})"), False)
-            elif pick is not None and not pick(path, node):
-                report._add(Layer(path, kind, "excluded by where"), False)
-            else:
-                node.einsum_op = einsum_op
-                report._add(Layer(path, kind), True)
+            why = (f"has its own einsum_op ({_name(current)})"
+                   if current is not jnp.einsum and not _is_fp8_einsum(current) else None)
+            _convert(report, node, path, kind, why, pick, "einsum_op", einsum_op)
         elif isinstance(node, nnx.Module):
             fields = _dot_general_like(vars(node), (nnx.Module, nn.Module))
             if fields:

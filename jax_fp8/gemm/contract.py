@@ -33,13 +33,13 @@ import numpy as np
 
 from .._compat import ShapedArray, ffi
 from ..arrays import cdiv
-from ..formats import BLOCKWISE, FLOAT8_BLOCK, MX_BLOCK, format_of
+from ..formats import BLOCKWISE, MXFP8, format_of
 from ..scheme import Scheme
 
-BLOCK_1D = (1, FLOAT8_BLOCK)
-BLOCK_2D = (FLOAT8_BLOCK, FLOAT8_BLOCK)
-#: The block of an MXFP8 GEMM operand (one E8M0 scale per 32 along the contraction).
-MX_BLOCK_1D = (1, MX_BLOCK)
+#: The blocks of GEMM operands, as their formats name them: Float8 blockwise 1x128 and 128x128 ...
+BLOCK_1D, BLOCK_2D = BLOCKWISE.blocks
+#: ... and MXFP8's 1x32 (one E8M0 scale per 32 along the contraction).
+MX_BLOCK_1D, = MXFP8.blocks
 #: Output dtypes of the kernels (others: compute in fp32 and cast).
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

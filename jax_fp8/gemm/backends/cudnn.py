@@ -61,12 +61,10 @@ def lowers_for_cuda() -> Optional[str]:
     device visible (then only a lowering for CUDA, e.g. an export, takes it); else why not."""
     if E8M0_DTYPE is None:
         return "this jax has no float8_e8m0fnu dtype"
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:  # no CUDA backend here
+    caps, no_cuda = cuda_capabilities()
+    if no_cuda is not None:  # no CUDA device here
         return None
-    caps = sorted({str(getattr(d, "compute_capability", "?")) for d in devices})
-    return None if _blackwell(caps) else unavailable("cuda", devices)
+    return None if _blackwell(caps) else unavailable("cuda")
 
 
 def _scaled_matmul(a, a_scale, b, b_scale, *, out_dtype):
