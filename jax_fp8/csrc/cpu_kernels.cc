@@ -12,6 +12,7 @@
 #include "ffi_bindings.h"
 #include "ffi_common.h"
 #include "fp8_math.h"
+#include "producers.h"
 
 namespace jf {
 namespace {
@@ -91,12 +92,12 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
 // Quantize one output: blocks of o.bm rows x o.bk cols of every (M, K) matrix in the batch, its data
 // and scales where the output's layout puts them (OutLayout: data (M, K) or transposed (K, M); scales
 // in the grid's order or transposed, each stored row padded to the scale buffer's row length).
-// Walks one block-row at a time (block-rows spread over the cores); each row is widened to fp32 once,
-// and the inner loops are plain contiguous loops (no per-element division) that the compiler can
-// vectorize.
-template <class L, class Rule>
-void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, const OutLayout& o,
-                     const Rule& rule, int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
+// rows(b, r, row) writes row r of matrix b as fp32 (an input's row, or a producer's). Walks one
+// block-row at a time (block-rows spread over the cores); the inner loops are plain contiguous loops
+// (no per-element division) that the compiler can vectorize.
+template <class Rows, class Rule>
+void quantize_blocks(const Rows& rows, int64_t B, int64_t M, int64_t K, const OutLayout& o, const Rule& rule,
+                     int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
   const int bm = o.bm, bk = o.bk;
   const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
   parallel_for(B * sm, B * M * K, [&](int64_t t0, int64_t t1) {
@@ -107,8 +108,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, co
       const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
       std::fill(amax.begin(), amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) {
-        const typename L::T* xr = x + (b * M + r) * K;
-        for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
+        rows(b, r, row.data());
         if (bk == 1) {
           for (int64_t k = 0; k < K; ++k) amax[k] = amax_step(amax[k], row[k]);
         } else {
@@ -123,8 +123,7 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, co
         for_blocks_in(0, K, bk, [&](int64_t k0, int64_t k1, int64_t j) { std::fill(&mult_k[k0], &mult_k[0] + k1, mult[j]); });
       const float* mk = bk == 1 ? mult.data() : mult_k.data();
       for (int64_t r = r0; r < r1; ++r) {
-        const typename L::T* xr = x + (b * M + r) * K;
-        for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
+        rows(b, r, row.data());
         if (!o.data_transposed) {
           cast_span<1>(row.data(), mk, data + (b * M + r) * K, K, fp8);
         } else {  // (B, K, M): the row's bytes go down column r of the transpose
@@ -140,13 +139,24 @@ void quantize_blocks(const typename L::T* x, int64_t B, int64_t M, int64_t K, co
       for (int64_t c = o.pad_from; c < o.ld; ++c) scale[b * o.s_batch + p * o.ld + c] = kGemmScalePad;
 }
 
-template <class L, class Rule>
-void quantize_all(const QuantizeArgs& a, const void* x, const Rule& rule, uint8_t* const* data,
+// The rows of a (B, M, K) input, widened to fp32.
+template <class L>
+struct InputRows {
+  const typename L::T* x;
+  int64_t M, K;
+  void operator()(int64_t b, int64_t r, float* row) const {
+    const typename L::T* xr = x + (b * M + r) * K;
+    for (int64_t k = 0; k < K; ++k) row[k] = L::get(xr, k);
+  }
+};
+
+// Every output of a quantize-style call from the rows of its (B, M, K) tensor.
+template <class Rows, class Rule>
+void quantize_all(const QuantizeArgs& a, const Rows& rows, const Rule& rule, uint8_t* const* data,
                   void* const* scale) {
   using S = typename Rule::ScaleT;
   for (int k = 0; k < a.n_out; ++k)
-    quantize_blocks<L>(static_cast<const typename L::T*>(x), a.B, a.M, a.K, a.out[k], rule, a.fp8, data[k],
-                       static_cast<S*>(scale[k]));
+    quantize_blocks(rows, a.B, a.M, a.K, a.out[k], rule, a.fp8, data[k], static_cast<S*>(scale[k]));
 }
 
 // Calls f(loader) for the input type.
@@ -173,8 +183,112 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0, ffi:
   uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
   with_rule(a, [&](auto rule) {
-    with_loader(a.in, [&](auto ld) { quantize_all<decltype(ld)>(a, x.untyped_data(), rule, data, scale); });
+    with_loader(a.in, [&](auto ld) {
+      using L = decltype(ld);
+      quantize_all(a, InputRows<L>{static_cast<const typename L::T*>(x.untyped_data()), a.M, a.K}, rule, data, scale);
+    });
   });
+  return ffi::Error::Success();
+}
+
+// ---- producers fused with quantization (producers.h) ------------------------------------------
+
+// n elements of an input buffer from element `at`, widened to fp32.
+void load_f32(const void* p, InType t, int64_t at, int64_t n, float* out) {
+  with_loader(t, [&](auto ld) {
+    using L = decltype(ld);
+    const auto* x = static_cast<const typename L::T*>(p) + at;
+    for (int64_t k = 0; k < n; ++k) out[k] = L::get(x, k);
+  });
+}
+
+// v rounded to the produced dtype, as fp32.
+inline float round_to(InType t, float v) {
+  switch (t) {
+    case InType::kF32: return v;
+    case InType::kBF16: return bf16_to_float(bf16_from_float(v));
+    case InType::kF16: return f16_to_float(f16_from_float(v));
+  }
+  return v;
+}
+
+// The rows of a producer's (B, M, K) tensor, each value rounded to the produced dtype.
+struct ProducedRows {
+  const ProduceArgs& p;
+  int64_t M, K;
+  std::vector<float> gamma;  // rmsnorm's, widened once
+
+  void operator()(int64_t b, int64_t r, float* row) const {
+    thread_local std::vector<float> in0, in1;
+    const int64_t rr = b * M + r;
+    switch (p.producer) {
+      case Producer::kCast:
+        load_f32(p.in[0], p.in_type[0], rr * K, K, row);
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, row[k]);
+        return;
+      case Producer::kRmsNorm: {
+        load_f32(p.in[0], p.in_type[0], rr * K, K, row);
+        const float rstd = p.rstd[rr];
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, (row[k] * rstd) * gamma[k]);
+        return;
+      }
+      case Producer::kSwiglu:  // h (B, M, 2K) = [gate | up]
+        in0.resize(2 * K);
+        load_f32(p.in[0], p.in_type[0], rr * 2 * K, 2 * K, in0.data());
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, swiglu_f(in0[k], in0[K + k]));
+        return;
+      case Producer::kSwigluGrad: {  // da (B, M, F), h (B, M, 2F); the row is [d_gate | d_up], K = 2F
+        const int64_t F = K / 2;
+        in0.resize(F);
+        in1.resize(K);
+        load_f32(p.in[0], p.in_type[0], rr * F, F, in0.data());
+        load_f32(p.in[1], p.in_type[1], rr * K, K, in1.data());
+        for (int64_t k = 0; k < F; ++k) {
+          float d_gate, d_up;
+          swiglu_grad_f(in0[k], in1[k], in1[F + k], d_gate, d_up);
+          row[k] = round_to(p.out, d_gate);
+          row[F + k] = round_to(p.out, d_up);
+        }
+        return;
+      }
+    }
+  }
+};
+
+// RMSNorm's rstd of every row, written to p.rstd (the quantize passes read it).
+void rms_rstd_rows(const ProduceArgs& p, int64_t rows, int64_t K) {
+  parallel_for(rows, rows * K, [&](int64_t r0, int64_t r1) {
+    std::vector<float> x(K);
+    float part[kSumLanes];
+    for (int64_t r = r0; r < r1; ++r) {
+      load_f32(p.in[0], p.in_type[0], r * K, K, x.data());
+      std::fill(part, part + kSumLanes, 0.0f);
+      for (int64_t k = 0; k < K; ++k) part[k % kSumLanes] = part[k % kSumLanes] + x[k] * x[k];
+      sum_tree(part);
+      p.rstd[r] = rms_rstd_f(part[0], p.inv_k, p.eps);
+    }
+  });
+}
+
+// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
+ffi::Error ProduceQuantizeCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
+                              ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
+                              ffi::Result<ffi::AnyBuffer> scale1, ffi::Result<ffi::AnyBuffer> extra, Scheme scheme,
+                              int32_t producer, int32_t dtype, float eps) {
+  QuantizeArgs a;
+  ProduceArgs p;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_produce_args(args, res, *extra, scheme, producer, dtype, eps, &a, &p); e.failure()) return e;
+  IeeeFpEnv env;
+  ProducedRows rows{p, a.M, a.K, {}};
+  if (p.producer == Producer::kRmsNorm) {
+    rows.gamma.resize(a.K);
+    load_f32(p.in[1], p.in_type[1], 0, a.K, rows.gamma.data());
+    rms_rstd_rows(p, a.B * a.M, a.K);
+  }
+  uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
+  void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
+  with_rule(a, [&](auto rule) { quantize_all(a, rows, rule, data, scale); });
   return ffi::Error::Success();
 }
 

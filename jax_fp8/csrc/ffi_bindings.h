@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "ffi_common.h"
+#include "produce_args.h"
 
 namespace jf {
 
@@ -26,6 +27,24 @@ auto bind_quantize(Binding b) {
       .template Ret<ffi::AnyBuffer>()  // second output: data (empty if none)
       .template Ret<ffi::AnyBuffer>()  // second output: scales (empty if none)
       .template Attr<Scheme>("scheme");
+}
+
+// jf_produce_quantize: a producer's (B, M, K) tensor (producers.h; produce_args.h has the inputs'
+// shapes) quantized as jf_quantize quantizes an input of that shape and dtype, never stored in high
+// precision; then the producer's extra output.
+template <class Binding>
+auto bind_produce_quantize(Binding b) {
+  return std::move(b)
+      .RemainingArgs()                 // the producer's inputs
+      .template Ret<ffi::AnyBuffer>()  // first output: data
+      .template Ret<ffi::AnyBuffer>()  // first output: scales
+      .template Ret<ffi::AnyBuffer>()  // second output: data (empty if none)
+      .template Ret<ffi::AnyBuffer>()  // second output: scales (empty if none)
+      .template Ret<ffi::AnyBuffer>()  // rmsnorm: rstd (B, M) float32; else empty
+      .template Attr<Scheme>("scheme")
+      .template Attr<int32_t>("producer")  // producers.h's Producer
+      .template Attr<int32_t>("dtype")     // the produced dtype: 0 float32, 1 bfloat16, 2 float16
+      .template Attr<float>("eps");        // rmsnorm's epsilon
 }
 
 // jf_dequantize: one compact output of the scheme back to high precision.
@@ -89,6 +108,7 @@ auto bind_cublaslt_gemm(Binding b) {
 #define JF_FFI_HANDLERS(X, ...)                                    \
   X(jf_quantize, Quantize, bind_quantize, __VA_ARGS__)             \
   X(jf_dequantize, Dequantize, bind_dequantize, __VA_ARGS__)       \
+  X(jf_produce_quantize, ProduceQuantize, bind_produce_quantize, __VA_ARGS__) \
   X(jf_partial_amax, PartialAmax, bind_partial_amax, __VA_ARGS__) \
   X(jf_partial_cast, PartialCast, bind_partial_cast, __VA_ARGS__)
 

@@ -219,12 +219,9 @@ struct QuantizeResult {
   const ffi::AnyBuffer* scale;
 };
 
-// A quantize call: x (B, M, K) and, per output of the scheme, its result buffers (res[k]).
-inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResult* res, const Scheme& s,
-                                     QuantizeArgs* a) {
-  int64_t B, M, K;
-  if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
-  if (auto e = fill_quantize_args(x.element_type(), B, M, K, s, a); e.failure()) return e;
+// The result buffers of every output of a quantize-style call (res[k]) against its filled arguments:
+// each output's layout read from its buffers.
+inline ffi::Error check_quantize_outputs(const QuantizeResult* res, QuantizeArgs* a) {
   for (int k = 0; k < a->n_out; ++k) {
     if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k]); e.failure()) return e;
     const OutLayout& o = a->out[k];
@@ -236,6 +233,15 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
       return bad("unsupported block configuration: Float8 columnwise data is stored transposed exactly when the "
                  "scales are transposed or padded");
   return ffi::Error::Success();
+}
+
+// A quantize call: x (B, M, K) and, per output of the scheme, its result buffers (res[k]).
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResult* res, const Scheme& s,
+                                     QuantizeArgs* a) {
+  int64_t B, M, K;
+  if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
+  if (auto e = fill_quantize_args(x.element_type(), B, M, K, s, a); e.failure()) return e;
+  return check_quantize_outputs(res, a);
 }
 
 // Calls f(rule) with the scheme's scale rule (fp8_math.h): the one place that dispatches on it.

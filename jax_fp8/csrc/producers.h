@@ -1,0 +1,77 @@
+// The producers that quantization fuses with (RMSNorm, SwiGLU and its derivative, the cast of fp32
+// master weights), shared by the CPU and CUDA kernels. jax_fp8/producers.py defines the same numbers
+// (its docstring gives the order of every operation); tests compare them bit for bit. Every fp32 op
+// rounds on its own: the module is built without FMA contraction (-ffp-contract=off, nvcc -fmad=false),
+// and sqrt / division are IEEE (-prec-sqrt, -prec-div).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "fp8_math.h"
+
+namespace jf {
+
+// jax_fp8/producers.py's PRODUCERS, in order.
+enum class Producer : int32_t { kCast = 0, kRmsNorm = 1, kSwiglu = 2, kSwigluGrad = 3 };
+
+// The row sum of squares: kSumLanes partial sums, partial v over elements v, v + kSumLanes, ... in
+// order, then the pairwise tree v + (v ^ half) for half = kSumLanes / 2 ... 1.
+constexpr int kSumLanes = 256;
+
+JF_HD float rint_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);  // round half to even in the default rounding mode
+#endif
+}
+JF_HD float sqrt_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+JF_HD float pow2_f(int k) { return u2f(uint32_t(k + 127) << 23); }  // k in [-126, 127]
+
+// e**x: Cody-Waite reduction, a degree-7 Taylor polynomial by Horner's rule, 2**n in two exact halves.
+JF_HD float exp_f(float x) {
+  if (is_nan(x)) return x;
+  if (x > 88.7228394f) return u2f(0x7F800000u);
+  if (x < -103.972084f) return 0.0f;
+  float n = rint_f(x * 1.44269502f);
+  n = n < -151.0f ? -151.0f : (n > 128.0f ? 128.0f : n);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;
+  constexpr float c[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
+                          1.0f / 6.0f,    0.5f,          1.0f,          1.0f};
+  float p = c[0];
+  for (int i = 1; i < 8; ++i) p = p * r + c[i];
+  const int k = int(n), half = k >= 0 ? k / 2 : -((-k + 1) / 2);  // floor(k / 2)
+  return (p * pow2_f(half)) * pow2_f(k - half);
+}
+JF_HD float sigmoid_f(float g) { return 1.0f / (1.0f + exp_f(-g)); }
+
+// SwiGLU: silu(gate) * up, before rounding.
+JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
+// SwiGLU's gradient given da: d_gate (gate's column) and d_up, before rounding.
+JF_HD void swiglu_grad_f(float d, float g, float u, float& d_gate, float& d_up) {
+  const float s = sigmoid_f(g);
+  d_up = d * (g * s);
+  d_gate = (d * u) * (s * (1.0f + g * (1.0f - s)));
+}
+
+// RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps).
+JF_HD float rms_rstd_f(float sum_squares, float inv_k, float eps) {
+  return 1.0f / sqrt_f(sum_squares * inv_k + eps);
+}
+// The float32 nearest 1 / K, as jax_fp8/producers.py's np.float32(1.0 / K).
+inline float inv_len(int64_t K) { return float(1.0 / double(K)); }
+
+// The tree of the kSumLanes partials in place: the total ends in p[0].
+JF_HD void sum_tree(float* p) {
+  for (int half = kSumLanes / 2; half > 0; half /= 2)
+    for (int v = 0; v < half; ++v) p[v] = p[v] + p[v + half];
+}
+
+}  // namespace jf

@@ -1,0 +1,134 @@
+"""``jf_produce_quantize``: a producer (RMSNorm, SwiGLU, SwiGLU's gradient, a cast; :mod:`jax_fp8.producers`)
+and the quantization of what it produces, in one kernel: the produced (B, M, K) tensor is never stored in
+high precision. Its outputs are ``jf_quantize``'s for that tensor (same scheme, same layouts), then the
+producer's extra outputs (RMSNorm: the rstd of every row, (B, M) float32, for the backward).
+
+Inputs (B, rows, cols): ``cast`` x (B, M, K); ``rmsnorm`` x (B, M, K) and gamma (K,); ``swiglu`` h (B, M,
+2K) = [gate | up]; ``swiglu_grad`` da (B, M, F) and h (B, M, 2F), producing (B, M, 2F) = [d_gate | d_up].
+
+Under ``jax.jit`` on a mesh it splits over the batch and the rows as ``jf_quantize`` does; the last dim
+splits for ``cast`` only (RMSNorm reduces along it, SwiGLU pairs its two halves): elsewhere a split last
+dim is gathered, with a warning saying why.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._compat import ShapedArray, ffi
+from .. import producers
+from ..scheme import GEMM_SCALE_PAD
+from ..vma import out_aval
+from .partitioning import Dim, Rule
+from .quantize import scale_dims
+from .registration import define_primitive
+
+_QUANTIZE_RESULTS = 4  # the FFI target's (data, scale) x 2 slots; unused ones are empty
+_DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+
+
+def produced_shape(producer: str, shapes) -> tuple:
+    """The (B, M, K) shape a producer makes from its inputs' shapes (checked)."""
+    x = shapes[0]
+    if len(x) != 3:
+        raise ValueError(f"jf_produce_quantize: {producer} takes (batch, rows, cols) inputs, got shape {x}")
+    B, M, K = x
+    if producer == "rmsnorm" and tuple(shapes[1]) != (K,):
+        raise ValueError(f"jf_produce_quantize: rmsnorm's gamma must have shape ({K},) for x {x}, got {shapes[1]}")
+    if producer == "swiglu":
+        if K % 2:
+            raise ValueError(f"jf_produce_quantize: swiglu takes h (B, M, 2F) = [gate | up], got shape {x}")
+        return B, M, K // 2
+    if producer == "swiglu_grad":
+        if tuple(shapes[1]) != (B, M, 2 * K):
+            raise ValueError(f"jf_produce_quantize: swiglu_grad takes da (B, M, F) and h (B, M, 2F), got {x} and "
+                             f"{shapes[1]}")
+        return B, M, 2 * K
+    return B, M, K
+
+
+def _abstract(*args, producer, scheme, eps, out_dtype):
+    if len(args) != producers.N_INPUTS[producer]:
+        raise ValueError(f"jf_produce_quantize: {producer} takes {producers.N_INPUTS[producer]} inputs, got {len(args)}")
+    B, M, K = produced_shape(producer, [a.shape for a in args])
+    outs = []
+    for data, scale in scheme.kernel_outputs((M, K)):
+        outs += [out_aval((B, *data), np.uint8, *args), out_aval((B, *scale), scheme.scale_dtype, *args)]
+    if producer == "rmsnorm":
+        outs.append(out_aval((B, M), np.float32, *args))
+    return outs
+
+
+def _reference(*args, producer, scheme, eps, out_dtype):
+    return producers.produce_quantize(*args, producer=producer, scheme=scheme, eps=eps, out_dtype=out_dtype)
+
+
+def _ffi_lowering(ctx, *args, producer, scheme, eps, out_dtype):
+    n_quantize = 2 * len(scheme.kernel_usages)
+    avals = list(ctx.avals_out)
+    extra = avals[n_quantize:] or [ShapedArray((0,), np.float32)]
+    padded = avals[:n_quantize] + [ShapedArray((0,), np.uint8)] * (_QUANTIZE_RESULTS - n_quantize) + extra
+    outs = ffi.ffi_lowering("jf_produce_quantize")(
+        ctx.replace(avals_out=padded), *args, scheme=scheme.ffi_attrs(),
+        producer=np.int32(producers.PRODUCERS.index(producer)), dtype=np.int32(_DTYPE_CODE[jnp.dtype(out_dtype)]),
+        eps=np.float32(eps))
+    outs = list(outs)
+    return outs[:n_quantize] + (outs[_QUANTIZE_RESULTS:] if producer == "rmsnorm" else [])
+
+
+def _batch(args, dims, *, producer, **params):
+    """vmap: the mapped dim folds into the batch of every (B, rows, cols) input; gamma is shared."""
+    if producer == "rmsnorm" and dims[1] is not None:
+        raise NotImplementedError("jf_produce_quantize: rmsnorm under vmap takes one gamma for every mapped "
+                                  "x (vmap with in_axes=None for gamma)")
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for i, (a, d) in enumerate(zip(args, dims)):
+        if producer == "rmsnorm" and i == 1:
+            folded.append(a)
+            continue
+        a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    outs = produce_quantize_p.bind(*folded, producer=producer, **params)
+    return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+# ---- partitioning: the batch and the rows split, the last dim only for a cast ------------------------
+_NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim",
+              h="the last dim of SwiGLU's input", f="the last dim of SwiGLU's output gradient")
+
+
+def _sizes(shapes, params):
+    B, M, K = produced_shape(params["producer"], shapes)
+    return dict(b=B, m=M, k=K, h=2 * K, f=K // 2)
+
+
+def _arrays(sizes, params):
+    producer, scheme = params["producer"], params["scheme"]
+    b, m, k = Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
+    inputs = {"cast": [(b, m, k)], "rmsnorm": [(b, m, k), (k,)], "swiglu": [(b, m, Dim("h", sizes["h"]))],
+              "swiglu_grad": [(b, m, Dim("f", sizes["f"])), (b, m, k)]}[producer]
+    outs = []
+    for usage in scheme.output_usages:
+        outs += [(b, k, m) if scheme.transposed_data(usage) else (b, m, k),
+                 (b, *scale_dims(scheme, m.size, k.size, usage))]
+    if producer == "rmsnorm":
+        outs.append((b, m))
+    return inputs, outs
+
+
+def _why_not(label, local, sizes, params):
+    producer = params["producer"]
+    if label in ("k", "h", "f") and producer != "cast":
+        return {"rmsnorm": "RMSNorm reduces along it",
+                "swiglu": "SwiGLU multiplies its two halves",
+                "swiglu_grad": "SwiGLU's gradient pairs the two halves of its input"}[producer]
+    return None
+
+
+produce_quantize_p = define_primitive(
+    "jf_produce_quantize", abstract=_abstract, reference=_reference,
+    ffi_rules=dict(cpu=_ffi_lowering, cuda=_ffi_lowering), batch=_batch,
+    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
+    multiple_results=True,
+    no_jvp_hint="Differentiate the fused ops of jax_fp8.fused (norm_dense, norm_mlp), whose VJPs are defined.")
