@@ -17,10 +17,11 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 
-from . import contracts, vma
+from . import contracts, producers, vma
 from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
-from .primitives import dequantize_p, quantize_p
+from .primitives import dequantize_p, produce_quantize_p, quantize_p
+from .primitives.produce import produced_shape
 from .primitives.partitioning import rows_view
 from .scheme import LAYOUTS, Scheme
 from .tensors import QUANTIZED_TENSORS
@@ -75,6 +76,24 @@ def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
         outs = kernels.quantize(rows_view(x, (M, K))[None], scheme=scheme)
         pairs = [(rows_view(data[0], d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs), shapes)]
     return assemble(scheme, pairs, x.shape, x.dtype)
+
+
+def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out_dtype=None):
+    """A producer's tensor (:mod:`jax_fp8.producers`) quantized with ``scheme`` in one kernel (the
+    ``jf_produce_quantize`` primitive), and the producer's extra outputs (RMSNorm: the rstd of every row,
+    shape ``x.shape[:-1]``). The N-D inputs (..., cols) are viewed as rows; RMSNorm's gamma is (K,). The
+    tensor has the inputs' leading dims and the produced last dim, and the produced dtype (``out_dtype``,
+    else the input's)."""
+    rows = [a if producer == "rmsnorm" and i == 1 else rows_view(a, view_2d(a.shape))[None] for i, a in enumerate(args)]
+    lead = tuple(args[0].shape[:-1])
+    _, M, K = produced_shape(producer, [r.shape for r in rows])
+    dtype = producers.produced_dtype(producer, tuple(jnp.dtype(a.dtype) for a in args), out_dtype)
+    outs = produce_quantize_p.bind(*rows, producer=producer, scheme=scheme, eps=float(eps), out_dtype=dtype)
+    n = 2 * len(scheme.kernel_usages)
+    shapes = scheme.kernel_outputs((*lead, K))
+    pairs = [(rows_view(data[0], d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs[:n]), shapes)]
+    extras = [e[0].reshape(lead) for e in outs[n:]]
+    return assemble(scheme, pairs, (*lead, K), dtype), extras
 
 
 def quantize_stacked(x3, scheme: Scheme) -> dict:

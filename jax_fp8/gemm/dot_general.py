@@ -46,7 +46,7 @@ Array = Any
 
 # ---- the linear layer with its VJP: it executes the plan ---------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Linear:
+class Linear:
     """Static description of one ``y = x · W``: the recipe, the plan of its GEMMs, the output dtype,
     and x's and W's shardings where their types carry one (an Explicit mesh): a custom VJP's gradients
     must have the primals' types."""
@@ -110,7 +110,7 @@ def _run(step: Step, tensors: dict, out_dtype):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _linear(x, w, cfg: _Linear):
+def _linear(x, w, cfg: Linear):
     """y (M, N) = x · W on the FP8 GEMM. x: (M, K) array or BlockwiseTensor; w: (N, K) / (K, N)."""
     fprop = cfg.plan.step("fprop")
     w_rowwise = fprop.b.contract == "last"
@@ -119,16 +119,23 @@ def _linear(x, w, cfg: _Linear):
     return _run(fprop, {"x": xq, "w": wq}, cfg.out_dtype)
 
 
-def _linear_fwd(x, w, cfg: _Linear):
-    """Forward: quantize x (1x128, both usages) and W (128x128, both orientations) once; the residuals
-    are the backward GEMMs' operands of x and W, in the orientations the plan gives them (xᵀ (K, M)
-    for wgrad, W as (K, N) for dgrad), and the dtypes. An operand the backward needs but a
-    pre-quantized tensor lacks is saved as fp32 values instead."""
+def _linear_fwd(x, w, cfg: Linear):
+    """Forward: quantize x (1x128, both usages) and W (128x128, both orientations) once, then
+    :func:`linear_forward`; the residuals add the primals' dtypes."""
     tensors = {"x": _quantized(x, cfg.recipe.scheme("lhs")), "w": _quantized(w, cfg.recipe.scheme("rhs"))}
+    y, saved = linear_forward(cfg, tensors)
+    return y, (saved, _dtype_of(x), _dtype_of(w))
+
+
+def linear_forward(cfg: Linear, tensors: dict):
+    """The fprop GEMM of the quantized tensors ``{'x', 'w'}`` (GEMM-ready, every usage the plan's
+    backward reads), and the backward GEMMs' operands of x and W to save: in the orientations the plan
+    gives them (xᵀ (K, M) for wgrad, W as (K, N) for dgrad). An operand the backward needs but a
+    pre-quantized tensor lacks is saved as fp32 values instead."""
     y = _run(cfg.plan.step("fprop"), tensors, cfg.out_dtype)
     saved = tuple(_operand_or_values(tensors[o.tensor], o.contract)
                   for step in cfg.plan.backward for o in (step.a, step.b) if o.tensor != "dy")
-    return y, (saved, _dtype_of(x), _dtype_of(w))
+    return y, saved
 
 
 def _operand_or_values(q, contract: str):
@@ -146,15 +153,21 @@ def _dtype_of(v):
     return None if isinstance(v, QUANTIZED_TENSORS) else jnp.zeros((0,), v.dtype)
 
 
-def _linear_bwd(cfg: _Linear, res, dy):
+def _linear_bwd(cfg: Linear, res, dy):
     saved, x_dtype, w_dtype = res
     with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
         dyq = _quantized(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
-    saved, grads = iter(saved), {}  # in _linear_fwd's order: the backward steps' x and W operands
+    return linear_backward(cfg, saved, dyq, *(None if d is None else d.dtype for d in (x_dtype, w_dtype)))
+
+
+def linear_backward(cfg: Linear, saved: tuple, dyq, x_dtype, w_dtype):
+    """(dx, dW) from the quantized output gradient ``dyq`` (both usages) and :func:`linear_forward`'s
+    ``saved`` operands, in ``x_dtype`` and ``w_dtype`` (None where the plan computes no such gradient)."""
+    saved, grads = iter(saved), {}  # in linear_forward's order: the backward steps' x and W operands
     for step in cfg.plan.backward:  # dgrad: dx = dy · W over N; wgrad: dW = dyᵀ · x over M
         a, b = (_operand(dyq, o.contract) if o.tensor == "dy" else next(saved) for o in (step.a, step.b))
         x_grad = step.name == "dgrad"
-        dtype = (x_dtype if x_grad else w_dtype).dtype
+        dtype = x_dtype if x_grad else w_dtype
         sharding = cfg.x_sharding if x_grad else cfg.w_sharding
         grads[step.name] = _retyped(run_gemm(a, b, dtype, step.gemm), sharding)
     return grads.get("dgrad"), grads.get("wgrad")
@@ -397,7 +410,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         # checked is the fold's); sequences (B, S, K) kept apart where the plan stacks them
         x = lhs if quantized_lhs else fold.fold_lhs(lhs, plan.stacked)
         w = rhs if isinstance(rhs, QUANTIZED_TENSORS) else fold.fold_rhs(rhs)
-        cfg = _Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(w))
+        cfg = Linear(recipe, plan, out_dtype, _explicit_sharding_of(x), _explicit_sharding_of(w))
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
         # replicated operand transposes to the psum its gradient needs under shard_map
         x, w = vma.match(x, w)

@@ -1,0 +1,267 @@
+"""Layers whose quantization is fused into the kernels that produce each FP8 operand, so that no
+activation, gradient or weight makes a separate quantize pass (DESIGN section 11):
+
+- :func:`norm_dense`: ``fp8_dot_general(rms_norm(x, gamma), kernel)``: the RMSNorm writes x's FP8
+  operands directly (rowwise for the forward GEMM, columnwise for the weight gradient), and the fp32
+  master ``kernel`` is cast and quantized to its 128x128 tiles in one pass;
+- :func:`norm_mlp`: the SwiGLU MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x, gamma),
+  w_gate_up)), w_down)``: the norm and SwiGLU write the next GEMM's operands, and in the backward
+  SwiGLU's derivative writes the up projection's output gradient in FP8 (TransformerEngine's
+  ``layernorm_mlp`` with ``dact_lu`` + quantize).
+
+Each gives the bits of the unfused composition of :func:`rms_norm`, :func:`swiglu` and
+:func:`~jax_fp8.fp8_dot_general` (the produced tensors are rounded to the activation dtype and quantized
+exactly as the unfused program quantizes them), forward and backward, except that a master weight's
+gradient comes out of the weight-gradient GEMM in the weight's dtype rather than rounded to the
+activation dtype first. :func:`rms_norm` and :func:`swiglu` are the unfused ops, with jax_fp8's exact
+numbers (:mod:`jax_fp8.producers`) and the VJPs the fused layers use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import producers, vma
+from .arrays import view_2d
+from .formats import HIGH_DTYPES
+from .gemm.dot_general import Linear, fp8_dot_general, linear_backward, linear_forward
+from .gemm.plan import plan_dot_general
+from .gemm.recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
+from .primitives.partitioning import rows_view
+from .quantization import produce_quantize, quantize
+
+Array = Any
+_F32 = np.float32
+
+
+# ---- the unfused ops: exact numbers, their VJPs ------------------------------------------------------
+def _rms_norm_grad(x, gamma, rstd, dy):
+    """(dx, dgamma) of RMSNorm given the output gradient ``dy`` and the forward's rstd (fp32 math)."""
+    xhat = x.astype(_F32) * rstd[..., None]
+    dyf = dy.astype(_F32)
+    dxhat = dyf * gamma.astype(_F32)
+    dgamma = jnp.sum((dyf * xhat).reshape(-1, x.shape[-1]), axis=0)
+    c = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dx = rstd[..., None] * (dxhat - xhat * c)
+    return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, gamma, eps: float):
+    return producers.rms_norm(x, gamma, eps)[0]
+
+
+def _rms_norm_fwd(x, gamma, eps):
+    y, rstd = producers.rms_norm(x, gamma, eps)
+    return y, (x, gamma, rstd)
+
+
+def _rms_norm_bwd(eps, res, dy):
+    return _rms_norm_grad(*res, dy)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x, gamma, eps: float = 1e-6):
+    """RMSNorm of ``x`` along its last dim: ``x / sqrt(mean(x**2) + eps) * gamma``, computed in fp32 in
+    a fixed order (:mod:`jax_fp8.producers`; the fused kernels give the same bits) and rounded to x's
+    dtype. Differentiable (reverse mode). ``gamma``: (x.shape[-1],), any float dtype."""
+    x, gamma = _checked_norm(x, gamma, "rms_norm")
+    return _rms_norm(x, gamma, float(eps))
+
+
+@jax.custom_vjp
+def swiglu(h):
+    """SwiGLU of ``h`` (..., 2F) = [gate | up]: ``silu(gate) * up`` in fp32 with jax_fp8's exact
+    exponential (:mod:`jax_fp8.producers`), rounded to h's dtype. Differentiable (reverse mode)."""
+    return producers.swiglu(h)
+
+
+def _swiglu_fwd(h):
+    return producers.swiglu(h), h
+
+
+def _swiglu_bwd(h, da):
+    return (producers.swiglu_grad(da, h),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+# ---- the fused layers ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """Static description of a fused layer: ``eps`` (None: no norm), the recipe, its projections'
+    :class:`~jax_fp8.gemm.dot_general.Linear` (their GEMM plans) in order."""
+
+    eps: Optional[float]
+    recipe: Float8BlockScaling | MXFP8BlockScaling
+    dense: tuple
+
+
+def _linear(M: int, K: int, N: int, dtype, recipe) -> Optional[Linear]:
+    """The FP8 projection (M, K) x (K, N) in ``dtype`` with its three GEMMs, or None where
+    ``fp8_dot_general`` would not run it as one (then the layer runs unfused)."""
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    plan = plan_dot_general(spec(M, K), spec(K, N), (((1,), (0,)), ((), ())), jnp.dtype(dtype), recipe)
+    if plan.fallback is not None or plan.empty or len(plan.steps) != 3:
+        return None
+    return Linear(recipe, plan, jnp.dtype(dtype))
+
+
+def _norm_quantize(x2, gamma, eps, scheme):
+    """x's FP8 operands: RMSNorm fused with the quantization (with its rstd), or x quantized as it is."""
+    if eps is None:
+        return quantize(x2, scheme), None
+    q, (rstd,) = produce_quantize("rmsnorm", x2, gamma, scheme=scheme, eps=eps)
+    return q, rstd
+
+
+def _weight(w, dtype, scheme):
+    """A weight's FP8 tiles: a master of another dtype is rounded to ``dtype`` in the same pass."""
+    if jnp.dtype(w.dtype) == jnp.dtype(dtype):
+        return quantize(w, scheme)
+    return produce_quantize("cast", w, scheme=scheme, out_dtype=dtype)[0]
+
+
+def _x_grad(x2, gamma, rstd, dn, eps):
+    return (dn, None) if eps is None else _rms_norm_grad(x2, gamma, rstd, dn)
+
+
+def _marker(v):
+    """A zero-size array carrying ``v``'s dtype (dtypes are not valid residuals)."""
+    return jnp.zeros((0,), v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _norm_dense(x2, gamma, w, cfg: _Layer):
+    return _norm_dense_fwd(x2, gamma, w, cfg)[0]
+
+
+def _norm_dense_fwd(x2, gamma, w, cfg: _Layer):
+    (lin,) = cfg.dense
+    xq, rstd = _norm_quantize(x2, gamma, cfg.eps, cfg.recipe.scheme("lhs"))
+    y, saved = linear_forward(lin, {"x": xq, "w": _weight(w, x2.dtype, cfg.recipe.scheme("rhs"))})
+    return y, (saved, x2, gamma, rstd, _marker(w))
+
+
+def _norm_dense_bwd(cfg: _Layer, res, dy):
+    saved, x2, gamma, rstd, w_dtype = res
+    (lin,) = cfg.dense
+    dn, dw = linear_backward(lin, saved, quantize(dy, cfg.recipe.scheme("grad")), x2.dtype, w_dtype.dtype)
+    return (*_x_grad(x2, gamma, rstd, dn, cfg.eps), dw)
+
+
+_norm_dense.defvjp(_norm_dense_fwd, _norm_dense_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm_mlp(x2, gamma, w1, w2, cfg: _Layer):
+    return _norm_mlp_fwd(x2, gamma, w1, w2, cfg)[0]
+
+
+def _norm_mlp_fwd(x2, gamma, w1, w2, cfg: _Layer):
+    up, down = cfg.dense
+    lhs, rhs = cfg.recipe.scheme("lhs"), cfg.recipe.scheme("rhs")
+    xq, rstd = _norm_quantize(x2, gamma, cfg.eps, lhs)
+    h, saved_up = linear_forward(up, {"x": xq, "w": _weight(w1, x2.dtype, rhs)})
+    aq, _ = produce_quantize("swiglu", h, scheme=lhs)  # the down projection's input, straight to FP8
+    y, saved_down = linear_forward(down, {"x": aq, "w": _weight(w2, x2.dtype, rhs)})
+    return y, (saved_up, saved_down, h, x2, gamma, rstd, _marker(w1), _marker(w2))
+
+
+def _norm_mlp_bwd(cfg: _Layer, res, dy):
+    saved_up, saved_down, h, x2, gamma, rstd, w1_dtype, w2_dtype = res
+    up, down = cfg.dense
+    grad = cfg.recipe.scheme("grad")
+    da, dw2 = linear_backward(down, saved_down, quantize(dy, grad), h.dtype, w2_dtype.dtype)
+    dhq, _ = produce_quantize("swiglu_grad", da, h, scheme=grad, out_dtype=h.dtype)  # SwiGLU's gradient in FP8
+    dn, dw1 = linear_backward(up, saved_up, dhq, x2.dtype, w1_dtype.dtype)
+    return (*_x_grad(x2, gamma, rstd, dn, cfg.eps), dw1, dw2)
+
+
+_norm_mlp.defvjp(_norm_mlp_fwd, _norm_mlp_bwd)
+
+
+# ---- the public layers -------------------------------------------------------------------------------
+def _checked_norm(x, gamma, where: str):
+    x = jnp.asarray(x) if not hasattr(x, "dtype") else x
+    gamma = jnp.asarray(gamma) if not hasattr(gamma, "dtype") else gamma
+    if jnp.dtype(x.dtype) not in HIGH_DTYPES or x.ndim < 1:
+        raise TypeError(f"{where}: x must be a float32, bfloat16 or float16 array of rank >= 1, got "
+                        f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+    if tuple(gamma.shape) != (x.shape[-1],) or jnp.dtype(gamma.dtype) not in HIGH_DTYPES:
+        raise ValueError(f"{where}: gamma must be a float array of shape ({x.shape[-1]},) (x's last dim), got "
+                         f"{jnp.dtype(gamma.dtype).name}{list(gamma.shape)}")
+    return x, gamma
+
+
+def _checked_kernel(w, rows: int, name: str, where: str):
+    w = jnp.asarray(w) if not hasattr(w, "dtype") else w
+    if w.ndim != 2 or w.shape[0] != rows or jnp.dtype(w.dtype) not in HIGH_DTYPES:
+        raise ValueError(f"{where}: {name} must be a float (in, out) kernel with {rows} rows, got "
+                         f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+    return w
+
+
+def _recipe(recipe, where: str):
+    recipe = Float8BlockScaling() if recipe is None else recipe
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"{where}: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
+    return recipe
+
+
+def _dense(x, w, recipe):
+    """The unfused projection (as flax's ``Dense`` with ``dtype=x.dtype``: the kernel cast first)."""
+    return fp8_dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe)
+
+
+def norm_dense(x, gamma, kernel, *, eps: float = 1e-6, recipe=None):
+    """``fp8_dot_general(rms_norm(x, gamma, eps), kernel.astype(x.dtype))`` with the norm fused into x's
+    quantization and the kernel's cast into its, the same bits (module docstring). ``x`` (..., K) in the
+    activation dtype; ``gamma`` (K,) or None (no norm: x quantized as it is); ``kernel`` (K, N) (flax's
+    layout; an fp32 master is rounded to x's dtype in the quantize pass, and its gradient comes back in
+    fp32). Returns (..., N) in x's dtype; differentiable in x, gamma and kernel (reverse mode). Shapes
+    ``fp8_dot_general`` does not run on its GEMM run unfused, as that composition."""
+    recipe = _recipe(recipe, "norm_dense")
+    x, gamma = _checked_norm(x, gamma, "norm_dense") if gamma is not None else (x, None)
+    kernel = _checked_kernel(kernel, x.shape[-1], "kernel", "norm_dense")
+    M, K = view_2d(x.shape)
+    lin = _linear(M, K, kernel.shape[1], x.dtype, recipe)
+    if lin is None:
+        return _dense(x if gamma is None else rms_norm(x, gamma, eps), kernel, recipe)
+    x, gamma, kernel = vma.match(x, gamma, kernel)  # one varying type, as fp8_dot_general's operands
+    y = _norm_dense(rows_view(x, (M, K)), gamma, kernel, _Layer(None if gamma is None else float(eps), recipe, (lin,)))
+    return rows_view(y, (*x.shape[:-1], kernel.shape[1]))
+
+
+def norm_mlp(x, gamma, w_gate_up, w_down, *, eps: float = 1e-6, recipe=None):
+    """The SwiGLU MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x, gamma, eps), w_gate_up)),
+    w_down)`` (kernels cast to x's dtype) with every quantization fused into its producer, the same
+    bits (module docstring). ``x`` (..., K); ``gamma`` (K,) or None (no norm); ``w_gate_up`` (K, 2F)
+    whose first F columns make the gate and the last F the up projection; ``w_down`` (F, N). Returns
+    (..., N) in x's dtype; differentiable in x, gamma and both kernels (reverse mode). Shapes
+    ``fp8_dot_general`` does not run on its GEMM run unfused, as that composition."""
+    recipe = _recipe(recipe, "norm_mlp")
+    x, gamma = _checked_norm(x, gamma, "norm_mlp") if gamma is not None else (x, None)
+    w_gate_up = _checked_kernel(w_gate_up, x.shape[-1], "w_gate_up", "norm_mlp")
+    if w_gate_up.shape[1] % 2:
+        raise ValueError(f"norm_mlp: w_gate_up must have an even number of columns ([gate | up]), got "
+                         f"{list(w_gate_up.shape)}")
+    F = w_gate_up.shape[1] // 2
+    w_down = _checked_kernel(w_down, F, "w_down", "norm_mlp")
+    M, K = view_2d(x.shape)
+    up, down = _linear(M, K, 2 * F, x.dtype, recipe), _linear(M, F, w_down.shape[1], x.dtype, recipe)
+    if up is None or down is None:
+        h = _dense(x if gamma is None else rms_norm(x, gamma, eps), w_gate_up, recipe)
+        return _dense(swiglu(h), w_down, recipe)
+    x, gamma, w_gate_up, w_down = vma.match(x, gamma, w_gate_up, w_down)
+    cfg = _Layer(None if gamma is None else float(eps), recipe, (up, down))
+    y = _norm_mlp(rows_view(x, (M, K)), gamma, w_gate_up, w_down, cfg)
+    return rows_view(y, (*x.shape[:-1], w_down.shape[1]))
