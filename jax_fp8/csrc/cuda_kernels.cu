@@ -14,6 +14,7 @@
 #include "ffi_bindings.h"
 #include "ffi_common.h"
 #include "cublaslt_gemm.h"
+#include "produce_tile.cuh"
 #include "quantize_dense.cuh"
 #include "quantize_shards.cuh"
 
@@ -35,6 +36,22 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
   if (auto e = quantize_tiles(stream, a, x.untyped_data(), d, s); e.failure()) return e;
+  return check_launch();
+}
+
+// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
+ffi::Error ProduceQuantizeCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
+                               ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
+                               ffi::Result<ffi::AnyBuffer> scale1, ffi::Result<ffi::AnyBuffer> extra, Scheme scheme,
+                               int32_t producer, int32_t dtype, float eps) {
+  QuantizeArgs a;
+  ProduceArgs p;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_produce_args(args, res, *extra, scheme, producer, dtype, eps, &a, &p); e.failure()) return e;
+  if (a.B * a.M * a.K == 0) return ffi::Error::Success();
+  uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
+  void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
+  if (auto e = produce_tiles(stream, a, p, d, s); e.failure()) return e;
   return check_launch();
 }
 

@@ -176,9 +176,13 @@ __device__ __forceinline__ void quantize_tile_vectors(const Th& th) {
   const bool aligned = INTERIOR || th.w.aligned;
   uint4 raw[NV];
 #pragma unroll
-  for (int i = 0; i < NV; ++i)
-    raw[i] =
-        load_vector<typename Th::Loader, Th::SHARD, INTERIOR>(th.x + th.base, th.row_of(i), th.col0, th.sp, th.w);
+  for (int i = 0; i < NV; ++i) {
+    if constexpr (std::is_same_v<typename Th::Source, FromMemory>)
+      raw[i] =
+          load_vector<typename Th::Loader, Th::SHARD, INTERIOR>(th.x + th.base, th.row_of(i), th.col0, th.sp, th.w);
+    else
+      raw[i] = th.src.template vector<INTERIOR>(th.sp, th.p.b, th.row_of(i), th.col0);
+  }
   // rowwise blocks: lane gl of the LANES threads of a block applies the rule for its row mi
   constexpr int LANES = RBK > 0 ? RBK / VEC : 1;
   static_assert(RBK == 0 || (LANES <= 32 && CHUNKS % LANES == 0 && NV <= LANES), "row block inside a warp");
@@ -213,12 +217,14 @@ __device__ __forceinline__ void quantize_tile_vectors(const Th& th) {
 // 1 x RBK blocks (RBK > 0), TM x 1 columnwise blocks (COL), one TM x TK block (TILE); columnwise data
 // stored transposed (COL_T: GEMM-ready). Every scale block belongs to exactly one tile, so no atomics
 // are needed in any mode.
-template <class L, class Cfg, int MODE>
+// Src: where the tile's vectors come from (FromMemory: x; a producer: produce_tile.cuh).
+template <class L, class Cfg, int MODE, class Src = FromMemory>
 __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp,
                                               const typename Cfg::Rule& rule, int fp8,
                                               const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col,
-                                              const ScaleAt& row_at, const ScaleAt& col_at, uint32_t t) {
-  using Th = TileThread<L, Cfg, MODE>;
+                                              const ScaleAt& row_at, const ScaleAt& col_at, uint32_t t,
+                                              const Src& src = Src{}) {
+  using Th = TileThread<L, Cfg, MODE, Src>;
   constexpr int TM = Cfg::TM, TK = Cfg::TK;
   static_assert(!(Cfg::COL_T && Th::SHARD), "master-weight shards are compact");
   Window w;
@@ -240,7 +246,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
       Cfg::GEMM_SCALES ? row_at : compact_scale_at(sp.M, sp.K, Cfg::ROW_BM, Cfg::ROW_BK ? Cfg::ROW_BK : 1);
   const ScaleAt col_scale_at = Cfg::GEMM_SCALES ? col_at : compact_scale_at(sp.M, sp.K, TM, 1);
   const int64_t col_gi = col_scale_at(p.b, p.tm, p.tk * TK + tid);
-  const Th th{x, sp, rule, fp8, row, col, w, p, tid, c, g, col0, base, stage, row_scale_at, col_scale_at, col_gi};
+  const Th th{x, sp, rule, fp8, row, col, w, p, tid, c, g, col0, base, stage, row_scale_at, col_scale_at, col_gi, src};
   if (tile_interior<TM, TK, Th::SHARD>(p.tm, p.tk, sp, w)) quantize_tile_vectors<true>(th);
   else quantize_tile_vectors<false>(th);
 }

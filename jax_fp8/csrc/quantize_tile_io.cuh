@@ -173,13 +173,19 @@ struct Geom {
   static_assert(kThreads % CHUNKS == 0 && TM % G == 0, "tile shape");
 };
 
+// Where a tile's vectors come from: the input in memory (x), or a producer (produce_tile.cuh) whose
+// vector<INTERIOR>(span, b, r, col0) computes VEC values of row r of matrix b from column col0, packed as
+// the loader's 16-byte vector, zeros where outside the matrix.
+struct FromMemory {};
+
 // One thread's place in tile p of a call with the loader Load and the tile configuration Config
 // (TileCfg, quantize_tile.cuh) in mode kMode: thread tid holds chunk c of the rows of row group g
 // (Geom). Its members refer to quantize_tile's locals (the span, the window, the tile and the outputs
 // with their scale positions).
-template <class Load, class Config, int kMode>
+template <class Load, class Config, int kMode, class Src = FromMemory>
 struct TileThread {
   using Loader = Load;
+  using Source = Src;
   using Cfg = Config;
   using S = typename Cfg::S;
   using Gm = Geom<Loader, Cfg::TM, Cfg::TK>;
@@ -201,6 +207,7 @@ struct TileThread {
   const ScaleAt& row_scale_at;  // the row slot's scale positions (quantize_tile)
   const ScaleAt& col_scale_at;  // the col slot's
   int64_t col_gi;             // the scale position of tile column tid's columnwise block
+  const Src& src;             // the vectors' source (FromMemory: x)
 
   // The row of vector i.
   __device__ __forceinline__ int64_t row_of(int i) const { return p.tm * TM + (Cfg::COL_T ? g * NV + i : g + i * G); }

@@ -17,7 +17,9 @@ import numpy as np
 
 from .._compat import ShapedArray, ffi
 from .. import producers
+from ..formats import BLOCKWISE, FLOAT8_BLOCK
 from ..scheme import GEMM_SCALE_PAD
+from ..warn import Fp8Warning
 from ..vma import out_aval
 from .partitioning import Dim, Rule
 from .quantize import scale_dims
@@ -93,6 +95,23 @@ def _batch(args, dims, *, producer, **params):
     return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
+def cuda_unavailable(platform: str, params: dict, devices=None):
+    """Why the CUDA kernels do not take this call (None: they do): they are built for what the fused
+    layers ask, bfloat16 or float16 values quantized GEMM-ready in Float8 blockwise blocks with both
+    usages, 128x128 tiles for a cast (a master weight) and 1x128 blocks for the other producers."""
+    if platform != "cuda":
+        return None
+    scheme, producer, out = params["scheme"], params["producer"], jnp.dtype(params["out_dtype"])
+    if out not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"its CUDA kernels produce bfloat16 or float16 values, not {out.name}"
+    tiles = tuple(scheme.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK)
+    if not (scheme.format is BLOCKWISE and scheme.gemm_ready and scheme.rowwise and scheme.colwise
+            and tiles == (producer == "cast")):
+        return (f"its CUDA kernels take GEMM-ready Float8 blockwise schemes with both usages, 128x128 tiles for a "
+                f"cast and 1x128 blocks for the other producers, not {producer} with {scheme}")
+    return None
+
+
 # ---- partitioning: the batch and the rows split, the last dim only for a cast ------------------------
 _NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim",
               h="the last dim of SwiGLU's input", f="the last dim of SwiGLU's output gradient")
@@ -128,7 +147,7 @@ def _why_not(label, local, sizes, params):
 
 produce_quantize_p = define_primitive(
     "jf_produce_quantize", abstract=_abstract, reference=_reference,
-    ffi_rules=dict(cpu=_ffi_lowering, cuda=_ffi_lowering), batch=_batch,
-    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
+    ffi_rules=dict(cpu=_ffi_lowering, cuda=_ffi_lowering), batch=_batch, unavailable=cuda_unavailable,
+    fallback_warning=Fp8Warning, rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
     multiple_results=True,
     no_jvp_hint="Differentiate the fused ops of jax_fp8.fused (norm_dense, norm_mlp), whose VJPs are defined.")

@@ -1,0 +1,277 @@
+// Producers fused with the quantize tile (quantize_tile.cuh): instead of loading a 16-byte vector of
+// its input, the tile asks a source for VEC produced values of one row (RMSNorm, SwiGLU, SwiGLU's
+// gradient, a cast; producers.h), rounded to the produced dtype and packed as that dtype's vector; the
+// tile's amaxes, scales and stores are unchanged, so the produced tensor never reaches memory in high
+// precision. RMSNorm's rstd comes from a pass of its own first (rms_rstd_kernel), one warp per row.
+//
+// Inputs may be float32, bfloat16 or float16 (a run-time switch per load: the same for every thread);
+// the produced dtype is bfloat16 or float16 (L: LoadBF16 / LoadF16, VEC 8). What these kernels do not
+// take (another produced dtype or block layout) the primitive computes as its reference, with a warning
+// (jax_fp8/primitives/produce.py).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "produce_args.h"
+#include "producers.h"
+#include "quantize_dense.cuh"
+
+namespace jf {
+namespace {
+
+constexpr int kVec = 8;  // produced values per vector (bf16 / fp16)
+
+// n <= 8 consecutive elements of an input from element `at`, as fp32 (zeros past n); `vec`: the 8 are
+// present and 16-byte aligned (one or two vector loads).
+__device__ __forceinline__ void load8(const void* p, InType t, int64_t at, int n, bool vec, float (&o)[kVec]) {
+  if (t == InType::kF32) {
+    const float* q = static_cast<const float*>(p) + at;
+    if (vec) {
+      LoadF32::unpack(__ldg(reinterpret_cast<const uint4*>(q)), o);
+      LoadF32::unpack(__ldg(reinterpret_cast<const uint4*>(q + 4)), o + 4);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = e < n ? q[e] : 0.0f;
+    return;
+  }
+  const uint16_t* q = static_cast<const uint16_t*>(p) + at;
+  const bool half = t == InType::kF16;
+  if (vec) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(q));
+    if (half) LoadF16::unpack(r, o);
+    else LoadBF16::unpack(r, o);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) o[e] = e < n ? (half ? LoadF16::get(q[e]) : LoadBF16::get(q[e])) : 0.0f;
+}
+
+// 8 values rounded to the produced dtype and packed as its 16-byte vector (NaN payloads are not
+// canonicalised: the quantization maps every NaN to the one FP8 NaN byte).
+template <class L>
+__device__ __forceinline__ uint4 pack8(const float (&v)[kVec]) {
+  constexpr bool kHalf = std::is_same_v<L, LoadF16>;
+  return make_uint4(cvt_pack2<kHalf>(v[0], v[1]), cvt_pack2<kHalf>(v[2], v[3]), cvt_pack2<kHalf>(v[4], v[5]),
+                    cvt_pack2<kHalf>(v[6], v[7]));
+}
+
+// How many of the 8 columns from col0 of row r exist (all of them inside an interior tile).
+template <bool INTERIOR>
+__device__ __forceinline__ int valid8(const Span& sp, int64_t r, int64_t col0) {
+  if (INTERIOR) return kVec;
+  if (r >= sp.M) return 0;
+  const int64_t n = sp.K - col0;
+  return n >= kVec ? kVec : (n > 0 ? int(n) : 0);
+}
+
+// The producers' sources. `vec`: every input row is 16-byte aligned at multiples of 8 columns (the
+// host checked the widths and pointers), so whole vectors load directly.
+template <class L>
+struct CastSrc {
+  const void* x;
+  InType xt;
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    if (n == 0) return make_uint4(0, 0, 0, 0);
+    float v[kVec];
+    load8(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
+    return pack8<L>(v);
+  }
+};
+
+template <class L>
+struct RmsNormSrc {
+  const void* x;
+  const void* gamma;
+  InType xt, gt;
+  const float* rstd;  // (B * M) from rms_rstd_kernel
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    if (n == 0) return make_uint4(0, 0, 0, 0);
+    float v[kVec], g[kVec];
+    const bool whole = vec && n == kVec;
+    load8(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
+    load8(gamma, gt, col0, n, whole, g);
+    const float s = rstd[b * sp.M + r];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = e < n ? (v[e] * s) * g[e] : 0.0f;
+    return pack8<L>(v);
+  }
+};
+
+template <class L>
+struct SwigluSrc {  // h (B, M, 2K) = [gate | up]
+  const void* h;
+  InType ht;
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    if (n == 0) return make_uint4(0, 0, 0, 0);
+    float g[kVec], u[kVec];
+    const bool whole = vec && n == kVec;
+    const int64_t at = (b * sp.M + r) * 2 * sp.K + col0;
+    load8(h, ht, at, n, whole, g);
+    load8(h, ht, at + sp.K, n, whole, u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) g[e] = e < n ? swiglu_f(g[e], u[e]) : 0.0f;
+    return pack8<L>(g);
+  }
+};
+
+template <class L>
+struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_gate | d_up], K = 2F
+  const void* da;
+  const void* h;
+  InType dt, ht;
+  bool vec;  // also: F % 8 == 0, so a vector lies inside one half
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    if (n == 0) return make_uint4(0, 0, 0, 0);
+    const int64_t F = sp.K / 2, row = b * sp.M + r;
+    float v[kVec];
+    if (vec && n == kVec) {
+      const bool up = col0 >= F;
+      const int64_t c = up ? col0 - F : col0;
+      float d[kVec], g[kVec], u[kVec];
+      load8(da, dt, row * F + c, kVec, true, d);
+      load8(h, ht, row * sp.K + c, kVec, true, g);
+      load8(h, ht, row * sp.K + F + c, kVec, true, u);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        float d_gate, d_up;
+        swiglu_grad_f(d[e], g[e], u[e], d_gate, d_up);
+        v[e] = up ? d_up : d_gate;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[e] = 0.0f;
+        if (e >= n) continue;
+        const int64_t col = col0 + e, c = col >= F ? col - F : col;
+        float d[kVec], g[kVec], u[kVec];
+        load8(da, dt, row * F + c, 1, false, d);
+        load8(h, ht, row * sp.K + c, 1, false, g);
+        load8(h, ht, row * sp.K + F + c, 1, false, u);
+        float d_gate, d_up;
+        swiglu_grad_f(d[0], g[0], u[0], d_gate, d_up);
+        v[e] = col >= F ? d_up : d_gate;
+      }
+    }
+    return pack8<L>(v);
+  }
+};
+
+// RMSNorm's rstd of every row (B * M rows of K): one warp per row; lane l's 8 partial sums are the
+// partials 8l .. 8l+7 of producers.h's order (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then
+// the lane's own pairs (4, 2, 1) are its tree.
+__global__ void __launch_bounds__(kThreads) rms_rstd_kernel(const void* x, InType xt, int64_t rows, int64_t K,
+                                                            float inv_k, float eps, bool vec, float* rstd) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  float part[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t c = 8 * lane; c < K; c += kSumLanes) {
+    const int64_t n = K - c;
+    float v[kVec];
+    load8(x, xt, row * K + c, n >= kVec ? kVec : int(n), vec && n >= kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) part[e] = part[e] + v[e] * v[e];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) part[e] = part[e] + __shfl_xor_sync(0xFFFFFFFFu, part[e], off);
+#pragma unroll
+  for (int half = kVec / 2; half > 0; half /= 2)
+#pragma unroll
+    for (int e = 0; e < half; ++e) part[e] = part[e] + part[e + half];
+  if (lane == 0) rstd[row] = rms_rstd_f(part[0], inv_k, eps);
+}
+
+template <class L, class Cfg, int MINB, class Src>
+__global__ void __launch_bounds__(kThreads, MINB)
+    produce_kernel(Span sp, typename Cfg::Rule rule, int fp8, Outs<typename Cfg::S> row, Outs<typename Cfg::S> col,
+                   ScaleAt row_at, ScaleAt col_at, Src src) {
+  quantize_tile<L, Cfg, kQuantize, Src>(nullptr, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x, src);
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call (L: the produced
+// dtype's loader). The kernels are built for the GEMM-ready Float8 layouts the fused layers use: a cast
+// (a master weight) into 128x128 tiles in both orientations, the other producers (activations and
+// gradients) into rowwise 1x128 and transposed 128x1 blocks; the primitive runs its reference for the
+// rest (jax_fp8/primitives/produce.py, cuda_takes).
+template <class L, class F>
+ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
+  const bool cast = p.producer == Producer::kCast, tiles = a.out[0].bm == a.out[0].bk;
+  if (a.format != Format::kBlockwise || !a.gemm_scales || a.n_out != 2 || tiles != cast)
+    return bad("produce_quantize on CUDA takes GEMM-ready Float8 blockwise schemes with both usages: 128x128 "
+               "tiles for a cast, 1x128 blocks for the other producers");
+  const int64_t K = a.K;
+  const bool k8 = K % kVec == 0;
+  return with_rule(a, [&](auto rule) -> ffi::Error {
+    using R = decltype(rule);
+    if constexpr (std::is_same_v<R, MxRule>) {
+      return bad("unreachable");
+    } else {
+      using Tiles = TileCfg<R, 128, 128, 0, false, true, true, true>;
+      using Blocks = TileCfg<R, 128, 128, 128, true, false, true, true>;
+      switch (p.producer) {
+        case Producer::kCast: return f(Tiles{}, rule, CastSrc<L>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+        case Producer::kRmsNorm:
+          return f(Blocks{}, rule,
+                   RmsNormSrc<L>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
+                                 k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
+        case Producer::kSwiglu: return f(Blocks{}, rule, SwigluSrc<L>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+        case Producer::kSwigluGrad:
+          return f(Blocks{}, rule,
+                   SwigluGradSrc<L>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
+                                    (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
+      }
+      return bad("unreachable");
+    }
+  });
+}
+
+// The producer's tensor quantized into the outputs d / s (tile_outputs' order); RMSNorm's rstd first.
+inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const ProduceArgs& p, uint8_t* const* d,
+                                void* const* s) {
+  if (p.out != InType::kBF16 && p.out != InType::kF16)
+    return bad("produce_quantize on CUDA produces bfloat16 or float16 values");
+  if (p.producer == Producer::kRmsNorm) {
+    const int64_t rows = a.B * a.M, per_cta = kThreads / 32;
+    if (cdiv(rows, per_cta) > 0x7FFFFFFF) return bad("tensor too large for one launch");
+    rms_rstd_kernel<<<unsigned(cdiv(rows, per_cta)), kThreads, 0, st>>>(
+        p.in[0], p.in_type[0], rows, a.K, p.inv_k, p.eps, a.K % kVec == 0 && aligned16(p.in[0]), p.rstd);
+  }
+  const auto launch = [&](auto ld) {
+    using L = decltype(ld);
+    return with_produce<L>(a, p, [&](auto cfg, auto rule, auto src) -> ffi::Error {
+      using C = decltype(cfg);
+      Outs<typename C::S> row, col;
+      ScaleAt row_at, col_at;
+      tile_outputs(a, d, s, row, col, row_at, col_at);
+      constexpr int kMinBlocks = dense_min_blocks<L, C>();
+      Span sp = dense_span(a.M, a.K, C::GROUP);
+      // the tiles' alignment (their unchecked stores): the first data output's, with K
+      const int64_t n_tiles = plan_tiles<L, C::TM, C::TK>(sp, a.B, d[0]);
+      if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
+      if (n_tiles == 0) return ffi::Error::Success();
+      produce_kernel<L, C, kMinBlocks, decltype(src)>
+          <<<unsigned(n_tiles), kThreads, 0, st>>>(sp, rule, a.fp8, row, col, row_at, col_at, src);
+      return ffi::Error::Success();
+    });
+  };
+  return p.out == InType::kBF16 ? launch(LoadBF16{}) : launch(LoadF16{});
+}
+
+}  // namespace
+}  // namespace jf
