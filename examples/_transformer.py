@@ -10,6 +10,10 @@ the arithmetic, and nothing else changes between the variants:
 - ``"fp8-auto"``: as ``"fp8"`` through ``fp8_dot_general_for(recipe, where="auto")``: each projection
   runs in FP8 only where :mod:`jax_fp8.gemm.crossover`'s measured table says a layer of its shapes gains on
   this GPU, else as ``lax.dot_general`` (no table for the GPU: FP8 everywhere, with a warning);
+- ``"fp8-fused"``: as ``"fp8"``, with each block's RMSNorm + QKV projection and RMSNorm + SwiGLU MLP on
+  :mod:`jax_fp8.fused` (``flax_utils.RMSNormDense`` / ``RMSNormMLP``): the norms, SwiGLU and its
+  gradient write the next GEMM's FP8 operands directly and the fp32 masters are cast and quantized in
+  one pass, with the parameters of the unfused block (same names and values);
 - ``"flax-fp8"``: flax's per-tensor FP8 (``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``), whose
   scales and amax histories live in the ``_overwrite_with_gradient`` collection: its "gradients" are
   the new values (flax's ``TrainState.apply_gradients`` handles that, so every variant uses it).
@@ -35,12 +39,12 @@ from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from jax_fp8.flax_utils import fp8_dot_general_for
+from jax_fp8.flax_utils import RMSNormDense, RMSNormMLP, fp8_dot_general_for
 # the device mesh and the compiled step's collectives (T.make_mesh, T.compiled_stats, ...)
 from _mesh import (MESH_AXES, TILE, batch_axes, collective_bytes, compiled_stats, describe_shardings,  # noqa: F401
                    fsdp_spec, hlo_collectives, make_mesh, mesh_shardings, summarize_collectives, tree_bytes)
 
-VARIANTS = ("fp8", "bf16", "flax-fp8", "fp8-auto")
+VARIANTS = ("fp8", "bf16", "flax-fp8", "fp8-auto", "fp8-fused")
 ATTENTION = ("auto", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -90,7 +94,7 @@ class Config:
 
 def dense_options(variant: str, recipe: Optional[jf.Float8BlockScaling | jf.MXFP8BlockScaling] = None) -> dict:
     """The ``nn.Dense`` keyword arguments of a variant (see the module docstring)."""
-    if variant == "fp8":
+    if variant in ("fp8", "fp8-fused"):
         return {"dot_general": fp8_dot_general_for(recipe)}
     if variant == "fp8-auto":
         return {"dot_general": fp8_dot_general_for(recipe, where="auto")}
@@ -112,26 +116,41 @@ def rope(x, positions):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder block: attention and a SwiGLU MLP, each with a residual."""
+    """One pre-norm decoder block: attention and a SwiGLU MLP, each with a residual. ``fused``: the norms
+    and the MLP on jax_fp8's fused layers (the same parameters)."""
 
     cfg: Config
     dense: dict
+    fused: bool = False
+    recipe: Optional[Any] = None
 
     def _dense(self, features: int, name: str) -> nn.Dense:
         c = self.cfg
         return nn.Dense(features, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name=name, **self.dense)
 
+    def _shared(self, module: nn.Module) -> nn.Module:
+        nn.share_scope(self, module)  # its parameters under this block's names, as the unfused modules'
+        return module
+
     @nn.compact
     def __call__(self, x):
         c = self.cfg
         B, S, D = x.shape
-        h = nn.RMSNorm(dtype=c.dtype, param_dtype=c.param_dtype, name="attn_norm")(x)
-        qkv = self._dense(3 * D, "wqkv")(h).reshape(B, S, 3, c.heads, c.head_dim)
+        if self.fused:
+            qkv = self._shared(RMSNormDense(3 * D, dtype=c.dtype, param_dtype=c.param_dtype, recipe=self.recipe,
+                                            norm_name="attn_norm", dense_name="wqkv"))(x)
+        else:
+            h = nn.RMSNorm(dtype=c.dtype, param_dtype=c.param_dtype, name="attn_norm")(x)
+            qkv = self._dense(3 * D, "wqkv")(h)
+        qkv = qkv.reshape(B, S, 3, c.heads, c.head_dim)
         pos = jnp.arange(S)
         q, k, v = rope(qkv[:, :, 0], pos), rope(qkv[:, :, 1], pos), qkv[:, :, 2]
         # (B, S, heads, head_dim), in c.dtype
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention_impl())
         x = x + self._dense(D, "wo")(a.reshape(B, S, D))
+        if self.fused:
+            return x + self._shared(RMSNormMLP(c.ffn, dtype=c.dtype, param_dtype=c.param_dtype, recipe=self.recipe,
+                                               norm_name="mlp_norm", gate_up_name="w_gate_up", down_name="w_down"))(x)
         h = nn.RMSNorm(dtype=c.dtype, param_dtype=c.param_dtype, name="mlp_norm")(x)
         gate, up = jnp.split(self._dense(2 * c.ffn, "w_gate_up")(h), 2, axis=-1)
         return x + self._dense(D, "w_down")(nn.silu(gate) * up)
@@ -142,13 +161,15 @@ class Decoder(nn.Module):
 
     cfg: Config
     dense: dict
+    fused: bool = False
+    recipe: Optional[Any] = None
 
     @nn.compact
     def __call__(self, tokens):
         c = self.cfg
         x = nn.Embed(c.vocab, c.d_model, param_dtype=c.param_dtype, name="embed")(tokens).astype(c.dtype)
         for i in range(c.layers):
-            x = Block(c, self.dense, name=f"block_{i}")(x)
+            x = Block(c, self.dense, self.fused, self.recipe, name=f"block_{i}")(x)
         x = nn.RMSNorm(dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
         return nn.Dense(c.vocab, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name="lm_head",
                         **self.dense)(x)
@@ -156,7 +177,7 @@ class Decoder(nn.Module):
 
 def make_model(cfg: Config, variant: str,
                recipe: Optional[jf.Float8BlockScaling | jf.MXFP8BlockScaling] = None) -> Decoder:
-    return Decoder(cfg, dense_options(variant, recipe))
+    return Decoder(cfg, dense_options(variant, recipe), fused=variant == "fp8-fused", recipe=recipe)
 
 
 # ---- data ---------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_every_projection_on_the_fp8_gemm():
     for layers in (1, 2):
         cfg = T.Config(vocab=128, d_model=128, ffn=256, heads=2, layers=layers, seq=64)
         params, tokens = T.init_params(cfg), T.make_batches(cfg, 2, 1)[0]
-        for variant, want in (("fp8", 3 * (4 * layers + 1)), ("bf16", 0)):
+        for variant, want in (("fp8", 3 * (4 * layers + 1)), ("fp8-fused", 3 * (4 * layers + 1)), ("bf16", 0)):
             state = T.init_state(cfg, variant, params, T.optimizer())
             step = T.make_train_step(donate=False)
             jaxpr = str(jax.make_jaxpr(step)(state, tokens))
@@ -124,7 +124,7 @@ def test_bench_model_smoke(capsys):
 
     res = bench_model.main(TINY[:-4] + ["--seq", "64", "--batch", "2", "--vocab", "128", "--steps", "4", "--untimed",
                                         "1", "--dispatch", "3", "--loss-window", "2"])
-    assert set(res) == {"fp8", "bf16", "flax-fp8", "fp8-auto"}
+    assert set(res) == {"fp8", "bf16", "flax-fp8", "fp8-auto", "fp8-fused"}
     for v, r in res.items():
         assert len(r["losses"]) == 4 and np.isfinite(r["losses"]).all() and r["step_s"] > 0, v
         assert not r["fallbacks"], r["fallbacks"]

@@ -29,6 +29,10 @@ own products, q·k and p·v (``dot_product_attention``), multiply activations by
 not projections and stay in bf16 (the report says so). ``where="auto"`` (every function here) keeps in
 bf16 the calls whose shapes were measured not to gain from FP8 on this GPU (:mod:`jax_fp8.gemm.crossover`).
 
+Fused layers (:mod:`jax_fp8.fused`: quantization fused into the norm and the activation that produce
+each operand): :class:`RMSNormDense` and :class:`RMSNormMLP`, linen modules whose parameters keep the
+names of the ``nn.RMSNorm`` / ``nn.Dense`` they replace (module ``fused``, which imports flax on first use).
+
 The modules, from the top down: ``linen_model`` (:func:`fp8_model`, :class:`Fp8Model`), ``linen``
 (:func:`fp8_autocast` and its interceptor), ``linen_calls`` (``nn.Einsum`` / ``nn.Embed.attend``
 computed with a ``dot_general``), ``nnx`` (:func:`use_fp8_dot_general`), ``report`` (:class:`Fp8Report`,
@@ -40,5 +44,15 @@ from .linen_model import Fp8Model, fp8_model
 from .nnx import use_fp8_dot_general
 from .report import Fp8Report, Layer
 
-__all__ = ["use_fp8_dot_general", "fp8_dot_general_for", "fp8_model", "fp8_autocast", "Fp8Model", "Fp8Report",
+_LAZY = {"RMSNormDense", "RMSNormMLP"}  # in .fused, which imports flax when loaded
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import fused
+        return getattr(fused, name)
+    raise AttributeError(f"module 'jax_fp8.flax_utils' has no attribute {name!r}")
+
+
+__all__ = ["RMSNormDense", "RMSNormMLP", "use_fp8_dot_general", "fp8_dot_general_for", "fp8_model", "fp8_autocast", "Fp8Model", "Fp8Report",
            "Layer"]
