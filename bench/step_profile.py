@@ -36,7 +36,8 @@ computations too):
    call's FFI attributes ``a_block_rows = 1`` and ``b_block_rows = 1``: jax_fp8's plan runs wgrad as
    1x128 x 1x128, fprop and dgrad as 1x128 x 128x128), dgrad otherwise; without those attributes, wgrad
    when both data operands are 3-D (stacked over sequences: the contraction mode), else dgrad.
-2. ``our quantize``: custom calls ``jf_*`` other than the GEMM (``jf_quantize``, ``jf_dequantize``, ...).
+2. ``our fused producers``: custom calls ``jf_produce_quantize`` (a norm or activation fused with its
+   quantization); ``our quantize``: the other ``jf_*`` calls but the GEMM (``jf_quantize``, ...).
 3. ``attention``: a custom call whose target holds ``fmha`` (cuDNN flash attention) or an instruction
    whose op_name (or a fused one's) holds ``dot_product_attention``, or the einsum names of JAX's XLA
    attention (``BTNH``/``BNTS``).
@@ -72,8 +73,9 @@ from typing import Optional
 
 FP8_FPROP, FP8_DGRAD, FP8_WGRAD = "fp8 GEMM fprop", "fp8 GEMM dgrad", "fp8 GEMM wgrad"
 OURS_Q, XLA_FP8, BF16, FLAX_Q = "our quantize", "XLA FP8 GEMMs", "bf16 GEMMs", "FP8 quantize fusions (flax)"
+OURS_P = "our fused producers"
 ATTN, AROUND, MOVE, REST = "attention", "XLA around our calls", "other data movement", "rest"
-CATEGORIES = (FP8_FPROP, FP8_DGRAD, "fp8 GEMM fprop+dgrad (by kernel name)", FP8_WGRAD, OURS_Q, XLA_FP8, FLAX_Q, BF16,
+CATEGORIES = (FP8_FPROP, FP8_DGRAD, "fp8 GEMM fprop+dgrad (by kernel name)", FP8_WGRAD, OURS_Q, OURS_P, XLA_FP8, FLAX_Q, BF16,
               ATTN, AROUND, MOVE, REST)
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
@@ -93,6 +95,7 @@ CHAIN_DEPTH = 4
 KERNEL_RULES = (
     (re.compile(r"nvjet\w*_Ablk128|cutlass\w*Blockwise|GemmUniversal"), "fp8 GEMM fprop+dgrad (by kernel name)"),
     (re.compile(r"nvjet\w*_Avec128"), FP8_WGRAD),
+    (re.compile(r"jf::.*(produce_kernel|rms_rstd_kernel)"), OURS_P),
     (re.compile(r"jf::"), OURS_Q),
     (re.compile(r"sdpa|fmha|flash"), ATTN),
     (re.compile(r"nvjet_sm\d+_(qq|qr|rq)"), XLA_FP8),
@@ -362,7 +365,8 @@ def classify(hlo: Hlo) -> dict[str, str]:
     for name, ins in hlo.instrs.items():
         names = _op_names(hlo, ins)
         if ours(ins):
-            out[name] = fp8_gemm_kind(hlo, ins) if ins.target in ("jf_cublaslt_gemm", "jf_cutlass_gemm") else OURS_Q
+            out[name] = (fp8_gemm_kind(hlo, ins) if ins.target in ("jf_cublaslt_gemm", "jf_cutlass_gemm")
+                         else OURS_P if ins.target == "jf_produce_quantize" else OURS_Q)
         elif "fmha" in ins.target.lower() or any(ATTN_RE.search(n) for n in names):
             out[name] = ATTN
         elif _is_gemm(hlo, ins):
@@ -569,7 +573,7 @@ def format_table(res: dict, title: str = "", top: bool = True) -> str:
     lines.append(f"    {'category':<30} {'ms/step':>10} {'% step':>8}  ops")
     for c in CATEGORIES:
         ms = res["ms"][c]
-        if ms == 0 and c not in (FP8_FPROP, FP8_DGRAD, FP8_WGRAD, OURS_Q, AROUND, REST):
+        if ms == 0 and c not in (FP8_FPROP, FP8_DGRAD, FP8_WGRAD, OURS_Q, OURS_P, AROUND, REST):
             continue
         lines.append(f"    {c:<30} {ms:10.3f} {100 * ms / base:7.1f}%  {res['counts'][c]}")
     lines.append(f"    {'total (device busy)':<30} {res['busy_ms']:10.3f} {100 * res['busy_ms'] / base:7.1f}%")

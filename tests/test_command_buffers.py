@@ -1,5 +1,6 @@
 """Our CUDA custom calls inside XLA's command buffers (CUDA graphs): a linear layer's forward + backward
-on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs, on cuBLASLt or CUTLASS) compiled with command buffers
+on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs, on cuBLASLt or CUTLASS), and the fused RMSNorm + SwiGLU
+MLP of ``jax_fp8.norm_mlp`` (5 fused producers, 1 quantize call, 6 GEMMs), compiled with command buffers
 on has every one of its custom calls inside a command buffer (a ``kCommandBuffer`` thunk of XLA's thunk
 dump, read as ``tests/gpu_compile.py`` reads it: XLA forms command buffers from the thunk sequence, so
 the optimized HLO does not show them), and replaying the graph on fresh inputs gives the bits of the
@@ -25,31 +26,39 @@ SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     import jax_fp8 as jf
 
-    backend = sys.argv[2]  # every GEMM on this backend, by a GEMM table for this GPU
+    backend, layer = sys.argv[2], sys.argv[3]  # every GEMM on this backend, by a GEMM table for this GPU
     kind = jax.local_devices()[0].device_kind
     jf.gemm.table.TABLE[kind] = {p: [((256, 256, 256), backend, {})] for p in ("1D2D", "1D1D")}
 
-    def step(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))), x, w)
-        return (y, *vjp(dy))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    if layer == "linear":
+        def step(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))), x, w)
+            return (y, *vjp(dy))
+        specs = [((256, 512), bf16), ((512, 384), bf16), ((256, 384), bf16)]
+    else:  # the fused MLP: fp32 masters (gamma, both kernels), bf16 activations
+        def step(x, g, w1, w2, dy):
+            y, vjp = jax.vjp(jf.norm_mlp, x, g, w1, w2)
+            return (y, *vjp(dy))
+        specs = [((256, 512), bf16), ((512,), f32), ((512, 768), f32), ((384, 512), f32), ((256, 512), bf16)]
 
     f = jax.jit(step)
-    shapes = ((256, 512), (512, 384), (256, 384))
-    args = lambda seed: [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(jax.random.split(jax.random.key(seed), 3), shapes)]
+    keys = lambda seed: jax.random.split(jax.random.key(seed), len(specs))
+    args = lambda seed: [jax.random.normal(k, s, jnp.float32).astype(d) for k, (s, d) in zip(keys(seed), specs)]
     hlo = f.lower(*args(0)).compile().as_text()
     ours = re.findall(r'custom_call_target="(jf_[a-z0-9_]+)"', hlo)
     gemms = re.findall(r'custom_call_target="(jf_[a-z]+_gemm)"', hlo)
     assert gemms == [f"jf_{backend}_gemm"] * len(gemms), gemms
     ours = ["jf_fp8_gemm" if o in gemms else o for o in ours]  # the primitive's name, as the thunks are named
-    outs = [np.asarray(o).view(np.uint16).tolist() for seed in (1, 2, 3) for o in f(*args(seed))]
+    outs = [np.asarray(o).view(np.uint16 if o.dtype.itemsize == 2 else np.uint32).tolist() for seed in (1, 2, 3) for o in f(*args(seed))]
     json.dump({"ours": ours, "outs": outs}, open(sys.argv[1], "w"))
 """)
 
 
-def _run(tmp_path, name, flags, backend):
+def _run(tmp_path, name, flags, backend, layer):
     out, dump = tmp_path / f"{name}.json", tmp_path / f"dump_{name}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags} --xla_dump_to={dump}")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend, layer], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # XLA forms command buffers from the thunk sequence, after the HLO: its thunk dump says which
@@ -59,9 +68,15 @@ def _run(tmp_path, name, flags, backend):
     return {**json.loads(out.read_text()), "in_command_buffers": captured}
 
 
+#: Our custom calls in each layer's step (the GEMM primitive's name, as the thunks are named).
+CALLS = {"linear": ["jf_fp8_gemm"] * 3 + ["jf_quantize"] * 3,
+         "mlp": ["jf_fp8_gemm"] * 6 + ["jf_produce_quantize"] * 5 + ["jf_quantize"]}
+
+
 @pytest.mark.skipif(not jf.kernels_available().get("cuda"), reason="needs our CUDA kernels on a GPU")
 @pytest.mark.parametrize("backend", ["cublaslt", "cutlass"])
-def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend):
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend, layer):
     from jax_fp8.gemm.backends import BACKENDS
 
     if jax.default_backend() != "gpu":
@@ -70,11 +85,11 @@ def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend):
     if why is not None:
         pytest.skip(f"{backend} does not run here: {why}")
     on = _run(tmp_path, "on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT "
-                              "--xla_gpu_graph_min_graph_size=1", backend)
-    off = _run(tmp_path, "off", "--xla_gpu_enable_command_buffer=", backend)
-    assert sorted(on["ours"]) == ["jf_fp8_gemm"] * 3 + ["jf_quantize"] * 3, on["ours"]
+                              "--xla_gpu_graph_min_graph_size=1", backend, layer)
+    off = _run(tmp_path, "off", "--xla_gpu_enable_command_buffer=", backend, layer)
+    assert sorted(on["ours"]) == sorted(CALLS[layer]), on["ours"]
     assert sorted(on["in_command_buffers"]) == sorted(on["ours"]), on["in_command_buffers"]
     assert off["in_command_buffers"] == [], off["in_command_buffers"]
-    assert len(on["outs"]) == 9
+    assert len(on["outs"]) == 3 * (3 if layer == "linear" else 5)
     for i, (a, b) in enumerate(zip(on["outs"], off["outs"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"output {i}")
