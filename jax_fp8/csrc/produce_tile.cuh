@@ -136,18 +136,20 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
     if (n == 0) return make_uint4(0, 0, 0, 0);
     const int64_t F = sp.K / 2, row = b * sp.M + r;
     float v[kVec];
-    if (vec && n == kVec) {
+    if (vec && n == kVec) {  // the vector lies in one half: the gate's or the up projection's gradient
       const bool up = col0 >= F;
       const int64_t c = up ? col0 - F : col0;
-      float d[kVec], g[kVec], u[kVec];
+      float d[kVec], g[kVec];
       load8(da, dt, row * F + c, kVec, true, d);
       load8(h, ht, row * sp.K + c, kVec, true, g);
-      load8(h, ht, row * sp.K + F + c, kVec, true, u);
+      if (up) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        float d_gate, d_up;
-        swiglu_grad_f(d[e], g[e], u[e], d_gate, d_up);
-        v[e] = up ? d_up : d_gate;
+        for (int e = 0; e < kVec; ++e) v[e] = swiglu_d_up_f(d[e], g[e]);
+      } else {
+        float u[kVec];
+        load8(h, ht, row * sp.K + F + c, kVec, true, u);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = swiglu_d_gate_f(d[e], g[e], u[e]);
       }
     } else {
 #pragma unroll
@@ -159,9 +161,7 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
         load8(da, dt, row * F + c, 1, false, d);
         load8(h, ht, row * sp.K + c, 1, false, g);
         load8(h, ht, row * sp.K + F + c, 1, false, u);
-        float d_gate, d_up;
-        swiglu_grad_f(d[0], g[0], u[0], d_gate, d_up);
-        v[e] = col >= F ? d_up : d_gate;
+        v[e] = col >= F ? swiglu_d_up_f(d[0], g[0]) : swiglu_d_gate_f(d[0], g[0], u[0]);
       }
     }
     return pack8<L>(v);

@@ -35,7 +35,8 @@ JF_HD float sqrt_f(float x) {
 }
 JF_HD float pow2_f(int k) { return u2f(uint32_t(k + 127) << 23); }  // k in [-126, 127]
 
-// e**x: Cody-Waite reduction, a degree-7 Taylor polynomial by Horner's rule, 2**n in two exact halves.
+// e**x: Cody-Waite reduction, a degree-6 polynomial by Horner's rule (kExpPoly, highest power first), 2**n
+// in two exact halves.
 JF_HD float exp_f(float x) {
   if (is_nan(x)) return x;
   if (x > 88.7228394f) return u2f(0x7F800000u);
@@ -43,10 +44,11 @@ JF_HD float exp_f(float x) {
   float n = rint_f(x * 1.44269502f);
   n = n < -151.0f ? -151.0f : (n > 128.0f ? 128.0f : n);
   const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;
-  constexpr float c[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
-                          1.0f / 6.0f,    0.5f,          1.0f,          1.0f};
-  float p = c[0];
-  for (int i = 1; i < 8; ++i) p = p * r + c[i];
+  constexpr uint32_t kExpPoly[7] = {0x3AB55C67u, 0x3C0936DFu, 0x3D2AAC4Fu, 0x3E2AAA05u,
+                                    0x3EFFFFFDu, 0x3F800000u, 0x3F800000u};
+  float p = u2f(kExpPoly[0]);
+#pragma unroll
+  for (int i = 1; i < 7; ++i) p = p * r + u2f(kExpPoly[i]);
   const int k = int(n), half = k >= 0 ? k / 2 : -((-k + 1) / 2);  // floor(k / 2)
   return (p * pow2_f(half)) * pow2_f(k - half);
 }
@@ -54,12 +56,12 @@ JF_HD float sigmoid_f(float g) { return 1.0f / (1.0f + exp_f(-g)); }
 
 // SwiGLU: silu(gate) * up, before rounding.
 JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
-// SwiGLU's gradient given da: d_gate (gate's column) and d_up, before rounding.
-JF_HD void swiglu_grad_f(float d, float g, float u, float& d_gate, float& d_up) {
+// SwiGLU's gradient given da, before rounding: d_gate (the gate's column) and d_up (the up column).
+JF_HD float swiglu_d_gate_f(float d, float g, float u) {
   const float s = sigmoid_f(g);
-  d_up = d * (g * s);
-  d_gate = (d * u) * (s * (1.0f + g * (1.0f - s)));
+  return (d * u) * (s * (1.0f + g * (1.0f - s)));
 }
+JF_HD float swiglu_d_up_f(float d, float g) { return d * (g * sigmoid_f(g)); }
 
 // RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps).
 JF_HD float rms_rstd_f(float sum_squares, float inv_k, float eps) {
