@@ -32,8 +32,10 @@ from .formats import HIGH_DTYPES
 from .gemm.dot_general import Linear, fp8_dot_general, linear_backward, linear_forward
 from .gemm.plan import plan_dot_general
 from .gemm.recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
-from .primitives.partitioning import rows_view
+from .gemm.backends.cudnn import warn_emulated
+from .primitives.partitioning import explicit_sharding, rows_view
 from .quantization import produce_quantize, quantize
+from .warn import Fp8GemmFallbackWarning, warn
 
 Array = Any
 _F32 = np.float32
@@ -73,6 +75,7 @@ def rms_norm(x, gamma, eps: float = 1e-6):
     a fixed order (:mod:`jax_fp8.producers`; the fused kernels give the same bits) and rounded to x's
     dtype. Differentiable (reverse mode). ``gamma``: (x.shape[-1],), any float dtype."""
     x, gamma = _checked_norm(x, gamma, "rms_norm")
+    x, gamma = vma.match(x, gamma)  # one varying type: a replicated gamma's gradient is summed over shard_map's axes
     return _rms_norm(x, gamma, float(eps))
 
 
@@ -105,14 +108,22 @@ class _Layer:
     dense: tuple
 
 
-def _linear(M: int, K: int, N: int, dtype, recipe) -> Optional[Linear]:
-    """The FP8 projection (M, K) x (K, N) in ``dtype`` with its three GEMMs, or None where
-    ``fp8_dot_general`` would not run it as one (then the layer runs unfused)."""
+def _linear(where: str, M: int, K: int, N: int, dtype, recipe, x=None, w=None) -> Optional[Linear]:
+    """The FP8 projection (M, K) x (K, N) in ``dtype`` with its three GEMMs (and the Explicit shardings
+    of its operands ``x`` and ``w`` where given: their gradients keep them), or None where
+    ``fp8_dot_general`` would not run it as one (then the layer runs unfused). Warns, as
+    ``fp8_dot_general`` does, of GEMMs that run by the reference math."""
     spec = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     plan = plan_dot_general(spec(M, K), spec(K, N), (((1,), (0,)), ((), ())), jnp.dtype(dtype), recipe)
     if plan.fallback is not None or plan.empty or len(plan.steps) != 3:
         return None
-    return Linear(recipe, plan, jnp.dtype(dtype))
+    if plan.reasons():
+        warn(f"{where} (a {M}x{K} by {K}x{N} projection): computing by the reference math (same quantized operands) "
+             "instead of the FP8 GEMM: " + "; ".join(plan.reasons()), Fp8GemmFallbackWarning)
+    if isinstance(recipe, MXFP8BlockScaling):
+        warn_emulated(where)
+    shardings = [None if v is None else explicit_sharding(v) for v in (x, w)]
+    return Linear(recipe, plan, jnp.dtype(dtype), *shardings)
 
 
 def _norm_quantize(x2, gamma, eps, scheme):
@@ -233,11 +244,12 @@ def norm_dense(x, gamma, kernel, *, eps: float = 1e-6, recipe=None):
     x, gamma = _checked_norm(x, gamma, "norm_dense") if gamma is not None else (x, None)
     kernel = _checked_kernel(kernel, x.shape[-1], "kernel", "norm_dense")
     M, K = view_2d(x.shape)
-    lin = _linear(M, K, kernel.shape[1], x.dtype, recipe)
+    x2 = rows_view(x, (M, K))
+    lin = _linear("norm_dense", M, K, kernel.shape[1], x.dtype, recipe, x2, kernel)
     if lin is None:
         return _dense(x if gamma is None else rms_norm(x, gamma, eps), kernel, recipe)
-    x, gamma, kernel = vma.match(x, gamma, kernel)  # one varying type, as fp8_dot_general's operands
-    y = _norm_dense(rows_view(x, (M, K)), gamma, kernel, _Layer(None if gamma is None else float(eps), recipe, (lin,)))
+    x2, gamma, kernel = vma.match(x2, gamma, kernel)  # one varying type, as fp8_dot_general's operands
+    y = _norm_dense(x2, gamma, kernel, _Layer(None if gamma is None else float(eps), recipe, (lin,)))
     return rows_view(y, (*x.shape[:-1], kernel.shape[1]))
 
 
@@ -257,11 +269,13 @@ def norm_mlp(x, gamma, w_gate_up, w_down, *, eps: float = 1e-6, recipe=None):
     F = w_gate_up.shape[1] // 2
     w_down = _checked_kernel(w_down, F, "w_down", "norm_mlp")
     M, K = view_2d(x.shape)
-    up, down = _linear(M, K, 2 * F, x.dtype, recipe), _linear(M, F, w_down.shape[1], x.dtype, recipe)
+    x2 = rows_view(x, (M, K))
+    up = _linear("norm_mlp", M, K, 2 * F, x.dtype, recipe, x2, w_gate_up)
+    down = _linear("norm_mlp", M, F, w_down.shape[1], x.dtype, recipe, None, w_down)
     if up is None or down is None:
         h = _dense(x if gamma is None else rms_norm(x, gamma, eps), w_gate_up, recipe)
         return _dense(swiglu(h), w_down, recipe)
-    x, gamma, w_gate_up, w_down = vma.match(x, gamma, w_gate_up, w_down)
+    x2, gamma, w_gate_up, w_down = vma.match(x2, gamma, w_gate_up, w_down)
     cfg = _Layer(None if gamma is None else float(eps), recipe, (up, down))
-    y = _norm_mlp(rows_view(x, (M, K)), gamma, w_gate_up, w_down, cfg)
+    y = _norm_mlp(x2, gamma, w_gate_up, w_down, cfg)
     return rows_view(y, (*x.shape[:-1], w_down.shape[1]))

@@ -140,11 +140,13 @@ def row_sum_squares(x):
 
 def rms_norm_rstd(x, eps: float):
     """1 / sqrt(mean(x**2) + eps) per row (...,), float32: the mean is the sum of squares times the
-    float32 nearest 1 / K (K the row length; XLA turns a division by a constant into that product)."""
+    float32 nearest 1 / K (K the row length; XLA turns a division by a constant into that product); a
+    NaN is the canonical one."""
     xp = xp_of(x)
     with _quiet():
         ms = _rounded(row_sum_squares(x) * _F32(1.0 / x.shape[-1]))
-        return _F32(1) / _rounded(xp.sqrt(ms + _F32(eps)))  # kept apart: XLA rewrites 1 / sqrt as rsqrt
+        rstd = _F32(1) / _rounded(xp.sqrt(ms + _F32(eps)))  # kept apart: XLA rewrites 1 / sqrt as rsqrt
+    return xp.where(xp.isnan(rstd), _F32(np.nan), rstd)  # one NaN (0x7FC00000), whatever the row's NaNs were
 
 
 def rms_norm_values(x, gamma, rstd):

@@ -139,18 +139,13 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
     if (vec && n == kVec) {  // the vector lies in one half: the gate's or the up projection's gradient
       const bool up = col0 >= F;
       const int64_t c = up ? col0 - F : col0;
-      float d[kVec], g[kVec];
+      float d[kVec], g[kVec], u[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
       load8(da, dt, row * F + c, kVec, true, d);
       load8(h, ht, row * sp.K + c, kVec, true, g);
-      if (up) {
+      if (!up) load8(h, ht, row * sp.K + F + c, kVec, true, u);
+      // one code path for both halves (two inlined copies of the math overflowed the instruction cache)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = swiglu_d_up_f(d[e], g[e]);
-      } else {
-        float u[kVec];
-        load8(h, ht, row * sp.K + F + c, kVec, true, u);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = swiglu_d_gate_f(d[e], g[e], u[e]);
-      }
+      for (int e = 0; e < kVec; ++e) v[e] = swiglu_grad_half_f(d[e], g[e], u[e], up);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
@@ -161,7 +156,7 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
         load8(da, dt, row * F + c, 1, false, d);
         load8(h, ht, row * sp.K + c, 1, false, g);
         load8(h, ht, row * sp.K + F + c, 1, false, u);
-        v[e] = col >= F ? swiglu_d_up_f(d[0], g[0]) : swiglu_d_gate_f(d[0], g[0], u[0]);
+        v[e] = swiglu_grad_half_f(d[0], g[0], u[0], col >= F);
       }
     }
     return pack8<L>(v);

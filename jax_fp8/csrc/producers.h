@@ -19,13 +19,6 @@ enum class Producer : int32_t { kCast = 0, kRmsNorm = 1, kSwiglu = 2, kSwigluGra
 // order, then the pairwise tree v + (v ^ half) for half = kSumLanes / 2 ... 1.
 constexpr int kSumLanes = 256;
 
-JF_HD float rint_f(float x) {
-#if defined(__CUDA_ARCH__)
-  return rintf(x);
-#else
-  return std::nearbyint(x);  // round half to even in the default rounding mode
-#endif
-}
 JF_HD float sqrt_f(float x) {
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(x);
@@ -36,12 +29,12 @@ JF_HD float sqrt_f(float x) {
 JF_HD float pow2_f(int k) { return u2f(uint32_t(k + 127) << 23); }  // k in [-126, 127]
 
 // e**x: Cody-Waite reduction, a degree-6 polynomial by Horner's rule (kExpPoly, highest power first), 2**n
-// in two exact halves.
+// in two exact halves. n = rint(x log2 e), clamped to [-151, 128], is computed as (y + 1.5 * 2**23) - 1.5 * 2**23,
+// which rounds half to even for |y| < 2**22 and clamps to the same n beyond; its integer is the low bits of
+// n + 1.5 * 2**23. No conversion instructions (a quarter of the FP32 rate on the GPU), no branches.
 JF_HD float exp_f(float x) {
-  if (is_nan(x)) return x;
-  if (x > 88.7228394f) return u2f(0x7F800000u);
-  if (x < -103.972084f) return 0.0f;
-  float n = rint_f(x * 1.44269502f);
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23
+  float n = (x * 1.44269502f + kMagic) - kMagic;
   n = n < -151.0f ? -151.0f : (n > 128.0f ? 128.0f : n);
   const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;
   constexpr uint32_t kExpPoly[7] = {0x3AB55C67u, 0x3C0936DFu, 0x3D2AAC4Fu, 0x3E2AAA05u,
@@ -49,8 +42,9 @@ JF_HD float exp_f(float x) {
   float p = u2f(kExpPoly[0]);
 #pragma unroll
   for (int i = 1; i < 7; ++i) p = p * r + u2f(kExpPoly[i]);
-  const int k = int(n), half = k >= 0 ? k / 2 : -((-k + 1) / 2);  // floor(k / 2)
-  return (p * pow2_f(half)) * pow2_f(k - half);
+  const int32_t k = int32_t(f2u(n + kMagic) - f2u(kMagic)), half = k >> 1;  // floor(k / 2)
+  const float y = (p * pow2_f(half)) * pow2_f(k - half);
+  return is_nan(x) ? x : x > 88.7228394f ? u2f(0x7F800000u) : x < -103.972084f ? 0.0f : y;
 }
 JF_HD float sigmoid_f(float g) { return 1.0f / (1.0f + exp_f(-g)); }
 
@@ -62,10 +56,15 @@ JF_HD float swiglu_d_gate_f(float d, float g, float u) {
   return (d * u) * (s * (1.0f + g * (1.0f - s)));
 }
 JF_HD float swiglu_d_up_f(float d, float g) { return d * (g * sigmoid_f(g)); }
+// Either, from one sigmoid: d_up where `up`, else d_gate (the same bits as the two above).
+JF_HD float swiglu_grad_half_f(float d, float g, float u, bool up) {
+  const float s = sigmoid_f(g);
+  return up ? d * (g * s) : (d * u) * (s * (1.0f + g * (1.0f - s)));
+}
 
-// RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps).
+// RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps), NaN canonical.
 JF_HD float rms_rstd_f(float sum_squares, float inv_k, float eps) {
-  return 1.0f / sqrt_f(sum_squares * inv_k + eps);
+  return canonical_f32(1.0f / sqrt_f(sum_squares * inv_k + eps));  // one NaN, whatever the row's were
 }
 // The float32 nearest 1 / K, as jax_fp8/producers.py's np.float32(1.0 / K).
 inline float inv_len(int64_t K) { return float(1.0 / double(K)); }
