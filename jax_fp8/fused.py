@@ -34,7 +34,7 @@ from .gemm.plan import plan_dot_general
 from .gemm.recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
 from .gemm.backends.cudnn import warn_emulated
 from .primitives.partitioning import explicit_sharding, rows_view
-from .quantization import produce_quantize, quantize
+from .quantization import produce, produce_quantize, quantize
 from .warn import Fp8GemmFallbackWarning, warn
 
 Array = Any
@@ -55,11 +55,11 @@ def _rms_norm_grad(x, gamma, rstd, dy):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x, gamma, eps: float):
-    return producers.rms_norm(x, gamma, eps)[0]
+    return produce("rmsnorm", x, gamma, eps=eps)[0]
 
 
 def _rms_norm_fwd(x, gamma, eps):
-    y, rstd = producers.rms_norm(x, gamma, eps)
+    y, (rstd,) = produce("rmsnorm", x, gamma, eps=eps)
     return y, (x, gamma, rstd)
 
 
@@ -72,8 +72,9 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 def rms_norm(x, gamma, eps: float = 1e-6):
     """RMSNorm of ``x`` along its last dim: ``x / sqrt(mean(x**2) + eps) * gamma``, computed in fp32 in
-    a fixed order (:mod:`jax_fp8.producers`; the fused kernels give the same bits) and rounded to x's
-    dtype. Differentiable (reverse mode). ``gamma``: (x.shape[-1],), any float dtype."""
+    a fixed order (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform and as the
+    fused layers' norm) and rounded to x's dtype. Differentiable (reverse mode). ``gamma``:
+    (x.shape[-1],), any float dtype."""
     x, gamma = _checked_norm(x, gamma, "rms_norm")
     x, gamma = vma.match(x, gamma)  # one varying type: a replicated gamma's gradient is summed over shard_map's axes
     return _rms_norm(x, gamma, float(eps))
@@ -82,16 +83,17 @@ def rms_norm(x, gamma, eps: float = 1e-6):
 @jax.custom_vjp
 def swiglu(h):
     """SwiGLU of ``h`` (..., 2F) = [gate | up]: ``silu(gate) * up`` in fp32 with jax_fp8's exact
-    exponential (:mod:`jax_fp8.producers`), rounded to h's dtype. Differentiable (reverse mode)."""
-    return producers.swiglu(h)
+    exponential (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform and as the
+    fused layers'), rounded to h's dtype. Differentiable (reverse mode)."""
+    return produce("swiglu", h)[0]
 
 
 def _swiglu_fwd(h):
-    return producers.swiglu(h), h
+    return produce("swiglu", h)[0], h
 
 
 def _swiglu_bwd(h, da):
-    return (producers.swiglu_grad(da, h),)
+    return (produce("swiglu_grad", da, h, out_dtype=h.dtype)[0],)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

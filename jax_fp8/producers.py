@@ -6,7 +6,7 @@ with every fp32 operation in a fixed order and no fused multiply-add, so that th
 (``csrc/producers.h``) compute the same bits. A fused kernel's outputs are the composition of the
 unfused ops: the produced value rounded to its output dtype (as the unfused program would store it),
 then quantized by :func:`~.contracts.quantize_usages` (:func:`produce_quantize`, the contract of the
-``jf_produce_quantize`` primitive).
+``jf_produce_quantize`` primitive; :func:`produce_values` is that of ``jf_produce``, the unfused op).
 
 - The row sum of squares of RMSNorm: 256 partial sums, partial ``v`` adding the squares of elements
   ``v, v + 256, v + 512, ...`` in order, then a pairwise tree (``v + v ^ 128``, then 64, ... 1): what
@@ -182,6 +182,19 @@ def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
     if producer == "swiglu_grad":
         return swiglu_grad(*args, dtype), []
     raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
+
+
+def _canonical_nans(y):
+    """``y`` with every NaN the one quiet NaN of its dtype (what the kernels store)."""
+    xp = xp_of(y)
+    return xp.where(xp.isnan(y), xp.asarray(np.nan, y.dtype), y)
+
+
+def produce_values(*args, producer: str, eps: float = 0.0, out_dtype=None):
+    """The contract of ``jf_produce``: the produced tensor (NaNs canonical), then the producer's extra
+    outputs."""
+    y, extra = produce(producer, *args, eps=eps, out_dtype=out_dtype)
+    return [_canonical_nans(y)] + extra
 
 
 def produce_quantize(*args, producer: str, scheme, eps: float = 0.0, out_dtype=None):

@@ -23,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8 import Scheme, ShardingWarning, producers
-from jax_fp8.primitives import produce_quantize_p
+from jax_fp8.primitives import produce_p, produce_quantize_p
 from jax_fp8.quantization import produce_quantize
 from jax_fp8.vma import axes_of
 from helpers import IN_DTYPES, assert_bits_equal, random_input, stable_seed
@@ -193,6 +193,51 @@ def test_kernel_matches_contract(case):
     data = np.asarray(want[0])
     if data.size >= 4096:
         assert np.count_nonzero(data) > data.size // 2, (np.count_nonzero(data), data.size)
+
+
+@pytest.mark.parametrize("case", CASES[::9], ids=_case_id)
+def test_produce_kernel_matches_contract(case):
+    """jf_produce (the producer alone: the unfused ops, and what the fused CUDA kernels do not take) against
+    producers.produce_values on NumPy, bit for bit: the produced tensor in its dtype, NaNs canonical, and
+    RMSNorm's rstd."""
+    producer, _, B, M, K, dtype, out_dtype, gamma_dtype, eps = case
+    rng = np.random.default_rng(stable_seed("produce values", case))
+    args = _inputs(rng, producer, B, M, K, dtype, gamma_dtype)
+    params = dict(producer=producer, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
+    got = jax.jit(lambda *a: produce_p.bind(*a, **params))(*args)
+    want = producers.produce_values(*args, **params)
+    assert len(got) == len(want) == (2 if producer == "rmsnorm" else 1)
+    assert np.asarray(got[0]).dtype == jnp.dtype(out_dtype)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_bits_equal(g, w, f"{_case_id(case)} output {i}")
+
+
+def _cuda_module_text(fn, *args):
+    """``fn``'s module as jax lowers it for CUDA (no GPU needed; our custom calls exported unchecked)."""
+    from jax import export
+
+    ok = [export.DisabledSafetyCheck.custom_call(t) for t in ("jf_produce", "jf_produce_quantize", "jf_quantize")]
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=ok)(*args).mlir_module()
+
+
+@pytest.mark.skipif(not jf._ffi.AVAILABLE["cuda"], reason="the CUDA module is not built here")
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_cuda_lowering_fused_where_the_kernels_take_it(name):
+    """On CUDA a call runs as the fused kernel where it takes it (the fused layers' schemes), else as
+    jf_produce then jf_quantize: the same bits, never the jax.numpy contract (XLA's GPU arithmetic is
+    not NumPy's)."""
+    from jax_fp8.primitives.produce import fused_kernel_takes
+
+    x = np.ones((1, 256, 256), np.float32 if "rhs" in name else BF16)
+    for producer, args in (("cast", (x,)), ("swiglu", (x,)), ("rmsnorm", (x, np.ones(256, np.float32)))):
+        fn, params = _bind(producer, SCHEMES[name], 1e-6, BF16)
+        text = _cuda_module_text(fn, *args)
+        fused = fused_kernel_takes(params)
+        assert ("custom_call @jf_produce_quantize" in text) == fused, (name, producer)
+        assert ("custom_call @jf_produce(" in text) == (not fused), (name, producer)
+        assert ("custom_call @jf_quantize(" in text) == (not fused), (name, producer)
+    assert fused_kernel_takes(dict(producer="swiglu", scheme=jf.Float8BlockScaling().scheme("lhs"), eps=0.0,
+                                   out_dtype=jnp.dtype(BF16)))
 
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad", "rmsnorm"])

@@ -268,6 +268,43 @@ void rms_rstd_rows(const ProduceArgs& p, int64_t rows, int64_t K) {
   });
 }
 
+// The producer's rows, RMSNorm's rstd computed first (into p.rstd).
+ProducedRows producer_rows(const ProduceArgs& p, int64_t B, int64_t M, int64_t K) {
+  ProducedRows rows{p, M, K, {}};
+  if (p.producer == Producer::kRmsNorm) {
+    rows.gamma.resize(K);
+    load_f32(p.in[1], p.in_type[1], 0, K, rows.gamma.data());
+    rms_rstd_rows(p, B * M, K);
+  }
+  return rows;
+}
+
+// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and rmsnorm's rstd.
+ffi::Error ProduceCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> extra,
+                      int32_t producer, float eps) {
+  ProduceArgs p;
+  int64_t B, M, K;
+  if (auto e = make_produce_only(args, *y, *extra, producer, eps, &B, &M, &K, &p); e.failure()) return e;
+  IeeeFpEnv env;
+  const ProducedRows rows = producer_rows(p, B, M, K);
+  void* out = y->untyped_data();
+  parallel_for(B * M, B * M * K, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(K);
+    for (int64_t rr = r0; rr < r1; ++rr) {
+      rows(rr / std::max<int64_t>(M, 1), rr % std::max<int64_t>(M, 1), row.data());
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = rr * K + k;
+        switch (p.out) {
+          case InType::kF32: static_cast<float*>(out)[i] = canonical_f32(row[k]); break;
+          case InType::kBF16: static_cast<uint16_t*>(out)[i] = bf16_from_float(row[k]); break;
+          case InType::kF16: static_cast<uint16_t*>(out)[i] = f16_from_float(row[k]); break;
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
 ffi::Error ProduceQuantizeCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
                               ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
@@ -278,12 +315,7 @@ ffi::Error ProduceQuantizeCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffe
   const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
   if (auto e = make_produce_args(args, res, *extra, scheme, producer, dtype, eps, &a, &p); e.failure()) return e;
   IeeeFpEnv env;
-  ProducedRows rows{p, a.M, a.K, {}};
-  if (p.producer == Producer::kRmsNorm) {
-    rows.gamma.resize(a.K);
-    load_f32(p.in[1], p.in_type[1], 0, a.K, rows.gamma.data());
-    rms_rstd_rows(p, a.B * a.M, a.K);
-  }
+  const ProducedRows rows = producer_rows(p, a.B, a.M, a.K);
   uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
   with_rule(a, [&](auto rule) { quantize_all(a, rows, rule, data, scale); });

@@ -39,6 +39,16 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   return check_launch();
 }
 
+// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and rmsnorm's rstd.
+ffi::Error ProduceCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::AnyBuffer> extra, int32_t producer, float eps) {
+  ProduceArgs p;
+  int64_t B, M, K;
+  if (auto e = make_produce_only(args, *y, *extra, producer, eps, &B, &M, &K, &p); e.failure()) return e;
+  if (auto e = produce_values(stream, p, B, M, K, y->untyped_data()); e.failure()) return e;
+  return check_launch();
+}
+
 // The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
 ffi::Error ProduceQuantizeCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
                                ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,

@@ -47,6 +47,18 @@ auto bind_produce_quantize(Binding b) {
       .template Attr<float>("eps");        // rmsnorm's epsilon
 }
 
+// jf_produce: a producer's (B, M, K) tensor (producers.h), rounded to the output's dtype, NaNs canonical;
+// then the producer's extra output. The unfused ops, and what the fused kernels do not take.
+template <class Binding>
+auto bind_produce(Binding b) {
+  return std::move(b)
+      .RemainingArgs()                     // the producer's inputs
+      .template Ret<ffi::AnyBuffer>()      // y (B, M, K) float32 / bfloat16 / float16
+      .template Ret<ffi::AnyBuffer>()      // rmsnorm: rstd (B, M) float32; else empty
+      .template Attr<int32_t>("producer")  // producers.h's Producer
+      .template Attr<float>("eps");        // rmsnorm's epsilon
+}
+
 // jf_dequantize: one compact output of the scheme back to high precision.
 template <class Binding>
 auto bind_dequantize(Binding b) {
@@ -108,6 +120,7 @@ auto bind_cublaslt_gemm(Binding b) {
 #define JF_FFI_HANDLERS(X, ...)                                    \
   X(jf_quantize, Quantize, bind_quantize, __VA_ARGS__)             \
   X(jf_dequantize, Dequantize, bind_dequantize, __VA_ARGS__)       \
+  X(jf_produce, Produce, bind_produce, __VA_ARGS__)                \
   X(jf_produce_quantize, ProduceQuantize, bind_produce_quantize, __VA_ARGS__) \
   X(jf_partial_amax, PartialAmax, bind_partial_amax, __VA_ARGS__) \
   X(jf_partial_cast, PartialCast, bind_partial_cast, __VA_ARGS__)

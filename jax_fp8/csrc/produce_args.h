@@ -1,6 +1,8 @@
-// Argument decoding of jf_produce_quantize (ffi_bindings.h), shared by the CPU and CUDA handlers: the
-// producer's inputs checked against the (B, M, K) tensor it produces, which is quantized as jf_quantize
-// quantizes an input of that shape and dtype.
+// Argument decoding of jf_produce and jf_produce_quantize (ffi_bindings.h), shared by the CPU and CUDA
+// handlers: the producer's inputs checked against the (B, M, K) tensor it produces (cast: x (B, M, K);
+// rmsnorm: x (B, M, K), gamma (K,); swiglu: h (B, M, 2K); swiglu_grad: da (B, M, F), h (B, M, 2F), K = 2F),
+// which jf_produce returns and jf_produce_quantize quantizes as jf_quantize quantizes an input of that
+// shape and dtype.
 #pragma once
 
 #include <string>
@@ -25,58 +27,78 @@ inline ffi::Error in_type(const ffi::AnyBuffer& x, InType* t) {
   return in_type_of(x.element_type(), t, &unused);
 }
 
-// args: the producer's inputs; res: the quantize outputs; extra: rmsnorm's rstd (B, M) float32, else
-// empty; dtype: the produced dtype as InType (0 float32, 1 bfloat16, 2 float16).
-inline ffi::Error make_produce_args(const ffi::RemainingArgs& args, const QuantizeResult* res,
-                                    const ffi::AnyBuffer& extra, const Scheme& s, int32_t producer, int32_t dtype,
-                                    float eps, QuantizeArgs* a, ProduceArgs* p) {
+// The producer of a call: its inputs checked against each other (shapes in produce_args.h's header
+// comment), the produced tensor's (B, M, K), the extra output (rmsnorm's rstd (B, M) float32, else
+// empty) and `dtype`, the produced dtype as InType (0 float32, 1 bfloat16, 2 float16).
+inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBuffer& extra, int32_t producer,
+                                int32_t dtype, float eps, int64_t* B, int64_t* M, int64_t* K, ProduceArgs* p) {
   if (producer < 0 || producer > int32_t(Producer::kSwigluGrad))
-    return bad("produce_quantize: producer must be 0..3, got " + std::to_string(producer));
-  if (dtype < 0 || dtype > 2) return bad("produce_quantize: dtype must be 0 (f32), 1 (bf16) or 2 (f16)");
+    return bad("produce: producer must be 0..3, got " + std::to_string(producer));
+  if (dtype < 0 || dtype > 2) return bad("produce: dtype must be 0 (f32), 1 (bf16) or 2 (f16)");
   p->producer = Producer(producer);
   p->out = InType(dtype);
   const size_t n = p->producer == Producer::kRmsNorm || p->producer == Producer::kSwigluGrad ? 2 : 1;
-  if (args.size() != n) return bad("produce_quantize: wrong number of inputs for the producer");
+  if (args.size() != n) return bad("produce: wrong number of inputs for the producer");
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < n; ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return bad("produce_quantize: inputs must be buffers");
+    if (!b.has_value()) return bad("produce: inputs must be buffers");
     in.push_back(*b);
     p->in[i] = in[i].untyped_data();
     if (auto e = in_type(in[i], &p->in_type[i]); e.failure()) return e;
   }
-  int64_t B, M, K;
-  if (auto e = dims3(in[0], &B, &M, &K); e.failure()) return e;
+  if (auto e = dims3(in[0], B, M, K); e.failure()) return e;
   const auto same3 = [&](const ffi::AnyBuffer& b, int64_t k) {
     auto d = b.dimensions();
-    return d.size() == 3 && d[0] == B && d[1] == M && d[2] == k;
+    return d.size() == 3 && d[0] == *B && d[1] == *M && d[2] == k;
   };
   switch (p->producer) {
     case Producer::kCast: break;
     case Producer::kRmsNorm:
-      if (in[1].dimensions().size() != 1 || in[1].dimensions()[0] != K)
-        return bad("produce_quantize: rmsnorm's gamma must be (K,) for x (B, M, K)");
+      if (in[1].dimensions().size() != 1 || in[1].dimensions()[0] != *K)
+        return bad("produce: rmsnorm's gamma must be (K,) for x (B, M, K)");
       break;
     case Producer::kSwiglu:
-      if (K % 2) return bad("produce_quantize: swiglu's input must be (B, M, 2F)");
-      K /= 2;
+      if (*K % 2) return bad("produce: swiglu's input must be (B, M, 2F)");
+      *K /= 2;
       break;
     case Producer::kSwigluGrad:
-      if (!same3(in[1], 2 * K)) return bad("produce_quantize: swiglu_grad takes da (B, M, F) and h (B, M, 2F)");
-      K *= 2;
+      if (!same3(in[1], 2 * *K)) return bad("produce: swiglu_grad takes da (B, M, F) and h (B, M, 2F)");
+      *K *= 2;
       break;
   }
-  static const ffi::DataType kTypes[3] = {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16};
-  if (auto e = fill_quantize_args(kTypes[dtype], B, M, K, s, a); e.failure()) return e;
-  if (auto e = check_quantize_outputs(res, a); e.failure()) return e;
   p->eps = eps;
-  p->inv_k = K > 0 ? inv_len(K) : 0.0f;
+  p->inv_k = *K > 0 ? inv_len(*K) : 0.0f;
   const bool rms = p->producer == Producer::kRmsNorm;
   if (rms && (extra.element_type() != ffi::DataType::F32 || !(extra.dimensions().size() == 2 &&
-                                                              extra.dimensions()[0] == B && extra.dimensions()[1] == M)))
-    return bad("produce_quantize: rmsnorm's rstd output must be float32 (B, M)");
-  if (!rms && extra.element_count() != 0) return bad("produce_quantize: only rmsnorm has an extra output");
+                                                              extra.dimensions()[0] == *B && extra.dimensions()[1] == *M)))
+    return bad("produce: rmsnorm's rstd output must be float32 (B, M)");
+  if (!rms && extra.element_count() != 0) return bad("produce: only rmsnorm has an extra output");
   p->rstd = rms ? static_cast<float*>(const_cast<void*>(extra.untyped_data())) : nullptr;
+  return ffi::Error::Success();
+}
+
+inline const ffi::DataType kProducedTypes[3] = {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16};
+
+// A jf_produce_quantize call: the producer, then its tensor's quantize outputs (res) as jf_quantize's.
+inline ffi::Error make_produce_args(const ffi::RemainingArgs& args, const QuantizeResult* res,
+                                    const ffi::AnyBuffer& extra, const Scheme& s, int32_t producer, int32_t dtype,
+                                    float eps, QuantizeArgs* a, ProduceArgs* p) {
+  int64_t B, M, K;
+  if (auto e = make_producer(args, extra, producer, dtype, eps, &B, &M, &K, p); e.failure()) return e;
+  if (auto e = fill_quantize_args(kProducedTypes[dtype], B, M, K, s, a); e.failure()) return e;
+  return check_quantize_outputs(res, a);
+}
+
+// A jf_produce call: the producer, and its tensor's output y (B, M, K), whose dtype is the produced one.
+inline ffi::Error make_produce_only(const ffi::RemainingArgs& args, const ffi::AnyBuffer& y,
+                                    const ffi::AnyBuffer& extra, int32_t producer, float eps, int64_t* B, int64_t* M,
+                                    int64_t* K, ProduceArgs* p) {
+  InType t;
+  if (auto e = in_type(y, &t); e.failure()) return bad("produce: the output must be float32, bfloat16 or float16");
+  if (auto e = make_producer(args, extra, producer, int32_t(t), eps, B, M, K, p); e.failure()) return e;
+  auto d = y.dimensions();
+  if (d.size() != 3 || d[0] != *B || d[1] != *M || d[2] != *K) return bad("produce: the output must be (B, M, K)");
   return ffi::Error::Success();
 }
 

@@ -6,8 +6,8 @@
 //
 // Inputs may be float32, bfloat16 or float16 (a run-time switch per load: the same for every thread);
 // the produced dtype is bfloat16 or float16 (L: LoadBF16 / LoadF16, VEC 8). What these kernels do not
-// take (another produced dtype or block layout) the primitive computes as its reference, with a warning
-// (jax_fp8/primitives/produce.py).
+// take (another produced dtype or block layout) runs as jf_produce (produce_values_kernel: the values
+// alone, any produced dtype) then jf_quantize (jax_fp8/primitives/produce.py).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,6 +56,8 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[kVec]) {
                     cvt_pack2<kHalf>(v[6], v[7]));
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // How many of the 8 columns from col0 of row r exist (all of them inside an interior tile).
 template <bool INTERIOR>
 __device__ __forceinline__ int valid8(const Span& sp, int64_t r, int64_t col0) {
@@ -65,24 +67,21 @@ __device__ __forceinline__ int valid8(const Span& sp, int64_t r, int64_t col0) {
   return n >= kVec ? kVec : (n > 0 ? int(n) : 0);
 }
 
-// The producers' sources. `vec`: every input row is 16-byte aligned at multiples of 8 columns (the
-// host checked the widths and pointers), so whole vectors load directly.
-template <class L>
+// The producers' sources: values<INTERIOR>(span, b, r, col0, v) writes the 8 values of row r of matrix b from
+// column col0 before rounding, zeros past the matrix (valid8 says how many exist). `vec`: every input
+// row is 16-byte aligned at multiples of 8 columns (the host checked the widths and pointers), so whole
+// vectors load directly.
 struct CastSrc {
   const void* x;
   InType xt;
   bool vec;
   template <bool INTERIOR>
-  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
     const int n = valid8<INTERIOR>(sp, r, col0);
-    if (n == 0) return make_uint4(0, 0, 0, 0);
-    float v[kVec];
     load8(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
-    return pack8<L>(v);
   }
 };
 
-template <class L>
 struct RmsNormSrc {
   const void* x;
   const void* gamma;
@@ -90,52 +89,70 @@ struct RmsNormSrc {
   const float* rstd;  // (B * M) from rms_rstd_kernel
   bool vec;
   template <bool INTERIOR>
-  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
     const int n = valid8<INTERIOR>(sp, r, col0);
-    if (n == 0) return make_uint4(0, 0, 0, 0);
-    float v[kVec], g[kVec];
+    if (n == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+      return;
+    }
+    float g[kVec];
     const bool whole = vec && n == kVec;
     load8(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
     load8(gamma, gt, col0, n, whole, g);
     const float s = rstd[b * sp.M + r];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = e < n ? (v[e] * s) * g[e] : 0.0f;
-    return pack8<L>(v);
   }
 };
 
-template <class L>
 struct SwigluSrc {  // h (B, M, 2K) = [gate | up]
   const void* h;
   InType ht;
   bool vec;
   template <bool INTERIOR>
-  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
     const int n = valid8<INTERIOR>(sp, r, col0);
-    if (n == 0) return make_uint4(0, 0, 0, 0);
-    float g[kVec], u[kVec];
+    if (n == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+      return;
+    }
+    float u[kVec];
     const bool whole = vec && n == kVec;
     const int64_t at = (b * sp.M + r) * 2 * sp.K + col0;
-    load8(h, ht, at, n, whole, g);
+    load8(h, ht, at, n, whole, v);
     load8(h, ht, at + sp.K, n, whole, u);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) g[e] = e < n ? swiglu_f(g[e], u[e]) : 0.0f;
-    return pack8<L>(g);
+    for (int e = 0; e < kVec; ++e) v[e] = e < n ? swiglu_f(v[e], u[e]) : 0.0f;
   }
 };
 
-template <class L>
+// SwiGLU's gradient at column col of row `row` ([d_gate | d_up], K = 2F), from scalar loads.
+__device__ __noinline__ float swiglu_grad_at(const void* da, const void* h, InType dt, InType ht, int64_t row,
+                                             int64_t F, int64_t col) {
+  const int64_t c = col >= F ? col - F : col;
+  float d[kVec], g[kVec], u[kVec];
+  load8(da, dt, row * F + c, 1, false, d);
+  load8(h, ht, row * 2 * F + c, 1, false, g);
+  load8(h, ht, row * 2 * F + F + c, 1, false, u);
+  return swiglu_grad_half_f(d[0], g[0], u[0], col >= F);
+}
+
 struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_gate | d_up], K = 2F
   const void* da;
   const void* h;
   InType dt, ht;
   bool vec;  // also: F % 8 == 0, so a vector lies inside one half
   template <bool INTERIOR>
-  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
     const int n = valid8<INTERIOR>(sp, r, col0);
-    if (n == 0) return make_uint4(0, 0, 0, 0);
+    if (n == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+      return;
+    }
     const int64_t F = sp.K / 2, row = b * sp.M + r;
-    float v[kVec];
     if (vec && n == kVec) {  // the vector lies in one half: the gate's or the up projection's gradient
       const bool up = col0 >= F;
       const int64_t c = up ? col0 - F : col0;
@@ -146,19 +163,21 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
       // one code path for both halves (two inlined copies of the math overflowed the instruction cache)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = swiglu_grad_half_f(d[e], g[e], u[e], up);
-    } else {
+    } else {  // the matrix's edge, or unaligned rows: element by element, out of line (registers)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        v[e] = 0.0f;
-        if (e >= n) continue;
-        const int64_t col = col0 + e, c = col >= F ? col - F : col;
-        float d[kVec], g[kVec], u[kVec];
-        load8(da, dt, row * F + c, 1, false, d);
-        load8(h, ht, row * sp.K + c, 1, false, g);
-        load8(h, ht, row * sp.K + F + c, 1, false, u);
-        v[e] = swiglu_grad_half_f(d[0], g[0], u[0], col >= F);
-      }
+      for (int e = 0; e < kVec; ++e) v[e] = e < n ? swiglu_grad_at(da, h, dt, ht, row, F, col0 + e) : 0.0f;
     }
+  }
+};
+
+// A source's values rounded to the produced dtype (L) and packed as its vectors: the tile's source.
+template <class L, class S>
+struct Packed {
+  S src;
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    float v[kVec];
+    src.template values<INTERIOR>(sp, b, r, col0, v);
     return pack8<L>(v);
   }
 };
@@ -197,13 +216,29 @@ __global__ void __launch_bounds__(kThreads, MINB)
   quantize_tile<L, Cfg, kQuantize, Src>(nullptr, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x, src);
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls f(src) with the source of the call's producer (its tensor K wide).
+template <class F>
+ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
+  const bool k8 = K % kVec == 0;
+  switch (p.producer) {
+    case Producer::kCast: return f(CastSrc{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+    case Producer::kRmsNorm:
+      return f(RmsNormSrc{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
+                          k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
+    case Producer::kSwiglu: return f(SwigluSrc{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+    case Producer::kSwigluGrad:
+      return f(SwigluGradSrc{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
+                             (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
+  }
+  return bad("unreachable");
+}
 
 // Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call (L: the produced
 // dtype's loader). The kernels are built for the GEMM-ready Float8 layouts the fused layers use: a cast
 // (a master weight) into 128x128 tiles in both orientations, the other producers (activations and
-// gradients) into rowwise 1x128 and transposed 128x1 blocks; the primitive runs its reference for the
-// rest (jax_fp8/primitives/produce.py, cuda_takes).
+// gradients) into rowwise 1x128 and transposed 128x1 blocks; the primitive's lowering runs jf_produce then
+// jf_quantize for the rest (jax_fp8/primitives/produce.py, fused_kernel_takes).
 template <class L, class F>
 ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   const bool cast = p.producer == Producer::kCast, tiles = a.out[0].bm == a.out[0].bk;
@@ -211,7 +246,6 @@ ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
     return bad("produce_quantize on CUDA takes GEMM-ready Float8 blockwise schemes with both usages: 128x128 "
                "tiles for a cast, 1x128 blocks for the other producers");
   const int64_t K = a.K;
-  const bool k8 = K % kVec == 0;
   return with_rule(a, [&](auto rule) -> ffi::Error {
     using R = decltype(rule);
     if constexpr (std::is_same_v<R, MxRule>) {
@@ -219,20 +253,62 @@ ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
     } else {
       using Tiles = TileCfg<R, 128, 128, 0, false, true, true, true>;
       using Blocks = TileCfg<R, 128, 128, 128, true, false, true, true>;
-      switch (p.producer) {
-        case Producer::kCast: return f(Tiles{}, rule, CastSrc<L>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
-        case Producer::kRmsNorm:
-          return f(Blocks{}, rule,
-                   RmsNormSrc<L>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
-                                 k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
-        case Producer::kSwiglu: return f(Blocks{}, rule, SwigluSrc<L>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
-        case Producer::kSwigluGrad:
-          return f(Blocks{}, rule,
-                   SwigluGradSrc<L>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
-                                    (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
-      }
-      return bad("unreachable");
+      return with_source(p, K, [&](auto src) {
+        using S = decltype(src);
+        if constexpr (std::is_same_v<S, CastSrc>) return f(Tiles{}, rule, Packed<L, S>{src});
+        else return f(Blocks{}, rule, Packed<L, S>{src});
+      });
     }
+  });
+}
+
+// jf_produce: one thread per 8 values of the (B, M, K) tensor, rounded to T (float, or bf16 / fp16 bits) with
+// canonical NaNs and stored.
+template <class T, class S>
+__global__ void __launch_bounds__(kThreads) produce_values_kernel(Span sp, int64_t B, S src, T* __restrict__ y) {
+  const int64_t per_row = cdiv(sp.K, kVec), i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= B * sp.M * per_row) return;
+  const int64_t rr = i / per_row, col0 = (i % per_row) * kVec;
+  float v[kVec];
+  src.template values<false>(sp, rr / sp.M, rr % sp.M, col0, v);
+  const int n = valid8<false>(sp, rr % sp.M, col0);
+  T* out = y + rr * sp.K + col0;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    if (e >= n) break;
+    if constexpr (std::is_same_v<T, float>) out[e] = canonical_f32(v[e]);
+    else if constexpr (std::is_same_v<T, __half>) out[e] = __ushort_as_half(f16_from_float(v[e]));
+    else out[e] = __ushort_as_bfloat16(bf16_from_float(v[e]));
+  }
+}
+
+inline ffi::Error rms_rstd(cudaStream_t st, const ProduceArgs& p, int64_t rows, int64_t K) {
+  const int64_t per_cta = kThreads / 32;
+  if (cdiv(rows, per_cta) > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  if (rows > 0)
+    rms_rstd_kernel<<<unsigned(cdiv(rows, per_cta)), kThreads, 0, st>>>(
+        p.in[0], p.in_type[0], rows, K, p.inv_k, p.eps, K % kVec == 0 && aligned16(p.in[0]), p.rstd);
+  return ffi::Error::Success();
+}
+
+// The producer's (B, M, K) tensor into y (its dtype: p.out).
+inline ffi::Error produce_values(cudaStream_t st, const ProduceArgs& p, int64_t B, int64_t M, int64_t K, void* y) {
+  if (p.producer == Producer::kRmsNorm)
+    if (auto e = rms_rstd(st, p, B * M, K); e.failure()) return e;
+  const int64_t n = B * M * cdiv(K, kVec);
+  if (n == 0) return ffi::Error::Success();
+  if (cdiv(n, kThreads) > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  const Span sp = dense_span(M, K, 1);
+  return with_source(p, K, [&](auto src) -> ffi::Error {
+    const unsigned grid = unsigned(cdiv(n, kThreads));
+    switch (p.out) {
+      case InType::kF32: produce_values_kernel<<<grid, kThreads, 0, st>>>(sp, B, src, static_cast<float*>(y)); break;
+      case InType::kBF16:
+        produce_values_kernel<<<grid, kThreads, 0, st>>>(sp, B, src, static_cast<__nv_bfloat16*>(y));
+        break;
+      case InType::kF16: produce_values_kernel<<<grid, kThreads, 0, st>>>(sp, B, src, static_cast<__half*>(y)); break;
+    }
+    return ffi::Error::Success();
   });
 }
 
@@ -241,12 +317,8 @@ inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const Pr
                                 void* const* s) {
   if (p.out != InType::kBF16 && p.out != InType::kF16)
     return bad("produce_quantize on CUDA produces bfloat16 or float16 values");
-  if (p.producer == Producer::kRmsNorm) {
-    const int64_t rows = a.B * a.M, per_cta = kThreads / 32;
-    if (cdiv(rows, per_cta) > 0x7FFFFFFF) return bad("tensor too large for one launch");
-    rms_rstd_kernel<<<unsigned(cdiv(rows, per_cta)), kThreads, 0, st>>>(
-        p.in[0], p.in_type[0], rows, a.K, p.inv_k, p.eps, a.K % kVec == 0 && aligned16(p.in[0]), p.rstd);
-  }
+  if (p.producer == Producer::kRmsNorm)
+    if (auto e = rms_rstd(st, p, a.B * a.M, a.K); e.failure()) return e;
   const auto launch = [&](auto ld) {
     using L = decltype(ld);
     return with_produce<L>(a, p, [&](auto cfg, auto rule, auto src) -> ffi::Error {

@@ -1,7 +1,11 @@
 """``jf_produce_quantize``: a producer (RMSNorm, SwiGLU, SwiGLU's gradient, a cast; :mod:`jax_fp8.producers`)
 and the quantization of what it produces, in one kernel: the produced (B, M, K) tensor is never stored in
 high precision. Its outputs are ``jf_quantize``'s for that tensor (same scheme, same layouts), then the
-producer's extra outputs (RMSNorm: the rstd of every row, (B, M) float32, for the backward).
+producer's extra outputs (RMSNorm: the rstd of every row, (B, M) float32, for the backward). And
+``jf_produce``: the producer alone, its tensor in its dtype (the unfused ops of :mod:`jax_fp8.fused`).
+
+The fused CUDA kernels take what the fused layers ask (:func:`fused_kernel_takes`); any other call
+runs on the GPU as ``jf_produce`` then ``jf_quantize``, the same bits in two passes.
 
 Inputs (B, rows, cols): ``cast`` x (B, M, K); ``rmsnorm`` x (B, M, K) and gamma (K,); ``swiglu`` h (B, M,
 2K) = [gate | up]; ``swiglu_grad`` da (B, M, F) and h (B, M, 2F), producing (B, M, 2F) = [d_gate | d_up].
@@ -12,6 +16,8 @@ dim is gathered, with a warning saying why.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,10 +25,9 @@ from .._compat import ShapedArray, ffi
 from .. import producers
 from ..formats import BLOCKWISE, FLOAT8_BLOCK
 from ..scheme import GEMM_SCALE_PAD
-from ..warn import Fp8Warning
 from ..vma import out_aval
 from .partitioning import Dim, Rule
-from .quantize import scale_dims
+from .quantize import _quantize_ffi_lowering, scale_dims
 from .registration import define_primitive
 
 _QUANTIZE_RESULTS = 4  # the FFI target's (data, scale) x 2 slots; unused ones are empty
@@ -78,7 +83,7 @@ def _ffi_lowering(ctx, *args, producer, scheme, eps, out_dtype):
     return outs[:n_quantize] + (outs[_QUANTIZE_RESULTS:] if producer == "rmsnorm" else [])
 
 
-def _batch(args, dims, *, producer, **params):
+def _batch(prim, args, dims, *, producer, **params):
     """vmap: the mapped dim folds into the batch of every (B, rows, cols) input; gamma is shared."""
     if producer == "rmsnorm" and dims[1] is not None:
         raise NotImplementedError("jf_produce_quantize: rmsnorm under vmap takes one gamma for every mapped "
@@ -91,25 +96,44 @@ def _batch(args, dims, *, producer, **params):
             continue
         a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
-    outs = produce_quantize_p.bind(*folded, producer=producer, **params)
+    outs = prim().bind(*folded, producer=producer, **params)
     return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-def cuda_unavailable(platform: str, params: dict, devices=None):
-    """Why the CUDA kernels do not take this call (None: they do): they are built for what the fused
-    layers ask, bfloat16 or float16 values quantized GEMM-ready in Float8 blockwise blocks with both
-    usages, 128x128 tiles for a cast (a master weight) and 1x128 blocks for the other producers."""
-    if platform != "cuda":
-        return None
+def fused_kernel_takes(params: dict) -> bool:
+    """Whether the fused CUDA kernels take this call: they are built for what the fused layers ask,
+    bfloat16 or float16 values quantized GEMM-ready in Float8 blockwise blocks with both usages, 128x128
+    tiles for a cast (a master weight) and 1x128 blocks for the other producers."""
     scheme, producer, out = params["scheme"], params["producer"], jnp.dtype(params["out_dtype"])
-    if out not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"its CUDA kernels produce bfloat16 or float16 values, not {out.name}"
     tiles = tuple(scheme.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK)
-    if not (scheme.format is BLOCKWISE and scheme.gemm_ready and scheme.rowwise and scheme.colwise
-            and tiles == (producer == "cast")):
-        return (f"its CUDA kernels take GEMM-ready Float8 blockwise schemes with both usages, 128x128 tiles for a "
-                f"cast and 1x128 blocks for the other producers, not {producer} with {scheme}")
-    return None
+    return (out in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and scheme.format is BLOCKWISE
+            and scheme.gemm_ready and scheme.rowwise and scheme.colwise and tiles == (producer == "cast"))
+
+
+def _extra_avals(producer, B, M):
+    return [ShapedArray((B, M), np.float32)] if producer == "rmsnorm" else []
+
+
+def _produce_ffi(ctx, args, producer, eps, y_aval):
+    """The jf_produce custom call into ``y_aval``: [y, *extras]."""
+    B, M = y_aval.shape[:2]
+    extra = _extra_avals(producer, B, M)
+    outs = ffi.ffi_lowering("jf_produce")(
+        ctx.replace(avals_out=[y_aval] + (extra or [ShapedArray((0,), np.float32)])), *args,
+        producer=np.int32(producers.PRODUCERS.index(producer)), eps=np.float32(eps))
+    return list(outs)[:1 + len(extra)]
+
+
+def _cuda_lowering(ctx, *args, producer, scheme, eps, out_dtype):
+    """The fused kernel where it takes the call, else jf_produce then jf_quantize (same bits)."""
+    params = dict(producer=producer, scheme=scheme, eps=eps, out_dtype=out_dtype)
+    if fused_kernel_takes(params):
+        return _ffi_lowering(ctx, *args, **params)
+    n = 2 * len(scheme.kernel_usages)
+    y_aval = ShapedArray(produced_shape(producer, [a.shape for a in ctx.avals_in]), jnp.dtype(out_dtype))
+    y, *extra = _produce_ffi(ctx, args, producer, eps, y_aval)
+    quantized = _quantize_ffi_lowering(ctx.replace(avals_in=[y_aval], avals_out=ctx.avals_out[:n]), y, scheme=scheme)
+    return list(quantized) + extra
 
 
 # ---- partitioning: the batch and the rows split, the last dim only for a cast ------------------------
@@ -127,8 +151,8 @@ def _arrays(sizes, params):
     b, m, k = Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
     inputs = {"cast": [(b, m, k)], "rmsnorm": [(b, m, k), (k,)], "swiglu": [(b, m, Dim("h", sizes["h"]))],
               "swiglu_grad": [(b, m, Dim("f", sizes["f"])), (b, m, k)]}[producer]
-    outs = []
-    for usage in scheme.output_usages:
+    outs = [] if scheme is not None else [(b, m, k)]  # jf_produce: the tensor itself
+    for usage in (scheme.output_usages if scheme is not None else ()):
         outs += [(b, k, m) if scheme.transposed_data(usage) else (b, m, k),
                  (b, *scale_dims(scheme, m.size, k.size, usage))]
     if producer == "rmsnorm":
@@ -147,7 +171,35 @@ def _why_not(label, local, sizes, params):
 
 produce_quantize_p = define_primitive(
     "jf_produce_quantize", abstract=_abstract, reference=_reference,
-    ffi_rules=dict(cpu=_ffi_lowering, cuda=_ffi_lowering), batch=_batch, unavailable=cuda_unavailable,
-    fallback_warning=Fp8Warning, rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
+    ffi_rules=dict(cpu=_ffi_lowering, cuda=_cuda_lowering), batch=partial(_batch, lambda: produce_quantize_p),
+    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
     multiple_results=True,
     no_jvp_hint="Differentiate the fused ops of jax_fp8.fused (norm_dense, norm_mlp), whose VJPs are defined.")
+
+
+# ---- jf_produce: the producer alone ------------------------------------------------------------------
+def _produce_abstract(*args, producer, eps, out_dtype):
+    if len(args) != producers.N_INPUTS[producer]:
+        raise ValueError(f"jf_produce: {producer} takes {producers.N_INPUTS[producer]} inputs, got {len(args)}")
+    B, M, K = produced_shape(producer, [a.shape for a in args])
+    return [out_aval((B, M, K), out_dtype, *args)] + [out_aval(a.shape, a.dtype, *args)
+                                                      for a in _extra_avals(producer, B, M)]
+
+
+def _produce_reference(*args, producer, eps, out_dtype):
+    return producers.produce_values(*args, producer=producer, eps=eps, out_dtype=out_dtype)
+
+
+def _produce_lowering(ctx, *args, producer, eps, out_dtype):
+    return _produce_ffi(ctx, args, producer, eps, ctx.avals_out[0])
+
+
+def _produce_arrays(sizes, params):
+    return _arrays(sizes, dict(params, scheme=None))
+
+
+produce_p = define_primitive(
+    "jf_produce", abstract=_produce_abstract, reference=_produce_reference,
+    ffi_rules=dict(cpu=_produce_lowering, cuda=_produce_lowering), batch=partial(_batch, lambda: produce_p),
+    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _produce_arrays, why_not=_why_not), multiple_results=True,
+    no_jvp_hint="Use jax_fp8.rms_norm / jax_fp8.swiglu, whose VJPs are defined.")
