@@ -11,7 +11,7 @@ import pytest
 
 import jax_fp8 as jf
 from jax_fp8 import Scheme, formats
-from jax_fp8.primitives import dequantize_p, partial_amax_p, partial_cast_p, quantize_p
+from jax_fp8.primitives import dequantize_p, partial_amax_p, partial_cast_p, produce_p, produce_quantize_p, quantize_p
 from helpers import assert_bits_equal, random_input, stable_seed
 
 
@@ -87,9 +87,11 @@ def test_e8m0_from_amax_moved_with_a_deprecation():
 
 
 def test_primitives_exports_every_primitive():
-    assert set(jf.primitives.__all__) == {"quantize_p", "dequantize_p", "partial_amax_p", "partial_cast_p"}
-    assert {p.name for p in (quantize_p, dequantize_p, partial_amax_p, partial_cast_p)} == {
-        "jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast"}
+    assert set(jf.primitives.__all__) == {"quantize_p", "dequantize_p", "partial_amax_p", "partial_cast_p",
+                                          "produce_p", "produce_quantize_p"}
+    prims = (quantize_p, dequantize_p, partial_amax_p, partial_cast_p, produce_p, produce_quantize_p)
+    assert {p.name for p in prims} == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast",
+                                       "jf_produce", "jf_produce_quantize"}
 
 
 def test_one_handler_list_for_both_modules():
@@ -100,7 +102,8 @@ def test_one_handler_list_for_both_modules():
     if not _ffi.AVAILABLE["cpu"]:
         pytest.skip("the CPU module is not built")
     cpu = set(jf._jax_fp8_cpu.registrations())
-    assert cpu == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast"}
+    assert cpu == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast", "jf_produce",
+                   "jf_produce_quantize"}
     if _ffi.AVAILABLE["cuda"]:
         cuda = set(jf._jax_fp8_cuda.registrations())
         assert cpu < cuda and len(cuda - cpu) == 1  # the GEMM
