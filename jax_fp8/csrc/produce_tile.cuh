@@ -4,10 +4,10 @@
 // tile's amaxes, scales and stores are unchanged, so the produced tensor never reaches memory in high
 // precision. RMSNorm's rstd comes from a pass of its own first (rms_rstd_kernel), one warp per row.
 //
-// Inputs may be float32, bfloat16 or float16 (a run-time switch per load: the same for every thread);
-// the produced dtype is bfloat16 or float16 (L: LoadBF16 / LoadF16, VEC 8). What these kernels do not
-// take (another produced dtype or block layout) runs as jf_produce (produce_values_kernel: the values
-// alone, any produced dtype) then jf_quantize (jax_fp8/primitives/produce.py).
+// Inputs may be float32, bfloat16 or float16 (a run-time switch per load: the same for every thread); the
+// fused kernels produce bfloat16 (LoadBF16, VEC 8). What they do not take (with_produce) runs as jf_produce
+// (produce_values_kernel: the values alone, any produced dtype) then jf_quantize
+// (jax_fp8/primitives/produce.py).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -234,31 +234,25 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
   return bad("unreachable");
 }
 
-// Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call (L: the produced
-// dtype's loader). The kernels are built for the GEMM-ready Float8 layouts the fused layers use: a cast
-// (a master weight) into 128x128 tiles in both orientations, the other producers (activations and
-// gradients) into rowwise 1x128 and transposed 128x1 blocks; the primitive's lowering runs jf_produce then
-// jf_quantize for the rest (jax_fp8/primitives/produce.py, fused_kernel_takes).
-template <class L, class F>
+// Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call. The kernels are
+// built for what the fused layers ask (the recipes' schemes): bfloat16 values, Float8 blockwise with an
+// infinite amax kept infinite (saturate_inf false), GEMM-ready with both usages, a cast (a master weight)
+// into 128x128 tiles, the other producers (activations and gradients) into 1x128 and transposed 128x1
+// blocks. The primitive's lowering runs jf_produce then jf_quantize for anything else
+// (jax_fp8/primitives/produce.py, fused_kernel_takes): four fused kernels where every combination would be dozens.
+template <class F>
 ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   const bool cast = p.producer == Producer::kCast, tiles = a.out[0].bm == a.out[0].bk;
-  if (a.format != Format::kBlockwise || !a.gemm_scales || a.n_out != 2 || tiles != cast)
-    return bad("produce_quantize on CUDA takes GEMM-ready Float8 blockwise schemes with both usages: 128x128 "
-               "tiles for a cast, 1x128 blocks for the other producers");
-  const int64_t K = a.K;
-  return with_rule(a, [&](auto rule) -> ffi::Error {
-    using R = decltype(rule);
-    if constexpr (std::is_same_v<R, MxRule>) {
-      return bad("unreachable");
-    } else {
-      using Tiles = TileCfg<R, 128, 128, 0, false, true, true, true>;
-      using Blocks = TileCfg<R, 128, 128, 128, true, false, true, true>;
-      return with_source(p, K, [&](auto src) {
-        using S = decltype(src);
-        if constexpr (std::is_same_v<S, CastSrc>) return f(Tiles{}, rule, Packed<L, S>{src});
-        else return f(Blocks{}, rule, Packed<L, S>{src});
-      });
-    }
+  if (p.out != InType::kBF16 || a.format != Format::kBlockwise || a.saturate_inf || !a.gemm_scales || a.n_out != 2 ||
+      tiles != cast)
+    return bad("produce_quantize on CUDA takes bfloat16 values in GEMM-ready Float8 blockwise schemes with both "
+               "usages and saturate_inf false: 128x128 tiles for a cast, 1x128 blocks for the other producers");
+  using R = BlockRuleT<true>;
+  const R rule{a.fp8, a.pow2, a.eps, a.inf_value};
+  return with_source(p, a.K, [&](auto src) {
+    using S = decltype(src);
+    if constexpr (std::is_same_v<S, CastSrc>) return f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule, src);
+    else return f(TileCfg<R, 128, 128, 128, true, false, true, true>{}, rule, src);
   });
 }
 
@@ -315,29 +309,24 @@ inline ffi::Error produce_values(cudaStream_t st, const ProduceArgs& p, int64_t 
 // The producer's tensor quantized into the outputs d / s (tile_outputs' order); RMSNorm's rstd first.
 inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const ProduceArgs& p, uint8_t* const* d,
                                 void* const* s) {
-  if (p.out != InType::kBF16 && p.out != InType::kF16)
-    return bad("produce_quantize on CUDA produces bfloat16 or float16 values");
-  if (p.producer == Producer::kRmsNorm)
-    if (auto e = rms_rstd(st, p, a.B * a.M, a.K); e.failure()) return e;
-  const auto launch = [&](auto ld) {
-    using L = decltype(ld);
-    return with_produce<L>(a, p, [&](auto cfg, auto rule, auto src) -> ffi::Error {
-      using C = decltype(cfg);
-      Outs<typename C::S> row, col;
-      ScaleAt row_at, col_at;
-      tile_outputs(a, d, s, row, col, row_at, col_at);
-      constexpr int kMinBlocks = dense_min_blocks<L, C>();
-      Span sp = dense_span(a.M, a.K, C::GROUP);
-      // the tiles' alignment (their unchecked stores): the first data output's, with K
-      const int64_t n_tiles = plan_tiles<L, C::TM, C::TK>(sp, a.B, d[0]);
-      if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
-      if (n_tiles == 0) return ffi::Error::Success();
-      produce_kernel<L, C, kMinBlocks, decltype(src)>
-          <<<unsigned(n_tiles), kThreads, 0, st>>>(sp, rule, a.fp8, row, col, row_at, col_at, src);
-      return ffi::Error::Success();
-    });
-  };
-  return p.out == InType::kBF16 ? launch(LoadBF16{}) : launch(LoadF16{});
+  using L = LoadBF16;
+  return with_produce(a, p, [&](auto cfg, auto rule, auto src) -> ffi::Error {
+    using C = decltype(cfg);
+    if (p.producer == Producer::kRmsNorm)
+      if (auto e = rms_rstd(st, p, a.B * a.M, a.K); e.failure()) return e;
+    Outs<typename C::S> row, col;
+    ScaleAt row_at, col_at;
+    tile_outputs(a, d, s, row, col, row_at, col_at);
+    constexpr int kMinBlocks = dense_min_blocks<L, C>();
+    Span sp = dense_span(a.M, a.K, C::GROUP);
+    // the tiles' alignment (their unchecked stores): the first data output's, with K
+    const int64_t n_tiles = plan_tiles<L, C::TM, C::TK>(sp, a.B, d[0]);
+    if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
+    if (n_tiles == 0) return ffi::Error::Success();
+    produce_kernel<L, C, kMinBlocks, Packed<L, decltype(src)>>
+        <<<unsigned(n_tiles), kThreads, 0, st>>>(sp, rule, a.fp8, row, col, row_at, col_at, Packed<L, decltype(src)>{src});
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace

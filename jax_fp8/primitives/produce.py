@@ -101,12 +101,13 @@ def _batch(prim, args, dims, *, producer, **params):
 
 
 def fused_kernel_takes(params: dict) -> bool:
-    """Whether the fused CUDA kernels take this call: they are built for what the fused layers ask,
-    bfloat16 or float16 values quantized GEMM-ready in Float8 blockwise blocks with both usages, 128x128
-    tiles for a cast (a master weight) and 1x128 blocks for the other producers."""
+    """Whether the fused CUDA kernels take this call: they are built for what the fused layers ask (the
+    recipes' schemes), bfloat16 values quantized GEMM-ready in Float8 blockwise blocks with both usages
+    and infinite amaxes kept infinite (``saturate_inf=False``), 128x128 tiles for a cast (a master weight)
+    and 1x128 blocks for the other producers (produce_tile.cuh, with_produce)."""
     scheme, producer, out = params["scheme"], params["producer"], jnp.dtype(params["out_dtype"])
     tiles = tuple(scheme.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK)
-    return (out in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and scheme.format is BLOCKWISE
+    return (out == jnp.dtype(jnp.bfloat16) and scheme.format is BLOCKWISE and not scheme.saturate_inf
             and scheme.gemm_ready and scheme.rowwise and scheme.colwise and tiles == (producer == "cast"))
 
 
