@@ -61,9 +61,7 @@ def _abstract(*args, producer, scheme, eps, out_dtype):
     outs = []
     for data, scale in scheme.kernel_outputs((M, K)):
         outs += [out_aval((B, *data), np.uint8, *args), out_aval((B, *scale), scheme.scale_dtype, *args)]
-    if producer == "rmsnorm":
-        outs.append(out_aval((B, M), np.float32, *args))
-    return outs
+    return outs + [out_aval(a.shape, a.dtype, *args) for a in _extra_avals(producer, B, M)]
 
 
 def _reference(*args, producer, scheme, eps, out_dtype):
@@ -112,6 +110,7 @@ def fused_kernel_takes(params: dict) -> bool:
 
 
 def _extra_avals(producer, B, M):
+    """The producer's extra outputs: RMSNorm's rstd of every row."""
     return [ShapedArray((B, M), np.float32)] if producer == "rmsnorm" else []
 
 
