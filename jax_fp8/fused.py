@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import producers, vma
+from . import vma
 from .arrays import view_2d
 from .formats import HIGH_DTYPES
 from .gemm.dot_general import Linear, fp8_dot_general, linear_backward, linear_forward
@@ -37,7 +37,6 @@ from .primitives.partitioning import explicit_sharding, rows_view
 from .quantization import produce, produce_quantize, quantize
 from .warn import Fp8GemmFallbackWarning, warn
 
-Array = Any
 _F32 = np.float32
 
 
