@@ -78,19 +78,20 @@ def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
     return assemble(scheme, pairs, x.shape, x.dtype)
 
 
-def _producer_rows(producer: str, args):
-    """The producer's inputs as the kernels take them: (1, rows, cols) views; RMSNorm's gamma as it is."""
-    return [a if producer == "rmsnorm" and i == 1 else rows_view(a, view_2d(a.shape))[None] for i, a in enumerate(args)]
+def _producer_call(producer: str, args, out_dtype):
+    """A producer's kernel arguments: its inputs as (1, rows, cols) views (RMSNorm's gamma as it is), the
+    inputs' leading dims, the produced last dim K and the produced dtype."""
+    rows = [a if producer == "rmsnorm" and i == 1 else rows_view(a, view_2d(a.shape))[None] for i, a in enumerate(args)]
+    _, _, K = produced_shape(producer, [r.shape for r in rows])
+    dtype = producers.produced_dtype(producer, tuple(jnp.dtype(a.dtype) for a in args), out_dtype)
+    return rows, tuple(args[0].shape[:-1]), K, dtype
 
 
 def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
     """A producer's tensor (:mod:`jax_fp8.producers`) on the ``jf_produce`` kernels, rounded to the produced
     dtype (``out_dtype``, else the input's), NaNs canonical; and its extra outputs (RMSNorm: the rstd of
     every row, shape ``x.shape[:-1]``). Inputs as :func:`produce_quantize`'s."""
-    rows = _producer_rows(producer, args)
-    lead = tuple(args[0].shape[:-1])
-    _, M, K = produced_shape(producer, [r.shape for r in rows])
-    dtype = producers.produced_dtype(producer, tuple(jnp.dtype(a.dtype) for a in args), out_dtype)
+    rows, lead, K, dtype = _producer_call(producer, args, out_dtype)
     y, *extras = produce_p.bind(*rows, producer=producer, eps=float(eps), out_dtype=dtype)
     return rows_view(y[0], (*lead, K)), [e[0].reshape(lead) for e in extras]
 
@@ -101,10 +102,7 @@ def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out
     shape ``x.shape[:-1]``). The N-D inputs (..., cols) are viewed as rows; RMSNorm's gamma is (K,). The
     tensor has the inputs' leading dims and the produced last dim, and the produced dtype (``out_dtype``,
     else the input's)."""
-    rows = _producer_rows(producer, args)
-    lead = tuple(args[0].shape[:-1])
-    _, M, K = produced_shape(producer, [r.shape for r in rows])
-    dtype = producers.produced_dtype(producer, tuple(jnp.dtype(a.dtype) for a in args), out_dtype)
+    rows, lead, K, dtype = _producer_call(producer, args, out_dtype)
     outs = produce_quantize_p.bind(*rows, producer=producer, scheme=scheme, eps=float(eps), out_dtype=dtype)
     n = 2 * len(scheme.kernel_usages)
     shapes = scheme.kernel_outputs((*lead, K))

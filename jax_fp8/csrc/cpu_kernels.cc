@@ -218,9 +218,11 @@ struct ProducedRows {
   int64_t M, K;
   std::vector<float> gamma;  // rmsnorm's, widened once
 
-  void operator()(int64_t b, int64_t r, float* row) const {
+  void operator()(int64_t b, int64_t r, float* row) const { flat(b * M + r, row); }
+
+  // Row rr of the (B * M, K) view.
+  void flat(int64_t rr, float* row) const {
     thread_local std::vector<float> in0, in1;
-    const int64_t rr = b * M + r;
     switch (p.producer) {
       case Producer::kCast:
         load_f32(p.in[0], p.in_type[0], rr * K, K, row);
@@ -244,8 +246,8 @@ struct ProducedRows {
         load_f32(p.in[0], p.in_type[0], rr * F, F, in0.data());
         load_f32(p.in[1], p.in_type[1], rr * K, K, in1.data());
         for (int64_t k = 0; k < F; ++k) {
-          row[k] = round_to(p.out, swiglu_d_gate_f(in0[k], in1[k], in1[F + k]));
-          row[F + k] = round_to(p.out, swiglu_d_up_f(in0[k], in1[k]));
+          row[k] = round_to(p.out, swiglu_grad_half_f(in0[k], in1[k], in1[F + k], false));
+          row[F + k] = round_to(p.out, swiglu_grad_half_f(in0[k], in1[k], 0.0f, true));
         }
         return;
       }
@@ -291,7 +293,7 @@ ffi::Error ProduceCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y, ff
   parallel_for(B * M, B * M * K, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(K);
     for (int64_t rr = r0; rr < r1; ++rr) {
-      rows(rr / std::max<int64_t>(M, 1), rr % std::max<int64_t>(M, 1), row.data());
+      rows.flat(rr, row.data());
       for (int64_t k = 0; k < K; ++k) {
         const int64_t i = rr * K + k;
         switch (p.out) {

@@ -209,13 +209,6 @@ __global__ void __launch_bounds__(kThreads) rms_rstd_kernel(const void* x, InTyp
   if (lane == 0) rstd[row] = rms_rstd_f(part[0], inv_k, eps);
 }
 
-template <class L, class Cfg, int MINB, class Src>
-__global__ void __launch_bounds__(kThreads, MINB)
-    produce_kernel(Span sp, typename Cfg::Rule rule, int fp8, Outs<typename Cfg::S> row, Outs<typename Cfg::S> col,
-                   ScaleAt row_at, ScaleAt col_at, Src src) {
-  quantize_tile<L, Cfg, kQuantize, Src>(nullptr, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x, src);
-}
-
 
 // Calls f(src) with the source of the call's producer (its tensor K wide).
 template <class F>
@@ -317,15 +310,7 @@ inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const Pr
     Outs<typename C::S> row, col;
     ScaleAt row_at, col_at;
     tile_outputs(a, d, s, row, col, row_at, col_at);
-    constexpr int kMinBlocks = dense_min_blocks<L, C>();
-    Span sp = dense_span(a.M, a.K, C::GROUP);
-    // the tiles' alignment (their unchecked stores): the first data output's, with K
-    const int64_t n_tiles = plan_tiles<L, C::TM, C::TK>(sp, a.B, d[0]);
-    if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
-    if (n_tiles == 0) return ffi::Error::Success();
-    produce_kernel<L, C, kMinBlocks, Packed<L, decltype(src)>>
-        <<<unsigned(n_tiles), kThreads, 0, st>>>(sp, rule, a.fp8, row, col, row_at, col_at, Packed<L, decltype(src)>{src});
-    return ffi::Error::Success();
+    return launch_tiles<L, C>(st, a, nullptr, rule, row, col, row_at, col_at, Packed<L, decltype(src)>{src});
   });
 }
 

@@ -50,13 +50,8 @@ JF_HD float sigmoid_f(float g) { return 1.0f / (1.0f + exp_f(-g)); }
 
 // SwiGLU: silu(gate) * up, before rounding.
 JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
-// SwiGLU's gradient given da, before rounding: d_gate (the gate's column) and d_up (the up column).
-JF_HD float swiglu_d_gate_f(float d, float g, float u) {
-  const float s = sigmoid_f(g);
-  return (d * u) * (s * (1.0f + g * (1.0f - s)));
-}
-JF_HD float swiglu_d_up_f(float d, float g) { return d * (g * sigmoid_f(g)); }
-// Either, from one sigmoid: d_up where `up`, else d_gate (the same bits as the two above).
+// SwiGLU's gradient given da, before rounding: d_up (the up projection's column) where `up`, else d_gate
+// (the gate's column; u unused for d_up).
 JF_HD float swiglu_grad_half_f(float d, float g, float u, bool up) {
   const float s = sigmoid_f(g);
   return up ? d * (g * s) : (d * u) * (s * (1.0f + g * (1.0f - s)));

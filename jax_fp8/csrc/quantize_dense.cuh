@@ -11,11 +11,12 @@
 namespace jf {
 namespace {
 
-template <class L, class Cfg, int MINB>
+// Src: where the tiles' vectors come from (FromMemory: x; a producer, produce_tile.cuh: x is null).
+template <class L, class Cfg, int MINB, class Src>
 __global__ void __launch_bounds__(kThreads, MINB)
     tile_kernel(const typename L::T* __restrict__ x, Span sp, typename Cfg::Rule rule, int fp8,
-                Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at) {
-  quantize_tile<L, Cfg, kQuantize>(x, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x);
+                Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at, Src src) {
+  quantize_tile<L, Cfg, kQuantize, Src>(x, sp, rule, fp8, row, col, row_at, col_at, blockIdx.x, src);
 }
 
 // The register cap (CTAs per SM) of tile_kernel<L, Cfg, ...> as launched here.
@@ -25,17 +26,19 @@ constexpr int dense_min_blocks() {
 }
 
 // One launch over every tile of x (B matrices, in the configuration's tile order); `row` / `col`: the
-// rowwise (or tile) and columnwise outputs.
-template <class L, class Cfg>
+// rowwise (or tile) and columnwise outputs. A producer `src` computes the vectors instead (x null: the
+// tiles' alignment is then K's alone, XLA's buffers being aligned).
+template <class L, class Cfg, class Src = FromMemory>
 ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, const typename Cfg::Rule& rule,
-                        Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at) {
+                        Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at,
+                        const Src& src = Src{}) {
   constexpr int kMinBlocks = dense_min_blocks<L, Cfg>();
   Span sp = dense_span(a.M, a.K, Cfg::GROUP);
   const int64_t n_tiles = plan_tiles<L, Cfg::TM, Cfg::TK>(sp, a.B, x);
   if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");
   if (n_tiles == 0) return ffi::Error::Success();
-  tile_kernel<L, Cfg, kMinBlocks><<<unsigned(n_tiles), kThreads, 0, stream>>>(
-      static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col, row_at, col_at);
+  tile_kernel<L, Cfg, kMinBlocks, Src><<<unsigned(n_tiles), kThreads, 0, stream>>>(
+      static_cast<const typename L::T*>(x), sp, rule, a.fp8, row, col, row_at, col_at, src);
   return ffi::Error::Success();
 }
 
