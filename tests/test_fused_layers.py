@@ -65,14 +65,28 @@ def _case_id(c):
             f"-g{g}-w{jnp.dtype(c['w_dtype']).name}-{c['recipe']}")
 
 
-DENSE = _cases(3, 8, "dense")  # (M, K, N)
-MLP = _cases(4, 6, "mlp")  # (M, K, F, N)
+COMMON = (512, 1024, 2048, 4096)  # the widths models use, each among the widths of the cases below
+
+
+def _common_cases(n_dims: int, n: int, tag: str):
+    """``n`` more cases whose widths (every dim but the rows) are the common widths, each taking every
+    one of them in turn; the rows keep the residue walk."""
+    out = _cases(n_dims, n, tag)
+    for i, c in enumerate(out):
+        c["dims"] = (c["dims"][0], *(COMMON[(i + d) % len(COMMON)] for d in range(n_dims - 1)))
+    return out
+
+
+DENSE = _cases(3, 8, "dense") + _common_cases(3, 4, "dense-common")  # (M, K, N)
+MLP = _cases(4, 6, "mlp") + _common_cases(4, 4, "mlp-common")  # (M, K, F, N)
 
 
 def test_cases_cover_every_residue():
     for cases, n_dims in ((DENSE, 3), (MLP, 4)):
         for d in range(n_dims):
             assert {c["dims"][d] % 128 for c in cases} == {r % 128 for r in RESIDUES}, (d, [c["dims"] for c in cases])
+            if d:  # the widths: every common one too
+                assert set(COMMON) <= {c["dims"][d] for c in cases}, (d, [c["dims"] for c in cases])
     for key in ("gamma", "w_dtype", "ndim", "recipe"):
         assert len({str(c[key]) for c in DENSE}) == len({str(c[key]) for c in DENSE + MLP}) > 1, key
 
@@ -344,12 +358,16 @@ def test_shard_map_rms_norm_with_replicated_gamma():
 
 # ---- sharded jax.jit -----------------------------------------------------------------------------------
 def _mesh(mode):
-    """8 CPU devices on one axis: Auto, or jax's default axis type (Explicit: shardings are types)."""
+    """8 CPU devices on one axis: Auto, jax's default axis type (Explicit: shardings are types), or a
+    plain ``Mesh(devices, names)`` as users build one."""
+    if mode == "plain":
+        return Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
     types = dict(axis_types=(AxisType.Auto,)) if mode == "auto" else {}
     return jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8], **types)
 
 
-@pytest.mark.parametrize("layer,mode", [("norm_dense", "auto"), ("norm_mlp", "auto"), ("norm_dense", "explicit")])
+@pytest.mark.parametrize("layer,mode", [("norm_dense", "auto"), ("norm_mlp", "auto"), ("norm_dense", "explicit"),
+                                        ("norm_mlp", "plain")])
 def test_sharded_jit_data_parallel(layer, mode):
     """x's rows split over 8 devices (128 per device, aligned to every block), everything else
     replicated: y and dx are the unsharded bits and stay split; dW and dgamma are sums over the rows that

@@ -48,7 +48,7 @@ SCHEMES = {
     "mx-lhs": jf.MXFP8BlockScaling().scheme("lhs"),  # 1x32 + 32x1, E8M0
     "mx-grad-e5m2": jf.MXFP8BlockScaling(grad_dtype=E5M2).scheme("grad"),
 }
-KS = (1, 31, 32, 100, 127, 128, 129, 255, 256, 257, 384, 512, 1000, 1024, 2048)
+KS = (1, 31, 32, 100, 127, 128, 129, 255, 256, 257, 384, 512, 1000, 1024, 2048, 4096)  # 512..4096: common widths
 MS = (1, 127, 128, 129, 300)
 BS = (1, 2)
 EPS = (1e-6, 0.0, 1e-5)
