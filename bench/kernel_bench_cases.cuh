@@ -17,8 +17,8 @@ void bench_launch_tiles(const QuantizeArgs& a, const void* x, Span sp, const typ
   constexpr int B = MINB ? MINB : dense_min_blocks<LoadBF16, Cfg>();
   const int64_t n_tiles = plan_tiles<LoadBF16, Cfg::TM, Cfg::TK>(sp, a.B, x);
   if (n_tiles > 0)
-    tile_kernel<LoadBF16, Cfg, B><<<unsigned(n_tiles), kThreads>>>(static_cast<const uint16_t*>(x), sp, rule, a.fp8,
-                                                                  row, col, row_at, col_at);
+    tile_kernel<LoadBF16, Cfg, B, FromMemory><<<unsigned(n_tiles), kThreads>>>(
+        static_cast<const uint16_t*>(x), sp, rule, a.fp8, row, col, row_at, col_at, FromMemory{});
 }
 
 // MINB: a register cap (CTAs per SM) other than the shipped one (0: the shipped one).
