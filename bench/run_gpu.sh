@@ -13,7 +13,8 @@
 # tests/test_command_buffers.py and tests/test_compiled_for_gpu.py;
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
 # (NCU_PAIRS) and backend (each at the table's best options when there is one); MODEL=1 bench_model.py;
-# PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS).
+# PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS);
+# NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
 #   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
@@ -61,6 +62,20 @@ python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('C
 [ "${PRODUCERS:-0}" != 0 ] && { stage producers; python3 -m pytest tests/test_producers.py tests/test_fused_layers.py \
   tests/test_command_buffers.py -q -n 0 -p no:cacheprovider 2>&1 | log producers_tests.log | tail -15;
   (cd bench && python3 bench_producers.py ${PRODUCERS_ARGS:-}) 2>&1 | log bench_producers.log | tail -12; }
+# NCU_PRODUCERS=1: Nsight Compute on each fused SwiGLU kernel (instruction mix, stalls by SASS line) and their SASS
+if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
+  stage ncu_producers
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for src in ${NCU_SOURCES:-SwigluSrc SwigluGradSrc}; do
+    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:Packed<.*$src>:2" \
+      --section SpeedOfLight --section Occupancy --section InstructionStats --section WarpStateStats \
+      --section SourceCounters ${NCU_ARGS:-} python3 bench/bench_producers.py --widths 4096x14336 --iters 2 \
+      > "$OUT/ncu_$src.txt" 2>&1
+    tee -a "$OUT/run.log" < "$OUT/ncu_$src.txt" | grep -E "Executed Ipc|Issue Slots|Registers|Duration|Occupancy" | head
+  done
+  so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
+  cuobjdump --dump-sass "$so" | awk '/Function :/ {keep = /Packed/} keep' | gzip > "$OUT/sass_packed.txt.gz"
+fi
 [ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py tests/test_command_buffers.py tests/test_compiled_for_gpu.py -q -n 0 -p no:cacheprovider 2>&1 | log backends.log | tail -15; }
 [ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$L/kernel_bench_build.log" | tee -a "$OUT/run.log"; }
 [ "${KERNELS:-1}" != 0 ] && { stage kernels; python3 bench/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | log bench.log; }
