@@ -4,16 +4,16 @@ activation, gradient or weight makes a separate quantize pass (DESIGN section 11
 - :func:`norm_dense`: ``fp8_dot_general(rms_norm(x, gamma), kernel)``: the RMSNorm writes x's FP8
   operands directly (rowwise for the forward GEMM, columnwise for the weight gradient), and the fp32
   master ``kernel`` is cast and quantized to its 128x128 tiles in one pass;
-- :func:`norm_mlp`: the SwiGLU MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x, gamma),
-  w_gate_up)), w_down)``: the norm and SwiGLU write the next GEMM's operands, and in the backward
-  SwiGLU's derivative writes the up projection's output gradient in FP8 (TransformerEngine's
-  ``layernorm_mlp`` with ``dact_lu`` + quantize).
+- :func:`norm_mlp`: the SwiGLU (or GELU) MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x,
+  gamma), w_gate_up)), w_down)``: the norm and the activation write the next GEMM's operands, and in the
+  backward the activation's derivative writes the up projection's output gradient in FP8
+  (TransformerEngine's ``layernorm_mlp`` with ``dact_lu`` + quantize).
 
-Each gives the bits of the unfused composition of :func:`rms_norm`, :func:`swiglu` and
+Each gives the bits of the unfused composition of :func:`rms_norm`, :func:`swiglu` (:func:`gelu`) and
 :func:`~jax_fp8.fp8_dot_general` (the produced tensors are rounded to the activation dtype and quantized
 exactly as the unfused program quantizes them), forward and backward, except that a master weight's
 gradient comes out of the weight-gradient GEMM in the weight's dtype rather than rounded to the
-activation dtype first. :func:`rms_norm` and :func:`swiglu` are the unfused ops, with jax_fp8's exact
+activation dtype first. :func:`rms_norm`, :func:`swiglu` and :func:`gelu` are the unfused ops, with jax_fp8's exact
 numbers (:mod:`jax_fp8.producers`) and the VJPs the fused layers use.
 """
 from __future__ import annotations
@@ -98,15 +98,38 @@ def _swiglu_bwd(h, da):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@jax.custom_vjp
+def gelu(x):
+    """GELU, tanh form (``jax.nn.gelu(x, approximate=True)``): ``x * sigmoid(x * (A + B x**2))`` in fp32
+    with jax_fp8's exact sigmoid (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform
+    and as the fused layers'), rounded to x's dtype. Differentiable (reverse mode)."""
+    return produce("gelu", x)[0]
+
+
+def _gelu_fwd(x):
+    return produce("gelu", x)[0], x
+
+
+def _gelu_bwd(x, da):
+    return (produce("gelu_grad", da, x, out_dtype=x.dtype)[0],)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+#: norm_mlp's activations: the unfused op, and how many columns of the up projection make one output
+ACTIVATIONS = {"swiglu": (swiglu, 2), "gelu": (gelu, 1)}
+
+
 # ---- the fused layers ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Layer:
     """Static description of a fused layer: ``eps`` (None: no norm), the recipe, its projections'
-    :class:`~jax_fp8.gemm.dot_general.Linear` (their GEMM plans) in order."""
+    :class:`~jax_fp8.gemm.dot_general.Linear` (their GEMM plans) in order, the MLP's activation."""
 
     eps: Optional[float]
     recipe: Float8BlockScaling | MXFP8BlockScaling
     dense: tuple
+    activation: str = "swiglu"
 
 
 def _linear(where: str, M: int, K: int, N: int, dtype, recipe, x=None, w=None) -> Optional[Linear]:
@@ -183,7 +206,7 @@ def _norm_mlp_fwd(x2, gamma, w1, w2, cfg: _Layer):
     lhs, rhs = cfg.recipe.scheme("lhs"), cfg.recipe.scheme("rhs")
     xq, rstd = _norm_quantize(x2, gamma, cfg.eps, lhs)
     h, saved_up = linear_forward(up, {"x": xq, "w": _weight(w1, x2.dtype, rhs)})
-    aq, _ = produce_quantize("swiglu", h, scheme=lhs)  # the down projection's input, straight to FP8
+    aq, _ = produce_quantize(cfg.activation, h, scheme=lhs)  # the down projection's input, straight to FP8
     y, saved_down = linear_forward(down, {"x": aq, "w": _weight(w2, x2.dtype, rhs)})
     return y, (saved_up, saved_down, h, x2, gamma, rstd, _marker(w1), _marker(w2))
 
@@ -193,7 +216,8 @@ def _norm_mlp_bwd(cfg: _Layer, res, dy):
     up, down = cfg.dense
     grad = cfg.recipe.scheme("grad")
     da, dw2 = linear_backward(down, saved_down, quantize(dy, grad), h.dtype, w2_dtype.dtype)
-    dhq, _ = produce_quantize("swiglu_grad", da, h, scheme=grad, out_dtype=h.dtype)  # SwiGLU's gradient in FP8
+    # the activation's gradient, in FP8
+    dhq, _ = produce_quantize(cfg.activation + "_grad", da, h, scheme=grad, out_dtype=h.dtype)
     dn, dw1 = linear_backward(up, saved_up, dhq, x2.dtype, w1_dtype.dtype)
     return (*_x_grad(x2, gamma, rstd, dn, cfg.eps), dw1, dw2)
 
@@ -254,29 +278,34 @@ def norm_dense(x, gamma, kernel, *, eps: float = 1e-6, recipe=None):
     return rows_view(y, (*x.shape[:-1], kernel.shape[1]))
 
 
-def norm_mlp(x, gamma, w_gate_up, w_down, *, eps: float = 1e-6, recipe=None):
+def norm_mlp(x, gamma, w_gate_up, w_down, *, eps: float = 1e-6, recipe=None, activation: str = "swiglu"):
     """The SwiGLU MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x, gamma, eps), w_gate_up)),
     w_down)`` (kernels cast to x's dtype) with every quantization fused into its producer, the same
     bits (module docstring). ``x`` (..., K); ``gamma`` (K,) or None (no norm); ``w_gate_up`` (K, 2F)
-    whose first F columns make the gate and the last F the up projection; ``w_down`` (F, N). Returns
-    (..., N) in x's dtype; differentiable in x, gamma and both kernels (reverse mode). Shapes
-    ``fp8_dot_general`` does not run on its GEMM run unfused, as that composition."""
+    whose first F columns make the gate and the last F the up projection; ``w_down`` (F, N).
+    ``activation="gelu"``: the GELU MLP ``gelu(x @ w_gate_up) @ w_down`` instead, ``w_gate_up`` (K, F)
+    the up projection. Returns (..., N) in x's dtype; differentiable in x, gamma and both kernels (reverse
+    mode). Shapes ``fp8_dot_general`` does not run on its GEMM run unfused, as that composition."""
     recipe = _recipe(recipe, "norm_mlp")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"norm_mlp: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    act, per_out = ACTIVATIONS[activation]
     x, gamma = _checked_norm(x, gamma, "norm_mlp") if gamma is not None else (x, None)
     w_gate_up = _checked_kernel(w_gate_up, x.shape[-1], "w_gate_up", "norm_mlp")
-    if w_gate_up.shape[1] % 2:
+    if w_gate_up.shape[1] % per_out:
         raise ValueError(f"norm_mlp: w_gate_up must have an even number of columns ([gate | up]), got "
                          f"{list(w_gate_up.shape)}")
-    F = w_gate_up.shape[1] // 2
+    H = w_gate_up.shape[1]
+    F = H // per_out
     w_down = _checked_kernel(w_down, F, "w_down", "norm_mlp")
     M, K = view_2d(x.shape)
     x2 = rows_view(x, (M, K))
-    up = _linear("norm_mlp", M, K, 2 * F, x.dtype, recipe, x2, w_gate_up)
+    up = _linear("norm_mlp", M, K, H, x.dtype, recipe, x2, w_gate_up)
     down = _linear("norm_mlp", M, F, w_down.shape[1], x.dtype, recipe, None, w_down)
     if up is None or down is None:
         h = _dense(x if gamma is None else rms_norm(x, gamma, eps), w_gate_up, recipe)
-        return _dense(swiglu(h), w_down, recipe)
+        return _dense(act(h), w_down, recipe)
     x2, gamma, w_gate_up, w_down = vma.match(x2, gamma, w_gate_up, w_down)
-    cfg = _Layer(None if gamma is None else float(eps), recipe, (up, down))
+    cfg = _Layer(None if gamma is None else float(eps), recipe, (up, down), activation)
     y = _norm_mlp(x2, gamma, w_gate_up, w_down, cfg)
     return rows_view(y, (*x.shape[:-1], w_down.shape[1]))

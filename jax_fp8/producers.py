@@ -1,5 +1,5 @@
-"""The producers that quantization fuses with, as exact fp32 math: RMSNorm, SwiGLU and SwiGLU's
-derivative, and the cast of fp32 master weights to the model dtype.
+"""The producers that quantization fuses with, as exact fp32 math: RMSNorm, SwiGLU and GELU (tanh form)
+and their derivatives, and the cast of fp32 master weights to the model dtype.
 
 Each producer's value is defined here once, in ``jax.numpy`` / NumPy (same code, :func:`~.arrays.xp_of`),
 with every fp32 operation in a fixed order and no fused multiply-add, so that the CPU and CUDA kernels
@@ -11,10 +11,14 @@ then quantized by :func:`~.contracts.quantize_usages` (:func:`produce_quantize`,
 - The row sum of squares of RMSNorm: 256 partial sums, partial ``v`` adding the squares of elements
   ``v, v + 256, v + 512, ...`` in order, then a pairwise tree (``v + v ^ 128``, then 64, ... 1): what
   a warp does with 8 consecutive elements per lane and XOR shuffles.
-- ``exp``: Cody-Waite range reduction (``n = rint(x log2 e)``), a degree-6 polynomial (fitted to e**r
+- ``sigmoid``: ``1 / (1 + e**-g)``, the division IEEE's, with ``e**-g`` from our own ``exp`` on ``-g``
+  clamped to [-17, 88] (below, ``1 + e`` rounds to 1 anyway; above, ``1 + e >= 2**126``) and 0 where
+  ``1 + e >= 2**126`` (the quotient would be below float32's normal range: flushed, as FTZ would).
+  ``exp``: Cody-Waite range reduction (``n = rint(x log2 e)``), a degree-6 polynomial (fitted to e**r
   on [-ln2/2, ln2/2] for the least maximal relative error, coefficients rounded to float32) by Horner's
-  rule, then ``2**n`` as two exact power-of-two products; within 1.2 ulp of the true exponential, and
-  the same bits everywhere (libm's and CUDA's ``expf`` differ in their last bits).
+  rule, then ``2**n`` as the exponent field; within 1.2 ulp of the true exponential on that domain, and
+  the same bits everywhere (libm's and CUDA's ``expf`` differ in their last bits). So the GPU computes
+  it without a branch or a select (producers.h).
 
 As everywhere in :mod:`jax_fp8.contracts`: XLA's CPU runtime flushes subnormals, so evaluate these on
 NumPy inputs where subnormal intermediates must be exact.
@@ -31,17 +35,24 @@ from .formats import quiet as _quiet
 _F32 = np.float32
 
 #: The producers, in the kernels' numbering (producers.h's Producer).
-PRODUCERS = ("cast", "rmsnorm", "swiglu", "swiglu_grad")
+PRODUCERS = ("cast", "rmsnorm", "swiglu", "swiglu_grad", "gelu", "gelu_grad")
 #: How many inputs each producer takes.
-N_INPUTS = {"cast": 1, "rmsnorm": 2, "swiglu": 1, "swiglu_grad": 2}
+N_INPUTS = {"cast": 1, "rmsnorm": 2, "swiglu": 1, "swiglu_grad": 2, "gelu": 1, "gelu_grad": 2}
 
 SUM_LANES = 256  # the row sum of squares' partial sums (producers.h's kSumLanes)
 
 _LOG2E = _F32(1.44269502)         # 0x3FB8AA3B
 _LN2_HI = _F32(0.693145751953125)  # 0x3F317200: 15 significant bits, so n * _LN2_HI is exact
 _LN2_LO = _F32(1.42860677e-06)    # 0x35BFBE8E: ln 2 - _LN2_HI
-_EXP_OVER = _F32(88.7228394)      # above: inf
-_EXP_UNDER = _F32(-103.972084)    # below: 0
+#: the domain the sigmoid clamps exp's argument to, and where the sigmoid flushes to 0 (1 + e >= 2**126)
+EXP_DOMAIN = (_F32(-17), _F32(88))
+_SIGMOID_FLUSH = _F32(2.0 ** 126)
+#: GELU's tanh form as a sigmoid (0.5 (1 + tanh z) = sigmoid(2 z)): gelu(x) = x * sigmoid(x * (A + (B x) x)),
+#: A = 2 sqrt(2 / pi), B = 0.044715 A; its derivative's (A + (3B x) x) takes x clamped to +-GELU_CLAMP
+_GELU_A = _F32(1.5957691669464111)    # 0x3FCC422A
+_GELU_B = _F32(0.07135481387376785)   # 0x3D922279
+_GELU_B3 = _F32(0.21406444907188416)  # 0x3E5B33B6: 3 B
+GELU_CLAMP = _F32(20)  # beyond, s (1 - s) is 0 (|u| > 17), and (3B x) x must not overflow to inf * 0
 #: exp's polynomial on [-ln2/2, ln2/2], highest power first (float32 bits: producers.h's kExpPoly)
 _EXP_POLY = tuple(np.uint32(b).view(_F32) for b in (0x3AB55C67, 0x3C0936DF, 0x3D2AAC4F, 0x3E2AAA05, 0x3EFFFFFD,
                                                      0x3F800000, 0x3F800000))
@@ -67,27 +78,28 @@ def _pow2(xp, k):
 
 
 def exp_f32(x):
-    """e**x for float32 ``x`` (see the module docstring); NaN stays NaN."""
+    """e**x for float32 ``x`` in :data:`EXP_DOMAIN` (see the module docstring): a normal result, 2**n the
+    exponent field alone. Outside that domain the result is meaningless: :func:`sigmoid_f32` clamps."""
     xp = xp_of(x)
     x = _f32(xp, x)
     with _quiet():
-        n = xp.clip(xp.rint(x * _LOG2E), _F32(-151), _F32(128))
+        n = xp.rint(x * _LOG2E)
         r = (x - _rounded(n * _LN2_HI)) - _rounded(n * _LN2_LO)
         p = xp.full_like(r, _EXP_POLY[0])
         for c in _EXP_POLY[1:]:
             p = _rounded(p * r) + c
-        k = n.astype(np.int32)
-        half = k // 2  # floor: both halves in [-76, 64]
-        y = (p * _pow2(xp, half)) * _pow2(xp, k - half)
-    y = xp.where(x > _EXP_OVER, _F32(np.inf), y)
-    y = xp.where(x < _EXP_UNDER, _F32(0), y)
-    return xp.where(xp.isnan(x), x, y)
+        return p * _pow2(xp, n.astype(np.int32))
 
 
 def sigmoid_f32(g):
-    """1 / (1 + e**-g), float32."""
+    """1 / (1 + e**-g) in float32 (see the module docstring): e**-g by :func:`exp_f32` on -g clamped to
+    :data:`EXP_DOMAIN` (NaN: its low end), 0 where 1 + e >= 2**126. A NaN ``g`` gives 1 (SwiGLU's
+    products carry the NaN)."""
+    xp = xp_of(g)
+    lo, hi = EXP_DOMAIN
     with _quiet():
-        return _F32(1) / (_F32(1) + exp_f32(-g))
+        d = _F32(1) + _rounded(exp_f32(xp.fmin(xp.fmax(-_f32(xp, g), lo), hi)))
+        return xp.where(d >= _SIGMOID_FLUSH, _F32(0), _F32(1) / d)
 
 
 def swiglu_values(h):
@@ -117,6 +129,39 @@ def swiglu_grad(da, h, out_dtype=None):
         d_gate = (d * u) * (s * (_F32(1) + _rounded(g * (_F32(1) - s))))
     out = h.dtype if out_dtype is None else out_dtype
     return xp.concatenate([d_gate.astype(out), d_up.astype(out)], axis=-1)
+
+
+def _gelu_arg(xp, x):
+    """GELU's sigmoid argument x * (A + (B x) x) (module constants), float32."""
+    return x * (_GELU_A + _rounded((_GELU_B * x) * x))
+
+
+def gelu_values(x):
+    """GELU (tanh form, ``jax.nn.gelu(approximate=True)``) in float32 before rounding: x * sigmoid(2 z),
+    2 z = x * (A + (B x) x), the sigmoid :func:`sigmoid_f32`'s."""
+    xp = xp_of(x)
+    x = _f32(xp, x)
+    with _quiet():
+        return x * sigmoid_f32(_gelu_arg(xp, x))
+
+
+def gelu(x, out_dtype=None):
+    """GELU (tanh form) of ``x``, rounded to ``out_dtype`` (default x's)."""
+    return gelu_values(x).astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def gelu_grad(da, x, out_dtype=None):
+    """The gradient of :func:`gelu` given ``da``: da * (s + (x * (s (1 - s))) * (A + (3B c) c)), s the
+    forward's sigmoid, c = x clamped to +-GELU_CLAMP (NaN: its low end), rounded to ``out_dtype`` (default
+    x's)."""
+    xp = xp_of(da, x)
+    xf, d = _f32(xp, x), _f32(xp, da)
+    with _quiet():
+        s = sigmoid_f32(_gelu_arg(xp, xf))
+        c = xp.fmin(xp.fmax(xf, -GELU_CLAMP), GELU_CLAMP)
+        du = _GELU_A + _rounded((_GELU_B3 * c) * c)
+        g = s + _rounded((xf * (s * (_F32(1) - s))) * du)
+        return (d * g).astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def row_sum_squares(x):
@@ -164,7 +209,8 @@ def rms_norm(x, gamma, eps: float = 1e-6):
 
 def produced_dtype(producer: str, dtypes: tuple, out_dtype) -> jnp.dtype:
     """The dtype a producer's values are rounded to: ``out_dtype``, else its (first) input's."""
-    return jnp.dtype(out_dtype if out_dtype is not None else dtypes[-1] if producer == "swiglu_grad" else dtypes[0])
+    grad = producer in ("swiglu_grad", "gelu_grad")  # the forward input's dtype, not da's
+    return jnp.dtype(out_dtype if out_dtype is not None else dtypes[-1] if grad else dtypes[0])
 
 
 def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
@@ -181,6 +227,10 @@ def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
         return swiglu(args[0], dtype), []
     if producer == "swiglu_grad":
         return swiglu_grad(*args, dtype), []
+    if producer == "gelu":
+        return gelu(args[0], dtype), []
+    if producer == "gelu_grad":
+        return gelu_grad(*args, dtype), []
     raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
 
 

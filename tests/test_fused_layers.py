@@ -79,6 +79,8 @@ def _common_cases(n_dims: int, n: int, tag: str):
 
 DENSE = _cases(3, 8, "dense") + _common_cases(3, 4, "dense-common")  # (M, K, N)
 MLP = _cases(4, 6, "mlp") + _common_cases(4, 4, "mlp-common")  # (M, K, F, N)
+for _i, _c in enumerate(MLP):  # the MLP's activation alternates (the swiglu in 6 of 10)
+    _c["activation"] = ("swiglu", "gelu", "swiglu")[_i % 3]
 
 
 def test_cases_cover_every_residue():
@@ -87,6 +89,7 @@ def test_cases_cover_every_residue():
             assert {c["dims"][d] % 128 for c in cases} == {r % 128 for r in RESIDUES}, (d, [c["dims"] for c in cases])
             if d:  # the widths: every common one too
                 assert set(COMMON) <= {c["dims"][d] for c in cases}, (d, [c["dims"] for c in cases])
+    assert {c["activation"] for c in MLP} == set(fused.ACTIVATIONS)
     for key in ("gamma", "w_dtype", "ndim", "recipe"):
         assert len({str(c[key]) for c in DENSE}) == len({str(c[key]) for c in DENSE + MLP}) > 1, key
 
@@ -101,9 +104,9 @@ def unfused_dense(x, gamma, w, *, eps=EPS, recipe=None):
     return jf.fp8_dot_general(n, w.astype(x.dtype), _kn(n), recipe=recipe)
 
 
-def unfused_mlp(x, gamma, w1, w2, *, eps=EPS, recipe=None):
+def unfused_mlp(x, gamma, w1, w2, *, eps=EPS, recipe=None, activation="swiglu"):
     h = unfused_dense(x, gamma, w1, eps=eps, recipe=recipe)
-    a = fused.swiglu(h)
+    a = fused.ACTIVATIONS[activation][0](h)
     return jf.fp8_dot_general(a, w2.astype(x.dtype), _kn(a), recipe=recipe)
 
 
@@ -137,9 +140,11 @@ def _value_and_grads(layer, x, gamma, ws, c):
 
 
 def _dn(x, gamma, ws, c, eps, recipe, mlp):
-    """The output gradient of the unfused RMSNorm (what dgamma sums over the rows)."""
+    """The output gradient of the unfused RMSNorm (what dgamma sums over the rows); ``mlp``: False, True
+    (the SwiGLU MLP) or the MLP's activation."""
     n = fused.rms_norm(x, gamma, eps)
-    rest = ((lambda n: unfused_mlp(n, None, *ws, recipe=recipe)) if mlp
+    act = mlp if isinstance(mlp, str) else "swiglu"
+    rest = ((lambda n: unfused_mlp(n, None, *ws, recipe=recipe, activation=act)) if mlp
             else (lambda n: unfused_dense(n, None, *ws, recipe=recipe)))
     return jax.grad(lambda n: jnp.sum(rest(n).astype(F32) * c))(n)
 
@@ -179,23 +184,24 @@ def _n_produce(fn, *args):
 
 def _check_case(c, mlp):
     rng = np.random.default_rng(stable_seed(_case_id(c)))
+    act = c.get("activation", "swiglu")
     if mlp:
         M, K, F, N = c["dims"]
-        w_shapes, n_out = [(K, 2 * F), (F, N)], N
+        w_shapes, n_out = [(K, fused.ACTIVATIONS[act][1] * F), (F, N)], N
     else:
         M, K, N = c["dims"]
         w_shapes, n_out = [(K, N)], N
     recipe = RECIPES[c["recipe"]]
     x, gamma, ws, cot = _data(rng, _x_shape(M, K, c["ndim"]), c["gamma"], w_shapes, c["w_dtype"], c["x_dtype"], n_out)
-    layer = ((lambda x, g, *w: fused.norm_mlp(x, g, *w, eps=EPS, recipe=recipe)) if mlp
+    layer = ((lambda x, g, *w: fused.norm_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act)) if mlp
              else (lambda x, g, *w: fused.norm_dense(x, g, *w, eps=EPS, recipe=recipe)))
-    ref = ((lambda x, g, *w: unfused_mlp(x, g, *w, eps=EPS, recipe=recipe)) if mlp
+    ref = ((lambda x, g, *w: unfused_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act)) if mlp
            else (lambda x, g, *w: unfused_dense(x, g, *w, eps=EPS, recipe=recipe)))
 
     @jax.jit
     def run(x, gamma, ws, cot):
         out = {"fused": _value_and_grads(layer, x, gamma, ws, cot), "unfused": _value_and_grads(ref, x, gamma, ws, cot)}
-        out["dn"] = None if gamma is None else _dn(x, gamma, ws, cot, EPS, recipe, mlp)
+        out["dn"] = None if gamma is None else _dn(x, gamma, ws, cot, EPS, recipe, mlp and act)
         return out
 
     out = run(x, gamma, ws, cot)
@@ -465,6 +471,10 @@ def test_errors_name_the_argument():
         fused.norm_mlp(x, g, jnp.zeros((256, 255), F32), w2)
     with pytest.raises(ValueError, match="norm_mlp: w_down must be .* with 128 rows"):
         fused.norm_mlp(x, g, w1, jnp.zeros((256, 64), F32))
+    with pytest.raises(ValueError, match="norm_mlp: w_down must be .* with 256 rows"):  # GELU: F = w_gate_up's width
+        fused.norm_mlp(x, g, w1, w2, activation="gelu")
+    with pytest.raises(ValueError, match=r"norm_mlp: activation must be one of \('swiglu', 'gelu'\), got 'relu'"):
+        fused.norm_mlp(x, g, w1, w2, activation="relu")
     for bad in ("f8", jf.Scheme("blockwise"), 3):
         with pytest.raises(TypeError, match="norm_dense: recipe must be a Float8BlockScaling or MXFP8BlockScaling"):
             fused.norm_dense(x, g, w, recipe=bad)
@@ -552,3 +562,21 @@ def test_swiglu_gradient_against_float64_autodiff():
     assert (err_gate <= bound_gate).all(), np.max(err_gate / bound_gate)
     assert (err_up <= bound_up).all(), np.max(err_up / bound_up)
     assert np.asarray(out).dtype == np.float32
+
+
+def test_linen_mlp_takes_the_gelu_activation():
+    """flax_utils.RMSNormMLP(activation="gelu"): an up projection of ``hidden`` columns (not 2 * hidden)
+    and the bits of norm_mlp(..., activation="gelu") on its parameters; an unknown activation is refused."""
+    from jax_fp8.flax_utils import RMSNormMLP
+
+    x = jnp.asarray(np.random.default_rng(stable_seed("linen gelu")).standard_normal((2, 128, 256)), BF16)
+    m = RMSNormMLP(hidden=384, features=128, activation="gelu")
+    params = m.init(jax.random.key(0), x)["params"]
+    assert params["gate_up"]["kernel"].shape == (256, 384) and params["down"]["kernel"].shape == (384, 128)
+    y = jax.jit(m.apply)({"params": params}, x)
+    want = fused.norm_mlp(x, params["norm"]["scale"], params["gate_up"]["kernel"], params["down"]["kernel"],
+                          activation="gelu")
+    assert y.shape == (2, 128, 128)
+    assert_bits_equal(y, want, "y")
+    with pytest.raises(ValueError, match="RMSNormMLP: activation must be one of"):
+        RMSNormMLP(hidden=8, activation="relu").init(jax.random.key(0), x)

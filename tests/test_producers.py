@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_fp8 as jf
 from jax_fp8 import Scheme, ShardingWarning, producers
 from jax_fp8.primitives import produce_p, produce_quantize_p
+from jax_fp8.primitives.produce import ELEMENTWISE
 from jax_fp8.quantization import produce_quantize
 from jax_fp8.vma import axes_of
 from helpers import IN_DTYPES, assert_bits_equal, random_input, stable_seed
@@ -117,9 +118,10 @@ def _values(rng, shape, dtype):
         return x.astype(dtype)
 
 
-#: gate values at the edges of exp: its overflow and underflow limits, subnormal results, saturation
-EXP_EDGES = [88.7228394, float(np.nextafter(np.float32(88.7228394), np.float32(np.inf))), 88.0, 87.3, -87.3, -88.0,
-             -88.7228394, 103.972084, -103.972084, -103.98, 100.0, -100.0, 1e4, -1e4, 20.0, -20.0, 1.0, -1.278]
+#: gate values at the edges of the sigmoid: its flush (-126 ln 2 = -87.3365), exp's clamps (+-17, +-88),
+#: float32 exp's own overflow and underflow limits, saturation
+EXP_EDGES = [88.7228394, -88.7228394, 88.0, -88.0, 87.3, -87.3, -87.33654, -87.336555, -87.33656, 103.98, -103.98, 100.0,
+             -100.0, 1e4, -1e4, 17.0, -17.0, 16.99999, -16.99999, 20.0, -20.0, 1.0, -1.278]
 
 
 def _gate_up(rng, shape, dtype):
@@ -129,6 +131,20 @@ def _gate_up(rng, shape, dtype):
     _plant(rng, h.reshape(-1, shape[-1]), EXP_EDGES, cols=np.arange(F))
     with np.errstate(over="ignore"):
         return h.astype(dtype)
+
+
+#: GELU inputs at its edges: the sigmoid's flush (x * (A + B x**2) = -87.34 near x = -5.3), the derivative's
+#: clamp (+-20), x**3 overflowing float32 (|x| > 7e12), saturation
+GELU_EDGES = [-5.3, -5.31, -5.2, -6.0, 20.0, -20.0, 19.99, 20.01, -20.01, 1e13, -1e13, 1e20, -1e20, 3.0, -3.0, 0.5]
+
+
+def _gelu_x(rng, shape, dtype):
+    """GELU's input: _values with more mass where GELU bends (N(0, 3)) and its edge values planted."""
+    x = _values(rng, shape, dtype).astype(np.float32)
+    x = np.where(rng.random(shape) < 0.5, (rng.standard_normal(shape) * 3).astype(np.float32), x)
+    _plant(rng, x.reshape(-1, shape[-1]), GELU_EDGES)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 def _gamma(rng, K, dtype):
@@ -144,6 +160,10 @@ def _inputs(rng, producer, B, M, K, dtype, gamma_dtype):
         return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype)]
     if producer == "swiglu":
         return [_gate_up(rng, (B, M, 2 * K), dtype)]
+    if producer == "gelu":
+        return [_gelu_x(rng, (B, M, K), dtype)]
+    if producer == "gelu_grad":
+        return [_values(rng, (B, M, K), dtype), _gelu_x(rng, (B, M, K), dtype)]
     return [_values(rng, (B, M, K), dtype), _gate_up(rng, (B, M, 2 * K), dtype)]  # swiglu_grad: da, h
 
 
@@ -212,6 +232,23 @@ def test_produce_kernel_matches_contract(case):
         assert_bits_equal(g, w, f"{_case_id(case)} output {i}")
 
 
+@pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad"])
+def test_every_bfloat16_gate(producer):
+    """Every one of the 65536 bfloat16 gates (the sigmoid's whole input domain in bfloat16) through this
+    platform's kernels against the NumPy contract, bit for bit: the fused kernel in the recipe's scheme (the
+    one the fused layers run), and jf_produce with float32 output (the sigmoid's bits unrounded)."""
+    rng = np.random.default_rng(stable_seed("every bf16 gate", producer))
+    gate = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16).reshape(1, 512, 128)
+    up = rng.standard_normal((1, 512, 128)).astype(np.float32).astype(BF16)
+    h = np.concatenate([np.asarray(gate), up], axis=-1)
+    args = (h,) if producer == "swiglu" else (rng.standard_normal((1, 512, 128)).astype(np.float32).astype(BF16), h)
+    fn, params = _bind(producer, jf.Float8BlockScaling().scheme("lhs"), 0.0, BF16)
+    _assert_outputs_equal(jax.jit(fn)(*args), producers.produce_quantize(*args, **params), producer)
+    values = dict(producer=producer, eps=0.0, out_dtype=jnp.dtype(F32))
+    got = jax.jit(lambda *a: produce_p.bind(*a, **values))(*args)
+    assert_bits_equal(got[0], producers.produce_values(*args, **values)[0], f"{producer} values")
+
+
 def _cuda_module_text(fn, *args):
     """``fn``'s module as jax lowers it for CUDA (no GPU needed; our custom calls exported unchecked)."""
     from jax import export
@@ -228,19 +265,25 @@ def test_cuda_lowering_fused_where_the_kernels_take_it(name):
     not NumPy's)."""
     from jax_fp8.primitives.produce import fused_kernel_takes
 
-    x = np.ones((1, 256, 256), np.float32 if "rhs" in name else BF16)
-    for producer, args in (("cast", (x,)), ("swiglu", (x,)), ("rmsnorm", (x, np.ones(256, np.float32)))):
-        fn, params = _bind(producer, SCHEMES[name], 1e-6, BF16)
-        text = _cuda_module_text(fn, *args)
-        fused = fused_kernel_takes(params)
-        assert ("custom_call @jf_produce_quantize" in text) == fused, (name, producer)
-        assert ("custom_call @jf_produce(" in text) == (not fused), (name, producer)
-        assert ("custom_call @jf_quantize(" in text) == (not fused), (name, producer)
-    assert fused_kernel_takes(dict(producer="swiglu", scheme=jf.Float8BlockScaling().scheme("lhs"), eps=0.0,
-                                   out_dtype=jnp.dtype(BF16)))
+    for dtype in (F32, BF16):
+        x = np.ones((1, 256, 256), dtype)
+        for producer, args in (("cast", (x,)), ("swiglu", (x,)), ("rmsnorm", (x, np.ones(256, np.float32))),
+                               ("swiglu_grad", (x[..., :128], x))):
+            fn, params = _bind(producer, SCHEMES[name], 1e-6, BF16)
+            text = _cuda_module_text(fn, *args)
+            fused = fused_kernel_takes(params, [a.dtype for a in args])
+            assert ("custom_call @jf_produce_quantize" in text) == fused, (name, producer)
+            assert ("custom_call @jf_produce(" in text) == (not fused), (name, producer)
+            assert ("custom_call @jf_quantize(" in text) == (not fused), (name, producer)
+    recipe = jf.Float8BlockScaling()
+    for producer, scheme, dtype, want in (("swiglu", "lhs", BF16, True), ("swiglu", "lhs", F32, False),
+                                          ("cast", "rhs", F32, True), ("cast", "rhs", BF16, False)):
+        params = dict(producer=producer, scheme=recipe.scheme(scheme), eps=0.0, out_dtype=jnp.dtype(BF16))
+        assert fused_kernel_takes(params, [jnp.dtype(dtype)]) == want, (producer, dtype)
+    assert fused_kernel_takes(dict(params, producer="rmsnorm", scheme=recipe.scheme("lhs")), [BF16, F32])
 
 
-@pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad", "rmsnorm"])
+@pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad", "rmsnorm", "gelu", "gelu_grad"])
 @pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_scales_expose_every_produced_value(producer, dtype):
     """FP8 data hides a produced value's last bits, but a non-power-of-2 scale is computed from its
@@ -260,6 +303,10 @@ def test_scales_expose_every_produced_value(producer, dtype):
         args = [np.concatenate([gate, one], -1)]
     elif producer == "swiglu_grad":
         args = [one, np.concatenate([gate, full], -1)]
+    elif producer == "gelu":  # gelu(0) = 0: one nonzero x per block, from the sigmoid's flush to saturation
+        args = [one * 0 + np.where(one != 0, gate / 8, 0)]
+    elif producer == "gelu_grad":
+        args = [one, gate / 8]
     else:
         args = [full, one[0, 0]]
     dt = (dtype, F32) if producer == "rmsnorm" else (dtype,) * len(args)
@@ -313,39 +360,52 @@ def _ulp32(v):
     return np.spacing(np.where(np.isfinite(a), a, np.float32(3e38))).astype(np.float64)
 
 
-def test_exp_within_two_ulp_and_exact_limits():
+def test_exp_within_two_ulp_on_its_domain():
     rng = np.random.default_rng(stable_seed("exp"))
     f32 = np.float32
-    lo, hi = f32(-103.972084), f32(88.7228394)
+    lo, hi = producers.EXP_DOMAIN
     x = np.concatenate([
-        rng.uniform(-104.5, 89.5, 1_000_000).astype(f32),
+        rng.uniform(lo, hi, 1_000_000).astype(f32),
         rng.uniform(-1, 1, 100_000).astype(f32),
-        np.arange(-600, 600, dtype=np.int32).astype(f32) / f32(8),  # many reductions' boundaries
-        # every fp32 within 4096 ulp of both limits
-        (np.arange(-4096, 4096, dtype=np.int64) + hi.view(np.int32)).astype(np.int32).view(f32),
-        (np.arange(-4096, 4096, dtype=np.int64) + lo.view(np.int32)).astype(np.int32).view(f32),
-        np.array([0.0, -0.0, np.inf, -np.inf, 1e30, -1e30, f32(np.finfo(f32).max), -np.finfo(f32).max], f32),
+        np.arange(-136, 704, dtype=np.int32).astype(f32) / f32(8),  # many reductions' boundaries
+        # every fp32 within 4096 ulp inside both ends
+        (hi.view(np.int32) - np.arange(4096)).astype(np.int32).view(f32),
+        (lo.view(np.int32) - np.arange(4096)).astype(np.int32).view(f32),
+        np.array([0.0, -0.0, lo, hi], f32),
     ])
     y = producers.exp_f32(x)
     assert y.dtype == np.float32 and y.shape == x.shape
-    with np.errstate(over="ignore"):
-        true = np.exp(x.astype(np.float64))
-    over, under = x > hi, x < lo
-    np.testing.assert_array_equal(y[over], np.inf)
-    assert (y[under] == 0).all() and not np.signbit(y[under]).any()
-    inside = ~over & ~under
-    normal = inside & (true >= np.finfo(f32).tiny) & (true <= np.finfo(f32).max)
-    assert normal.sum() > 1_000_000
-    err = np.abs(y[normal].astype(np.float64) - true[normal]) / _ulp32(true[normal])
-    assert err.max() <= 2.0, (err.max(), x[normal][np.argmax(err)])
-    # subnormal results: within 2 of their spacing (2**-149) too
-    sub = inside & (true < np.finfo(f32).tiny)
-    assert sub.sum() > 1000
-    assert (np.abs(y[sub].astype(np.float64) - true[sub]) <= 2 * TINY).all()
-    # NaN stays that NaN (any payload, either sign)
-    nans = np.array([np.nan, -np.nan, np.uint32(0x7FC00001).view(f32), np.uint32(0xFFC00123).view(f32)], f32)
-    assert_bits_equal(producers.exp_f32(nans), nans, "NaN")
+    true = np.exp(x.astype(np.float64))
+    assert (y >= np.finfo(f32).tiny).all() and np.isfinite(y).all()  # normal on the whole domain
+    err = np.abs(y.astype(np.float64) - true) / _ulp32(true)
+    assert err.max() <= 2.0, (err.max(), x[np.argmax(err)])
     assert producers.exp_f32(np.array([0.0], f32))[0] == 1.0
+
+
+def test_sigmoid_clamps_change_nothing_but_flush_below_the_normal_range():
+    """sigmoid_f32 against float64: within 6u (exp's 2 ulp, then 1 + e and 1 / d) wherever the true value
+    is normal, exactly 1 where 1 + e**-g rounds to 1 (g >= 17: the clamp at -17 changes nothing), 0 where
+    the quotient would be below 2**-126 (g <= -126 ln 2, the flush); every fp32 around both boundaries;
+    NaN gives 1, -inf 0, inf 1."""
+    rng = np.random.default_rng(stable_seed("sigmoid"))
+    f32 = np.float32
+    edge = f32(-126 * np.log(2))
+    g = np.concatenate([
+        rng.uniform(-120, 120, 1_000_000).astype(f32),
+        (edge.view(np.int32) + np.arange(-2048, 2048)).astype(np.int32).view(f32),
+        (f32(17).view(np.int32) + np.arange(-2048, 2048)).astype(np.int32).view(f32),
+        np.array([0.0, -0.0, 1e30, -1e30, np.finfo(f32).max, -np.finfo(f32).max], f32),
+    ])
+    s = producers.sigmoid_f32(g)
+    with np.errstate(over="ignore"):
+        true = 1 / (1 + np.exp(-g.astype(np.float64)))
+    normal = true >= 2.0 ** -126
+    rel = np.abs(s[normal].astype(np.float64) - true[normal]) / true[normal]
+    assert rel.max() <= 6 * U32, rel.max() / U32
+    assert (s[g >= 17] == 1).all() and (s[g < f32(-87.34)] == 0).all()
+    assert (s[~normal] == 0).all() and not np.signbit(s[~normal]).any()
+    assert (~normal).sum() > 1000 and (normal & (true < 2.0 ** -125)).sum() > 100  # both sides of the flush
+    np.testing.assert_array_equal(producers.sigmoid_f32(np.array([np.nan, -np.inf, np.inf], f32)), [1, 0, 1])
 
 
 def _rms_inputs(rng, R, K, dtype=F32):
@@ -449,6 +509,66 @@ def test_swiglu_grad_within_derived_bound():
     assert np.max(err[0] / np.abs(want_gate[0])) > 100 * U32
 
 
+def _gelu64(x):
+    """GELU's tanh form and its derivative in float64, with the sigmoid argument u = 2z."""
+    x = x.astype(np.float64)
+    a = 2 * np.sqrt(2 / np.pi)
+    u = x * (a + 0.044715 * a * x * x)
+    s = 1 / (1 + np.exp(-u))
+    return x * s, s + x * s * (1 - s) * (a + 3 * 0.044715 * a * x * x), u, s
+
+
+def test_gelu_within_derived_bound():
+    """x * sigmoid(u), u = x (A + (B x) x): u within 6u relative (A and B rounded to float32, 4 roundings),
+    which moves s by (1 - s) |u| times that; the sigmoid's own 6u; the product one rounding. Against
+    float64 where the sigmoid is normal; 0 where it flushes (x below about -5.3)."""
+    rng = np.random.default_rng(stable_seed("gelu bound"))
+    x = np.concatenate([rng.standard_normal(500_000) * 3, rng.uniform(-5.2, 12, 500_000)]).astype(np.float32)
+    y = producers.gelu_values(x)
+    want, _, u, s = _gelu64(x)
+    bound = (7 + 6 * (1 - s) * np.abs(u)) * U32 * (1 + 1e-6) * np.abs(want) + 4 * TINY
+    err = np.abs(y.astype(np.float64) - want)
+    normal = s >= 2.0 ** -125  # the sigmoid flushes below 2**-126
+    assert (err <= bound)[normal].all(), np.max((err / bound)[normal])
+    assert np.max((err / bound)[normal]) > 0.01
+    assert (y[s < 2.0 ** -127] == 0).all() and (s < 2.0 ** -127).sum() > 100
+    # jax.nn.gelu's tanh form: the same function (its float32 0.5 x (1 + tanh z) cancels for x < 0)
+    ref = np.asarray(jax.nn.gelu(x, approximate=True)).astype(np.float64)
+    assert (np.abs(ref - want) <= 1e-5 * np.abs(want) + 1e-6).all()
+
+
+def test_gelu_grad_within_derived_bound():
+    """da * (s + (x * (s (1 - s))) * (A + (3B c) c)): absolute, propagated through each op from the
+    sigmoid's error as in test_gelu_within_derived_bound (each op's rounding at most u of its value;
+    A + (3B c) c within 4u). The derivative vanishes near x = -0.75, where no relative bound holds."""
+    rng = np.random.default_rng(stable_seed("gelu grad bound"))
+    x = np.concatenate([rng.standard_normal(300_000) * 3, rng.uniform(-5.2, 25, 300_000),
+                        np.linspace(-0.9, -0.6, 10_000)]).astype(np.float32)
+    da = rng.standard_normal(x.shape).astype(np.float32)
+    got = producers.gelu_grad(da, x, np.float32).astype(np.float64)
+    _, dg, u, s = _gelu64(x)
+    x64, d = x.astype(np.float64), da.astype(np.float64)
+    a = 2 * np.sqrt(2 / np.pi)
+    du = a + 3 * 0.044715 * a * np.clip(x64, -20, 20) ** 2
+    e_s = (6 + 6 * (1 - s) * np.abs(u)) * U32 * s
+    e_1ms = e_s + U32 * (1 - s)
+    ds = s * (1 - s)
+    e_ds = s * e_1ms + (1 - s) * e_s + U32 * ds
+    e_xds = np.abs(x64) * e_ds + U32 * np.abs(x64 * ds)
+    t = x64 * ds * du
+    e_t = du * e_xds + np.abs(x64 * ds) * 4 * U32 * du + U32 * np.abs(t)
+    e_g = e_s + e_t + U32 * np.abs(s + t)
+    bound = (np.abs(d) * e_g + U32 * np.abs(d * dg)) * (1 + 1e-4) + 4 * TINY
+    err = np.abs(got - d * dg)
+    normal = s >= 2.0 ** -125  # the sigmoid flushes below 2**-126: there the gradient is 0
+    assert (err <= bound)[normal].all(), np.max((err / bound)[normal])
+    assert np.max((err / bound)[normal]) > 0.01
+    assert (got[s < 2.0 ** -127] == 0).all() and (s < 2.0 ** -127).sum() > 100
+    # jax's own gradient of its tanh-form GELU: the same derivative
+    ref = np.asarray(jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x)).astype(np.float64)
+    assert (np.abs(ref - dg) <= 1e-4 * np.abs(dg) + 1e-5).all()  # (jax's float32 cancels for x < 0)
+
+
 def _sum_squares_by_hand(x2):
     """The documented order, written out: lane v adds the squares of elements v, v + 256, ... in order
     (fp32, one rounding per square and per addition), then lane v += lane v ^ half for half = 128 .. 1."""
@@ -516,6 +636,9 @@ def test_jnp_contract_under_jit_matches_numpy(producer, dtype):
         h = _normal_range(rng, (B, M, 2 * K), dtype)
         h[..., :K] = rng.uniform(-40, 40, (B, M, K)).astype(np.float32).astype(dtype)
         args = [_normal_range(rng, (B, M, K), dtype), h]
+    elif producer in ("gelu", "gelu_grad"):
+        x = rng.uniform(-5, 12, (B, M, K)).astype(np.float32).astype(dtype)  # normal results (XLA flushes)
+        args = [x] if producer == "gelu" else [_normal_range(rng, (B, M, K), dtype), x]
     else:
         args = [_normal_range(rng, (B, M, K), dtype)]
     out = F32 if producer != "cast" else BF16
@@ -531,8 +654,10 @@ def test_jnp_contract_under_jit_matches_numpy(producer, dtype):
     q_j = jax.jit(lambda *a: producers.produce_quantize(*a, scheme=scheme, **kw))(*args)
     _assert_outputs_equal(q_j, q_np, "quantized")
     if producer == "swiglu":
-        x = rng.uniform(-87, 88.5, 1_000_000).astype(np.float32)
+        x = rng.uniform(*producers.EXP_DOMAIN, 1_000_000).astype(np.float32)
         assert_bits_equal(jax.jit(producers.exp_f32)(x), producers.exp_f32(x), "exp")
+        g = rng.uniform(-100, 100, 1_000_000).astype(np.float32)
+        assert_bits_equal(jax.jit(producers.sigmoid_f32)(g), producers.sigmoid_f32(g), "sigmoid")
 
 
 def test_the_guards_are_what_keeps_jit_exact(monkeypatch):
@@ -674,13 +799,13 @@ def test_sharded_jit_equals_unsharded(producer, split):
     assert local[1] == M // sizes["data"], (local, data.sharding)  # the rows stay split
     if split == "rows+batch-explicit":
         assert local[0] == 1
-    if split == "last dim" and producer != "cast":
+    if split == "last dim" and producer not in ELEMENTWISE:
         # one warning per split input dim (swiglu_grad: da's and h's), each saying why it is gathered
         assert 1 <= len(ours) <= len(args), ours
         assert all(WHY[producer] in w and "gathered" in w and "last dim" in w for w in ours), ours
     else:
         assert not ours, ours
-        if split == "last dim":  # a cast stays split along its last dim
+        if split == "last dim":  # an elementwise producer stays split along its last dim
             assert local[2] == data.shape[2] // sizes["model"], (local, data.sharding)
 
 

@@ -251,6 +251,16 @@ struct ProducedRows {
         }
         return;
       }
+      case Producer::kGelu:
+        load_f32(p.in[0], p.in_type[0], rr * K, K, row);
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, gelu_f(row[k]));
+        return;
+      case Producer::kGeluGrad:  // da (B, M, K), x (B, M, K)
+        in0.resize(K);
+        load_f32(p.in[0], p.in_type[0], rr * K, K, in0.data());
+        load_f32(p.in[1], p.in_type[1], rr * K, K, row);
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, gelu_grad_f(in0[k], row[k]));
+        return;
     }
   }
 };

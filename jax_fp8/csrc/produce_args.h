@@ -1,6 +1,7 @@
 // Argument decoding of jf_produce and jf_produce_quantize (ffi_bindings.h), shared by the CPU and CUDA
 // handlers: the producer's inputs checked against the (B, M, K) tensor it produces (cast: x (B, M, K);
-// rmsnorm: x (B, M, K), gamma (K,); swiglu: h (B, M, 2K); swiglu_grad: da (B, M, F), h (B, M, 2F), K = 2F),
+// rmsnorm: x (B, M, K), gamma (K,); swiglu: h (B, M, 2K); swiglu_grad: da (B, M, F), h (B, M, 2F), K = 2F;
+// gelu: x (B, M, K); gelu_grad: da (B, M, K), x (B, M, K)),
 // which jf_produce returns and jf_produce_quantize quantizes as jf_quantize quantizes an input of that
 // shape and dtype.
 #pragma once
@@ -15,7 +16,7 @@ namespace jf {
 
 struct ProduceArgs {
   Producer producer;
-  const void* in[2];  // cast: x; rmsnorm: x, gamma; swiglu: h; swiglu_grad: da, h
+  const void* in[2];  // cast, gelu: x; rmsnorm: x, gamma; swiglu: h; swiglu_grad: da, h; gelu_grad: da, x
   InType in_type[2];
   InType out;         // the produced values' dtype (they are rounded to it)
   float eps, inv_k;   // rmsnorm
@@ -32,12 +33,15 @@ inline ffi::Error in_type(const ffi::AnyBuffer& x, InType* t) {
 // empty) and `dtype`, the produced dtype as InType (0 float32, 1 bfloat16, 2 float16).
 inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBuffer& extra, int32_t producer,
                                 int32_t dtype, float eps, int64_t* B, int64_t* M, int64_t* K, ProduceArgs* p) {
-  if (producer < 0 || producer > int32_t(Producer::kSwigluGrad))
-    return bad("produce: producer must be 0..3, got " + std::to_string(producer));
+  if (producer < 0 || producer > int32_t(Producer::kGeluGrad))
+    return bad("produce: producer must be 0..5, got " + std::to_string(producer));
   if (dtype < 0 || dtype > 2) return bad("produce: dtype must be 0 (f32), 1 (bf16) or 2 (f16)");
   p->producer = Producer(producer);
   p->out = InType(dtype);
-  const size_t n = p->producer == Producer::kRmsNorm || p->producer == Producer::kSwigluGrad ? 2 : 1;
+  const size_t n = p->producer == Producer::kRmsNorm || p->producer == Producer::kSwigluGrad ||
+                           p->producer == Producer::kGeluGrad
+                       ? 2
+                       : 1;
   if (args.size() != n) return bad("produce: wrong number of inputs for the producer");
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < n; ++i) {
@@ -53,7 +57,11 @@ inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBu
     return d.size() == 3 && d[0] == *B && d[1] == *M && d[2] == k;
   };
   switch (p->producer) {
-    case Producer::kCast: break;
+    case Producer::kCast:
+    case Producer::kGelu: break;
+    case Producer::kGeluGrad:
+      if (!same3(in[1], *K)) return bad("produce: gelu_grad takes da and x of one shape (B, M, K)");
+      break;
     case Producer::kRmsNorm:
       if (in[1].dimensions().size() != 1 || in[1].dimensions()[0] != *K)
         return bad("produce: rmsnorm's gamma must be (K,) for x (B, M, K)");

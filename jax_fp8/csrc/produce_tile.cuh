@@ -1,6 +1,6 @@
 // Producers fused with the quantize tile (quantize_tile.cuh): instead of loading a 16-byte vector of
-// its input, the tile asks a source for VEC produced values of one row (RMSNorm, SwiGLU, SwiGLU's
-// gradient, a cast; producers.h), rounded to the produced dtype and packed as that dtype's vector; the
+// its input, the tile asks a source for VEC produced values of one row (RMSNorm, SwiGLU, GELU, their
+// gradients, a cast; producers.h), rounded to the produced dtype and packed as that dtype's vector; the
 // tile's amaxes, scales and stores are unchanged, so the produced tensor never reaches memory in high
 // precision. RMSNorm's rstd comes from a pass of its own first (rms_rstd_kernel), one warp per row.
 //
@@ -21,9 +21,15 @@ namespace {
 
 constexpr int kVec = 8;  // produced values per vector (bf16 / fp16)
 
+// The dtype of a source's inputs: IN, an InType fixed at compile time (the fused kernels: one code path),
+// or kAnyIn: the call's, switched on at run time (jf_produce).
+constexpr int kAnyIn = -1;
+
 // n <= 8 consecutive elements of an input from element `at`, as fp32 (zeros past n); `vec`: the 8 are
-// present and 16-byte aligned (one or two vector loads).
+// present and 16-byte aligned (one or two vector loads); t: the input's dtype, unless IN fixes it.
+template <int IN = kAnyIn>
 __device__ __forceinline__ void load8(const void* p, InType t, int64_t at, int n, bool vec, float (&o)[kVec]) {
+  if constexpr (IN != kAnyIn) t = InType(IN);
   if (t == InType::kF32) {
     const float* q = static_cast<const float*>(p) + at;
     if (vec) {
@@ -70,7 +76,8 @@ __device__ __forceinline__ int valid8(const Span& sp, int64_t r, int64_t col0) {
 // The producers' sources: values<INTERIOR>(span, b, r, col0, v) writes the 8 values of row r of matrix b from
 // column col0 before rounding, zeros past the matrix (valid8 says how many exist). `vec`: every input
 // row is 16-byte aligned at multiples of 8 columns (the host checked the widths and pointers), so whole
-// vectors load directly.
+// vectors load directly. IN: the dtype of the inputs (RMSNorm's x, not gamma), as load8's.
+template <int IN = kAnyIn>
 struct CastSrc {
   const void* x;
   InType xt;
@@ -78,10 +85,11 @@ struct CastSrc {
   template <bool INTERIOR>
   __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
     const int n = valid8<INTERIOR>(sp, r, col0);
-    load8(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
+    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
   }
 };
 
+template <int IN = kAnyIn>
 struct RmsNormSrc {
   const void* x;
   const void* gamma;
@@ -98,7 +106,7 @@ struct RmsNormSrc {
     }
     float g[kVec];
     const bool whole = vec && n == kVec;
-    load8(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
+    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
     load8(gamma, gt, col0, n, whole, g);
     const float s = rstd[b * sp.M + r];
 #pragma unroll
@@ -106,6 +114,7 @@ struct RmsNormSrc {
   }
 };
 
+template <int IN = kAnyIn>
 struct SwigluSrc {  // h (B, M, 2K) = [gate | up]
   const void* h;
   InType ht;
@@ -121,8 +130,8 @@ struct SwigluSrc {  // h (B, M, 2K) = [gate | up]
     float u[kVec];
     const bool whole = vec && n == kVec;
     const int64_t at = (b * sp.M + r) * 2 * sp.K + col0;
-    load8(h, ht, at, n, whole, v);
-    load8(h, ht, at + sp.K, n, whole, u);
+    load8<IN>(h, ht, at, n, whole, v);
+    load8<IN>(h, ht, at + sp.K, n, whole, u);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = e < n ? swiglu_f(v[e], u[e]) : 0.0f;
   }
@@ -139,6 +148,7 @@ __device__ __noinline__ float swiglu_grad_at(const void* da, const void* h, InTy
   return swiglu_grad_half_f(d[0], g[0], u[0], col >= F);
 }
 
+template <int IN = kAnyIn>
 struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_gate | d_up], K = 2F
   const void* da;
   const void* h;
@@ -157,18 +167,62 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
       const bool up = col0 >= F;
       const int64_t c = up ? col0 - F : col0;
       float d[kVec], g[kVec], u[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
-      load8(da, dt, row * F + c, kVec, true, d);
-      load8(h, ht, row * sp.K + c, kVec, true, g);
-      if (!up) load8(h, ht, row * sp.K + F + c, kVec, true, u);
+      load8<IN>(da, dt, row * F + c, kVec, true, d);
+      load8<IN>(h, ht, row * sp.K + c, kVec, true, g);
+      if (!up) load8<IN>(h, ht, row * sp.K + F + c, kVec, true, u);
       // one code path for both halves (two inlined copies of the math overflowed the instruction cache)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = swiglu_grad_half_f(d[e], g[e], u[e], up);
     } else {  // the matrix's edge, or unaligned rows: element by element, out of line (registers)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = e < n ? swiglu_grad_at(da, h, dt, ht, row, F, col0 + e) : 0.0f;
+      for (int e = 0; e < kVec; ++e)
+        v[e] = e < n ? swiglu_grad_at(da, h, IN == kAnyIn ? dt : InType(IN), IN == kAnyIn ? ht : InType(IN), row, F,
+                                      col0 + e)
+                     : 0.0f;
     }
   }
 };
+
+template <int IN = kAnyIn>
+struct GeluSrc {  // x (B, M, K)
+  const void* x;
+  InType xt;
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = gelu_f(v[e]);  // gelu(0) = 0 past the matrix
+  }
+};
+
+template <int IN = kAnyIn>
+struct GeluGradSrc {  // da (B, M, K), x (B, M, K)
+  const void* da;
+  const void* x;
+  InType dt, xt;
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    const int64_t at = (b * sp.M + r) * sp.K + col0;
+    float d[kVec];
+    load8<IN>(da, dt, at, n, vec && n == kVec, d);
+    load8<IN>(x, xt, at, n, vec && n == kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = gelu_grad_f(d[e], v[e]);  // da = 0 past the matrix: 0
+  }
+};
+
+// The register cap (CTAs per SM) of a source's fused tile kernel: 0, the tile configuration's (3), or fewer
+// where the source's math needs the registers (GELU and its gradient spilled 150-230 bytes at 3, none at 2).
+template <class S>
+constexpr int kSourceMinBlocks = 0;
+template <int IN>
+constexpr int kSourceMinBlocks<GeluSrc<IN>> = 2;
+template <int IN>
+constexpr int kSourceMinBlocks<GeluGradSrc<IN>> = 2;
 
 // A source's values rounded to the produced dtype (L) and packed as its vectors: the tile's source.
 template <class L, class S>
@@ -210,25 +264,40 @@ __global__ void __launch_bounds__(kThreads) rms_rstd_kernel(const void* x, InTyp
 }
 
 
-// Calls f(src) with the source of the call's producer (its tensor K wide).
-template <class F>
+// Calls f(src) with the source of the call's producer (its tensor K wide). FUSED: the fused kernels' sources,
+// their inputs' dtypes fixed (a cast's x float32, the others' bfloat16: fused_inputs_ok), else the call's.
+template <bool FUSED = false, class F>
 ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
   const bool k8 = K % kVec == 0;
+  constexpr int kF32 = FUSED ? int(InType::kF32) : kAnyIn, kBF16 = FUSED ? int(InType::kBF16) : kAnyIn;
   switch (p.producer) {
-    case Producer::kCast: return f(CastSrc{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+    case Producer::kCast: return f(CastSrc<kF32>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kRmsNorm:
-      return f(RmsNormSrc{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
-                          k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
-    case Producer::kSwiglu: return f(SwigluSrc{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+      return f(RmsNormSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
+                                 k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
+    case Producer::kSwiglu: return f(SwigluSrc<kBF16>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kSwigluGrad:
-      return f(SwigluGradSrc{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
-                             (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
+      return f(SwigluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
+                                    (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
+    case Producer::kGelu: return f(GeluSrc<kBF16>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+    case Producer::kGeluGrad:
+      return f(GeluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
+                                  k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
   }
   return bad("unreachable");
 }
 
+// Whether the inputs have the dtypes of the fused kernels' sources: a cast's float32 (a master weight), the
+// other producers' bfloat16 (gamma: any).
+inline bool fused_inputs_ok(const ProduceArgs& p) {
+  if (p.producer == Producer::kCast) return p.in_type[0] == InType::kF32;
+  const bool two = p.producer == Producer::kSwigluGrad || p.producer == Producer::kGeluGrad;  // not gamma
+  return p.in_type[0] == InType::kBF16 && (!two || p.in_type[1] == InType::kBF16);
+}
+
 // Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call. The kernels are
-// built for what the fused layers ask (the recipes' schemes): bfloat16 values, Float8 blockwise with an
+// built for what the fused layers ask (the recipes' schemes): inputs as fused_inputs_ok says (one load path
+// each), bfloat16 values, Float8 blockwise with an
 // infinite amax kept infinite (saturate_inf false), GEMM-ready with both usages, a cast (a master weight)
 // into 128x128 tiles, the other producers (activations and gradients) into 1x128 and transposed 128x1
 // blocks. The primitive's lowering runs jf_produce then jf_quantize for anything else
@@ -236,15 +305,16 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
 template <class F>
 ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   const bool cast = p.producer == Producer::kCast, tiles = a.out[0].bm == a.out[0].bk;
-  if (p.out != InType::kBF16 || a.format != Format::kBlockwise || a.saturate_inf || !a.gemm_scales || a.n_out != 2 ||
-      tiles != cast)
-    return bad("produce_quantize on CUDA takes bfloat16 values in GEMM-ready Float8 blockwise schemes with both "
-               "usages and saturate_inf false: 128x128 tiles for a cast, 1x128 blocks for the other producers");
+  if (!fused_inputs_ok(p) || p.out != InType::kBF16 || a.format != Format::kBlockwise || a.saturate_inf ||
+      !a.gemm_scales || a.n_out != 2 || tiles != cast)
+    return bad("produce_quantize on CUDA takes float32 inputs to a cast, bfloat16 inputs to the other producers, "
+               "and makes bfloat16 values in GEMM-ready Float8 blockwise schemes with both usages and saturate_inf "
+               "false: 128x128 tiles for a cast, 1x128 blocks for the other producers");
   using R = BlockRuleT<true>;
   const R rule{a.fp8, a.pow2, a.eps, a.inf_value};
-  return with_source(p, a.K, [&](auto src) {
+  return with_source<true>(p, a.K, [&](auto src) {
     using S = decltype(src);
-    if constexpr (std::is_same_v<S, CastSrc>) return f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule, src);
+    if constexpr (std::is_same_v<S, CastSrc<int(InType::kF32)>>) return f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule, src);
     else return f(TileCfg<R, 128, 128, 128, true, false, true, true>{}, rule, src);
   });
 }
@@ -310,7 +380,9 @@ inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const Pr
     Outs<typename C::S> row, col;
     ScaleAt row_at, col_at;
     tile_outputs(a, d, s, row, col, row_at, col_at);
-    return launch_tiles<L, C>(st, a, nullptr, rule, row, col, row_at, col_at, Packed<L, decltype(src)>{src});
+    using S = decltype(src);
+    return launch_tiles<L, C, Packed<L, S>, kSourceMinBlocks<S>>(st, a, nullptr, rule, row, col, row_at, col_at,
+                                                                 Packed<L, S>{src});
   });
 }
 

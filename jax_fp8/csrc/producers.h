@@ -1,4 +1,4 @@
-// The producers that quantization fuses with (RMSNorm, SwiGLU and its derivative, the cast of fp32
+// The producers that quantization fuses with (RMSNorm, SwiGLU, GELU and their derivatives, the cast of fp32
 // master weights), shared by the CPU and CUDA kernels. jax_fp8/producers.py defines the same numbers
 // (its docstring gives the order of every operation); tests compare them bit for bit. Every fp32 op
 // rounds on its own: the module is built without FMA contraction (-ffp-contract=off, nvcc -fmad=false),
@@ -13,7 +13,7 @@
 namespace jf {
 
 // jax_fp8/producers.py's PRODUCERS, in order.
-enum class Producer : int32_t { kCast = 0, kRmsNorm = 1, kSwiglu = 2, kSwigluGrad = 3 };
+enum class Producer : int32_t { kCast = 0, kRmsNorm = 1, kSwiglu = 2, kSwigluGrad = 3, kGelu = 4, kGeluGrad = 5 };
 
 // The row sum of squares: kSumLanes partial sums, partial v over elements v, v + kSumLanes, ... in
 // order, then the pairwise tree v + (v ^ half) for half = kSumLanes / 2 ... 1.
@@ -26,27 +26,45 @@ JF_HD float sqrt_f(float x) {
   return std::sqrt(x);
 #endif
 }
-JF_HD float pow2_f(int k) { return u2f(uint32_t(k + 127) << 23); }  // k in [-126, 127]
-
-// e**x: Cody-Waite reduction, a degree-6 polynomial by Horner's rule (kExpPoly, highest power first), 2**n
-// in two exact halves. n = rint(x log2 e), clamped to [-151, 128], is computed as (y + 1.5 * 2**23) - 1.5 * 2**23,
-// which rounds half to even for |y| < 2**22 and clamps to the same n beyond; its integer is the low bits of
-// n + 1.5 * 2**23. No conversion instructions (a quarter of the FP32 rate on the GPU), no branches.
+// e**x for x in [-17, 88], the domain sigmoid_f clamps to: Cody-Waite reduction, a degree-6 polynomial by
+// Horner's rule (kExpPoly, highest power first), times 2**n. n = rint(x log2 e) is computed as
+// (y + 1.5 * 2**23) - 1.5 * 2**23 (round half to even), and its integer is the low bits of y + 1.5 * 2**23:
+// no conversion instructions (a quarter of the FP32 rate on the GPU), no branches, no selects; on this
+// domain n is in [-25, 127], so 2**n is the exponent field alone and the result is normal.
 JF_HD float exp_f(float x) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23
-  float n = (x * 1.44269502f + kMagic) - kMagic;
-  n = n < -151.0f ? -151.0f : (n > 128.0f ? 128.0f : n);
+  const float nm = x * 1.44269502f + kMagic;
+  const float n = nm - kMagic;
   const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;
   constexpr uint32_t kExpPoly[7] = {0x3AB55C67u, 0x3C0936DFu, 0x3D2AAC4Fu, 0x3E2AAA05u,
                                     0x3EFFFFFDu, 0x3F800000u, 0x3F800000u};
   float p = u2f(kExpPoly[0]);
 #pragma unroll
   for (int i = 1; i < 7; ++i) p = p * r + u2f(kExpPoly[i]);
-  const int32_t k = int32_t(f2u(n + kMagic) - f2u(kMagic)), half = k >> 1;  // floor(k / 2)
-  const float y = (p * pow2_f(half)) * pow2_f(k - half);
-  return is_nan(x) ? x : x > 88.7228394f ? u2f(0x7F800000u) : x < -103.972084f ? 0.0f : y;
+  return p * u2f((f2u(nm) - f2u(kMagic) + 127u) << 23);
 }
-JF_HD float sigmoid_f(float g) { return 1.0f / (1.0f + exp_f(-g)); }
+
+// 1 / d, IEEE-rounded, for d in [1, 2**126). On the GPU: the fast path of div.rn / rcp.rn (MUFU.RCP and
+// one Newton step, correctly rounded for normal d with its reciprocal normal) without the branch to the
+// slow path, which d never needs here: a branch per element kept the compiler from interleaving elements.
+JF_HD float recip_f(float d) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmaf_rn(r, -__fmaf_rn(d, r, -1.0f), r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// sigmoid(g) = 1 / (1 + e**-g), with e**-g from exp_f on -g clamped to [-17, 88] (NaN: -17), and 0 where
+// 1 + e >= 2**126, i.e. where the quotient would be below float32's normal range (flushed, as FTZ would).
+// The clamps change nothing else: below -17, 1 + e rounds to 1 either way; above 88, 1 + e >= 2**126.
+// A NaN gate gives s = 1; SwiGLU's products carry the NaN (g * s).
+JF_HD float sigmoid_f(float g) {
+  const float d = 1.0f + exp_f(fminf(fmaxf(-g, -17.0f), 88.0f));
+  return d >= 8.50705917e37f ? 0.0f : recip_f(d);  // 2**126
+}
 
 // SwiGLU: silu(gate) * up, before rounding.
 JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
@@ -55,6 +73,17 @@ JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
 JF_HD float swiglu_grad_half_f(float d, float g, float u, bool up) {
   const float s = sigmoid_f(g);
   return up ? d * (g * s) : (d * u) * (s * (1.0f + g * (1.0f - s)));
+}
+
+// GELU, tanh form: x * sigmoid(x * (A + (B x) x)), A = 2 sqrt(2 / pi), B = 0.044715 A, before rounding.
+constexpr float kGeluA = 1.5957691669464111f, kGeluB = 0.07135481387376785f, kGeluB3 = 0.21406444907188416f;
+JF_HD float gelu_arg_f(float x) { return x * (kGeluA + (kGeluB * x) * x); }
+JF_HD float gelu_f(float x) { return x * sigmoid_f(gelu_arg_f(x)); }
+// GELU's gradient given da, before rounding: da * (s + (x * (s (1 - s))) * (A + (3B c) c)), c = x clamped
+// to +-20 (beyond, s (1 - s) is 0; inside, (3B c) c cannot overflow to make inf * 0).
+JF_HD float gelu_grad_f(float d, float x) {
+  const float s = sigmoid_f(gelu_arg_f(x)), c = fminf(fmaxf(x, -20.0f), 20.0f);
+  return d * (s + (x * (s * (1.0f - s))) * (kGeluA + (kGeluB3 * c) * c));
 }
 
 // RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps), NaN canonical.

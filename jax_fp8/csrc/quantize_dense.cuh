@@ -27,12 +27,13 @@ constexpr int dense_min_blocks() {
 
 // One launch over every tile of x (B matrices, in the configuration's tile order); `row` / `col`: the
 // rowwise (or tile) and columnwise outputs. A producer `src` computes the vectors instead (x null: the
-// tiles' alignment is then K's alone, XLA's buffers being aligned).
-template <class L, class Cfg, class Src = FromMemory>
+// tiles' alignment is then K's alone, XLA's buffers being aligned). MINB: a register cap (CTAs per SM)
+// other than the configuration's (0: dense_min_blocks).
+template <class L, class Cfg, class Src = FromMemory, int MINB = 0>
 ffi::Error launch_tiles(cudaStream_t stream, const QuantizeArgs& a, const void* x, const typename Cfg::Rule& rule,
                         Outs<typename Cfg::S> row, Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at,
                         const Src& src = Src{}) {
-  constexpr int kMinBlocks = dense_min_blocks<L, Cfg>();
+  constexpr int kMinBlocks = MINB ? MINB : dense_min_blocks<L, Cfg>();
   Span sp = dense_span(a.M, a.K, Cfg::GROUP);
   const int64_t n_tiles = plan_tiles<L, Cfg::TM, Cfg::TK>(sp, a.B, x);
   if (n_tiles > 0x7FFFFFFF) return bad("tensor too large for one launch");

@@ -64,9 +64,10 @@ class RMSNormMLP(nn.Module):
     """The SwiGLU MLP of an RMSNorm'd ``x`` on :func:`jax_fp8.fused.norm_mlp`: ``gate, up =
     split(Dense(2 * hidden)(RMSNorm()(x)))``, ``Dense(features)(silu(gate) * up)``, every quantization
     fused into the kernel that produces its operand (forward and backward), with the bits of jax_fp8's
-    unfused ops. ``features``: the output width (default: x's); ``norm=False``: no norm. Parameter
-    names: ``norm_name/scale``, ``gate_up_name/kernel`` (d, 2 * hidden), ``down_name/kernel`` (hidden,
-    features)."""
+    unfused ops. ``activation="gelu"``: ``Dense(features)(gelu(Dense(hidden)(RMSNorm()(x))))`` (tanh
+    form). ``features``: the output width (default: x's); ``norm=False``: no norm. Parameter names:
+    ``norm_name/scale``, ``gate_up_name/kernel`` (d, 2 * hidden; GELU: d, hidden), ``down_name/kernel``
+    (hidden, features)."""
 
     hidden: int
     features: Optional[int] = None
@@ -80,13 +81,17 @@ class RMSNormMLP(nn.Module):
     norm_name: str = "norm"
     gate_up_name: str = "gate_up"
     down_name: str = "down"
+    activation: str = "swiglu"
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         out = self.features or d
         scale = _Param("scale", self.scale_init, (d,), self.param_dtype, name=self.norm_name)() if self.norm else None
-        w1 = _Param("kernel", self.kernel_init, (d, 2 * self.hidden), self.param_dtype, name=self.gate_up_name)()
+        if self.activation not in fused.ACTIVATIONS:
+            raise ValueError(f"RMSNormMLP: activation must be one of {tuple(fused.ACTIVATIONS)}, got {self.activation!r}")
+        width = fused.ACTIVATIONS[self.activation][1] * self.hidden
+        w1 = _Param("kernel", self.kernel_init, (d, width), self.param_dtype, name=self.gate_up_name)()
         w2 = _Param("kernel", self.kernel_init, (self.hidden, out), self.param_dtype, name=self.down_name)()
         x = x.astype(self.dtype or x.dtype)
-        return fused.norm_mlp(x, scale, w1, w2, eps=self.epsilon, recipe=self.recipe)
+        return fused.norm_mlp(x, scale, w1, w2, eps=self.epsilon, recipe=self.recipe, activation=self.activation)

@@ -1,4 +1,4 @@
-"""``jf_produce_quantize``: a producer (RMSNorm, SwiGLU, SwiGLU's gradient, a cast; :mod:`jax_fp8.producers`)
+"""``jf_produce_quantize``: a producer (RMSNorm, SwiGLU, GELU, their gradients, a cast; :mod:`jax_fp8.producers`)
 and the quantization of what it produces, in one kernel: the produced (B, M, K) tensor is never stored in
 high precision. Its outputs are ``jf_quantize``'s for that tensor (same scheme, same layouts), then the
 producer's extra outputs (RMSNorm: the rstd of every row, (B, M) float32, for the backward). And
@@ -8,11 +8,12 @@ The fused CUDA kernels take what the fused layers ask (:func:`fused_kernel_takes
 runs on the GPU as ``jf_produce`` then ``jf_quantize``, the same bits in two passes.
 
 Inputs (B, rows, cols): ``cast`` x (B, M, K); ``rmsnorm`` x (B, M, K) and gamma (K,); ``swiglu`` h (B, M,
-2K) = [gate | up]; ``swiglu_grad`` da (B, M, F) and h (B, M, 2F), producing (B, M, 2F) = [d_gate | d_up].
+2K) = [gate | up]; ``swiglu_grad`` da (B, M, F) and h (B, M, 2F), producing (B, M, 2F) = [d_gate | d_up];
+``gelu`` x (B, M, K); ``gelu_grad`` da and x (B, M, K).
 
 Under ``jax.jit`` on a mesh it splits over the batch and the rows as ``jf_quantize`` does; the last dim
-splits for ``cast`` only (RMSNorm reduces along it, SwiGLU pairs its two halves): elsewhere a split last
-dim is gathered, with a warning saying why.
+splits for the elementwise producers (``cast``, ``gelu``, ``gelu_grad``) only (RMSNorm reduces along it,
+SwiGLU pairs its two halves): elsewhere a split last dim is gathered, with a warning saying why.
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def produced_shape(producer: str, shapes) -> tuple:
             raise ValueError(f"jf_produce_quantize: swiglu_grad takes da (B, M, F) and h (B, M, 2F), got {x} and "
                              f"{shapes[1]}")
         return B, M, 2 * K
+    if producer == "gelu_grad" and tuple(shapes[1]) != (B, M, K):
+        raise ValueError(f"jf_produce_quantize: gelu_grad takes da and x of one shape (B, M, K), got {x} and "
+                         f"{shapes[1]}")
     return B, M, K
 
 
@@ -98,15 +102,19 @@ def _batch(prim, args, dims, *, producer, **params):
     return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-def fused_kernel_takes(params: dict) -> bool:
+def fused_kernel_takes(params: dict, in_dtypes) -> bool:
     """Whether the fused CUDA kernels take this call: they are built for what the fused layers ask (the
-    recipes' schemes), bfloat16 values quantized GEMM-ready in Float8 blockwise blocks with both usages
+    recipes' schemes), float32 master weights to cast and bfloat16 inputs to the other producers (RMSNorm's
+    gamma: any dtype), bfloat16 values quantized GEMM-ready in Float8 blockwise blocks with both usages
     and infinite amaxes kept infinite (``saturate_inf=False``), 128x128 tiles for a cast (a master weight)
     and 1x128 blocks for the other producers (produce_tile.cuh, with_produce)."""
     scheme, producer, out = params["scheme"], params["producer"], jnp.dtype(params["out_dtype"])
+    cast = producer == "cast"
+    main = [jnp.dtype(d) for d in in_dtypes][:1 if producer == "rmsnorm" else None]  # not gamma
+    inputs = all(d == jnp.dtype(jnp.float32 if cast else jnp.bfloat16) for d in main)
     tiles = tuple(scheme.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK)
-    return (out == jnp.dtype(jnp.bfloat16) and scheme.format is BLOCKWISE and not scheme.saturate_inf
-            and scheme.gemm_ready and scheme.rowwise and scheme.colwise and tiles == (producer == "cast"))
+    return (inputs and out == jnp.dtype(jnp.bfloat16) and scheme.format is BLOCKWISE and not scheme.saturate_inf
+            and scheme.gemm_ready and scheme.rowwise and scheme.colwise and tiles == cast)
 
 
 def _extra_avals(producer, B, M):
@@ -127,7 +135,7 @@ def _produce_ffi(ctx, args, producer, eps, y_aval):
 def _cuda_lowering(ctx, *args, producer, scheme, eps, out_dtype):
     """The fused kernel where it takes the call, else jf_produce then jf_quantize (same bits)."""
     params = dict(producer=producer, scheme=scheme, eps=eps, out_dtype=out_dtype)
-    if fused_kernel_takes(params):
+    if fused_kernel_takes(params, [a.dtype for a in ctx.avals_in]):
         return _ffi_lowering(ctx, *args, **params)
     n = 2 * len(scheme.kernel_usages)
     y_aval = ShapedArray(produced_shape(producer, [a.shape for a in ctx.avals_in]), jnp.dtype(out_dtype))
@@ -141,6 +149,10 @@ _NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim",
               h="the last dim of SwiGLU's input", f="the last dim of SwiGLU's output gradient")
 
 
+#: The producers that work element by element: their last dim splits like the others.
+ELEMENTWISE = ("cast", "gelu", "gelu_grad")
+
+
 def _sizes(shapes, params):
     B, M, K = produced_shape(params["producer"], shapes)
     return dict(b=B, m=M, k=K, h=2 * K, f=K // 2)
@@ -150,7 +162,8 @@ def _arrays(sizes, params):
     producer, scheme = params["producer"], params["scheme"]
     b, m, k = Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
     inputs = {"cast": [(b, m, k)], "rmsnorm": [(b, m, k), (k,)], "swiglu": [(b, m, Dim("h", sizes["h"]))],
-              "swiglu_grad": [(b, m, Dim("f", sizes["f"])), (b, m, k)]}[producer]
+              "swiglu_grad": [(b, m, Dim("f", sizes["f"])), (b, m, k)], "gelu": [(b, m, k)],
+              "gelu_grad": [(b, m, k), (b, m, k)]}[producer]
     outs = [] if scheme is not None else [(b, m, k)]  # jf_produce: the tensor itself
     for usage in (scheme.output_usages if scheme is not None else ()):
         outs += [(b, k, m) if scheme.transposed_data(usage) else (b, m, k),
@@ -162,7 +175,7 @@ def _arrays(sizes, params):
 
 def _why_not(label, local, sizes, params):
     producer = params["producer"]
-    if label in ("k", "h", "f") and producer != "cast":
+    if label in ("k", "h", "f") and producer not in ELEMENTWISE:
         return {"rmsnorm": "RMSNorm reduces along it",
                 "swiglu": "SwiGLU multiplies its two halves",
                 "swiglu_grad": "SwiGLU's gradient pairs the two halves of its input"}[producer]
@@ -202,4 +215,4 @@ produce_p = define_primitive(
     "jf_produce", abstract=_produce_abstract, reference=_produce_reference,
     ffi_rules=dict(cpu=_produce_lowering, cuda=_produce_lowering), batch=partial(_batch, lambda: produce_p),
     rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _produce_arrays, why_not=_why_not), multiple_results=True,
-    no_jvp_hint="Use jax_fp8.rms_norm / jax_fp8.swiglu, whose VJPs are defined.")
+    no_jvp_hint="Use jax_fp8.rms_norm / jax_fp8.swiglu / jax_fp8.gelu, whose VJPs are defined.")
