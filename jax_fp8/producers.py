@@ -1,5 +1,5 @@
-"""The producers that quantization fuses with, as exact fp32 math: RMSNorm, SwiGLU and GELU (tanh form)
-and their derivatives, and the cast of fp32 master weights to the model dtype.
+"""The producers that quantization fuses with, as exact fp32 math: RMSNorm and LayerNorm, SwiGLU and GELU
+(tanh form) and their derivatives, and the cast of fp32 master weights to the model dtype.
 
 Each producer's value is defined here once, in ``jax.numpy`` / NumPy (same code, :func:`~.arrays.xp_of`),
 with every fp32 operation in a fixed order and no fused multiply-add, so that the CPU and CUDA kernels
@@ -8,9 +8,9 @@ unfused ops: the produced value rounded to its output dtype (as the unfused prog
 then quantized by :func:`~.contracts.quantize_usages` (:func:`produce_quantize`, the contract of the
 ``jf_produce_quantize`` primitive; :func:`produce_values` is that of ``jf_produce``, the unfused op).
 
-- The row sum of squares of RMSNorm: 256 partial sums, partial ``v`` adding the squares of elements
-  ``v, v + 256, v + 512, ...`` in order, then a pairwise tree (``v + v ^ 128``, then 64, ... 1): what
-  a warp does with 8 consecutive elements per lane and XOR shuffles.
+- The row sums (RMSNorm's of x**2; LayerNorm's of x, then of (x - mean)**2): 256 partial sums, partial
+  ``v`` adding the terms of elements ``v, v + 256, v + 512, ...`` in order, then a pairwise tree (``v +
+  v ^ 128``, then 64, ... 1): what a warp does with 8 consecutive elements per lane and XOR shuffles.
 - ``sigmoid``: ``1 / (1 + e**-g)``, the division IEEE's, with ``e**-g`` from our own ``exp`` on ``-g``
   clamped to [-17, 88] (below, ``1 + e`` rounds to 1 anyway; above, ``1 + e >= 2**126``) and 0 where
   ``1 + e >= 2**126`` (the quotient would be below float32's normal range: flushed, as FTZ would).
@@ -25,6 +25,8 @@ NumPy inputs where subnormal intermediates must be exact.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import jax.numpy as jnp
 
@@ -35,11 +37,11 @@ from .formats import quiet as _quiet
 _F32 = np.float32
 
 #: The producers, in the kernels' numbering (producers.h's Producer).
-PRODUCERS = ("cast", "rmsnorm", "swiglu", "swiglu_grad", "gelu", "gelu_grad")
+PRODUCERS = ("cast", "rmsnorm", "swiglu", "swiglu_grad", "gelu", "gelu_grad", "layernorm")
 #: How many inputs each producer takes.
-N_INPUTS = {"cast": 1, "rmsnorm": 2, "swiglu": 1, "swiglu_grad": 2, "gelu": 1, "gelu_grad": 2}
+N_INPUTS = {"cast": 1, "rmsnorm": 2, "swiglu": 1, "swiglu_grad": 2, "gelu": 1, "gelu_grad": 2, "layernorm": 3}
 
-SUM_LANES = 256  # the row sum of squares' partial sums (producers.h's kSumLanes)
+SUM_LANES = 256  # the row sums' partial sums (producers.h's kSumLanes)
 
 _LOG2E = _F32(1.44269502)         # 0x3FB8AA3B
 _LN2_HI = _F32(0.693145751953125)  # 0x3F317200: 15 significant bits, so n * _LN2_HI is exact
@@ -164,23 +166,31 @@ def gelu_grad(da, x, out_dtype=None):
         return (d * g).astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def row_sum_squares(x):
-    """Sum over the last dim of x**2 in float32, in the order of the module docstring: (...,)."""
-    xp = xp_of(x)
-    x = _f32(xp, x)
-    K = x.shape[-1]
+def row_sum(v, square: bool = False):
+    """Sum over the last dim of float32 ``v`` (``square``: of v**2, each square rounded) in the order of the
+    module docstring: (...,)."""
+    xp = xp_of(v)
+    K = v.shape[-1]
     chunks = -(-K // SUM_LANES)
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, chunks * SUM_LANES - K)]
+    pad = [(0, 0)] * (v.ndim - 1) + [(0, chunks * SUM_LANES - K)]
     with _quiet():
-        sq = xp.pad(x, pad).reshape(*x.shape[:-1], chunks, SUM_LANES)
-        sq = _rounded(sq * sq)
-        acc = sq[..., 0, :]
+        t = xp.pad(v, pad).reshape(*v.shape[:-1], chunks, SUM_LANES)
+        if square:
+            t = _rounded(t * t)
+        acc = t[..., 0, :]
         for j in range(1, chunks):
-            acc = acc + sq[..., j, :]
+            acc = acc + t[..., j, :]
         while acc.shape[-1] > 1:
             half = acc.shape[-1] // 2
             acc = acc[..., :half] + acc[..., half:]
     return acc[..., 0]
+
+
+def row_sum_squares(x):
+    """Sum over the last dim of x**2 in float32, in the order of the module docstring: (...,)."""
+    xp = xp_of(x)
+    x = _f32(xp, x)
+    return row_sum(x, square=True)
 
 
 def rms_norm_rstd(x, eps: float):
@@ -207,6 +217,43 @@ def rms_norm(x, gamma, eps: float = 1e-6):
     return rms_norm_values(x, gamma, rstd).astype(x.dtype), rstd
 
 
+def _canonical(xp, v):
+    return xp.where(xp.isnan(v), _F32(np.nan), v)
+
+
+def layer_norm_stats(x, eps: float):
+    """LayerNorm's statistics of each row of ``x``: (mean, rstd), float32 (...,). mean = (row sum of x) *
+    fp32(1/K); rstd = 1 / sqrt((row sum of (x - mean)**2) * fp32(1/K) + eps); both sums in the module
+    docstring's order (two passes: no cancellation of E[x**2] - E[x]**2); NaNs canonical."""
+    xp = xp_of(x)
+    x = _f32(xp, x)
+    inv_k = _F32(1.0 / x.shape[-1])
+    with _quiet():
+        mean = _canonical(xp, row_sum(x) * inv_k)
+        mean = xp.where(mean == 0, _F32(0), mean)  # +0: the kernels' partial sums start from +0, NumPy's from x
+        var = _rounded(row_sum(x - mean[..., None], square=True) * inv_k)
+        rstd = _F32(1) / _rounded(xp.sqrt(var + _F32(eps)))
+    return mean, _canonical(xp, rstd)
+
+
+def layer_norm_values(x, gamma, beta, mean, rstd):
+    """((x - mean) * rstd) * gamma + beta in float32 (before rounding); ``mean``, ``rstd`` per row."""
+    xp = xp_of(x, gamma, beta, mean, rstd)
+    with _quiet():
+        return _rounded(((_f32(xp, x) - mean[..., None]) * rstd[..., None]) * _f32(xp, gamma)) + _f32(xp, beta)
+
+
+#: The norms: their inputs after x are (K,) parameters (RMSNorm: gamma; LayerNorm: gamma, beta), and their
+#: extra output holds each row's statistics for the backward (RMSNorm: rstd (...,); LayerNorm: (mean, rstd)
+#: stacked last, (..., 2)).
+NORMS = ("rmsnorm", "layernorm")
+
+
+def stats_shape(producer: str, lead: tuple) -> Optional[tuple]:
+    """The shape of a producer's statistics output for rows ``lead``, or None (no extra output)."""
+    return {"rmsnorm": tuple(lead), "layernorm": (*lead, 2)}.get(producer)
+
+
 def produced_dtype(producer: str, dtypes: tuple, out_dtype) -> jnp.dtype:
     """The dtype a producer's values are rounded to: ``out_dtype``, else its (first) input's."""
     grad = producer in ("swiglu_grad", "gelu_grad")  # the forward input's dtype, not da's
@@ -227,6 +274,11 @@ def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
         return swiglu(args[0], dtype), []
     if producer == "swiglu_grad":
         return swiglu_grad(*args, dtype), []
+    if producer == "layernorm":
+        x, gamma, beta = args
+        mean, rstd = layer_norm_stats(x, eps)
+        xp = xp_of(mean, rstd)
+        return layer_norm_values(x, gamma, beta, mean, rstd).astype(dtype), [xp.stack([mean, rstd], axis=-1)]
     if producer == "gelu":
         return gelu(args[0], dtype), []
     if producer == "gelu_grad":

@@ -79,9 +79,10 @@ def quantize(x, scheme: Scheme, kernels: Kernels = PRIMITIVES):
 
 
 def _producer_call(producer: str, args, out_dtype):
-    """A producer's kernel arguments: its inputs as (1, rows, cols) views (RMSNorm's gamma as it is), the
-    inputs' leading dims, the produced last dim K and the produced dtype."""
-    rows = [a if producer == "rmsnorm" and i == 1 else rows_view(a, view_2d(a.shape))[None] for i, a in enumerate(args)]
+    """A producer's kernel arguments: its inputs as (1, rows, cols) views (a norm's gamma and beta as they
+    are), the inputs' leading dims, the produced last dim K and the produced dtype."""
+    norm = producer in producers.NORMS
+    rows = [a if norm and i >= 1 else rows_view(a, view_2d(a.shape))[None] for i, a in enumerate(args)]
     _, _, K = produced_shape(producer, [r.shape for r in rows])
     dtype = producers.produced_dtype(producer, tuple(jnp.dtype(a.dtype) for a in args), out_dtype)
     return rows, tuple(args[0].shape[:-1]), K, dtype
@@ -89,17 +90,18 @@ def _producer_call(producer: str, args, out_dtype):
 
 def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
     """A producer's tensor (:mod:`jax_fp8.producers`) on the ``jf_produce`` kernels, rounded to the produced
-    dtype (``out_dtype``, else the input's), NaNs canonical; and its extra outputs (RMSNorm: the rstd of
-    every row, shape ``x.shape[:-1]``). Inputs as :func:`produce_quantize`'s."""
+    dtype (``out_dtype``, else the input's), NaNs canonical; and its extra outputs (a norm's statistics of
+    every row, :func:`~jax_fp8.producers.stats_shape`). Inputs as :func:`produce_quantize`'s."""
     rows, lead, K, dtype = _producer_call(producer, args, out_dtype)
     y, *extras = produce_p.bind(*rows, producer=producer, eps=float(eps), out_dtype=dtype)
-    return rows_view(y[0], (*lead, K)), [e[0].reshape(lead) for e in extras]
+    return rows_view(y[0], (*lead, K)), [e[0].reshape(producers.stats_shape(producer, lead)) for e in extras]
 
 
 def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out_dtype=None):
     """A producer's tensor (:mod:`jax_fp8.producers`) quantized with ``scheme`` in one kernel (the
-    ``jf_produce_quantize`` primitive), and the producer's extra outputs (RMSNorm: the rstd of every row,
-    shape ``x.shape[:-1]``). The N-D inputs (..., cols) are viewed as rows; RMSNorm's gamma is (K,). The
+    ``jf_produce_quantize`` primitive), and the producer's extra outputs (a norm's statistics of every row:
+    RMSNorm's rstd ``x.shape[:-1]``, LayerNorm's (mean, rstd) ``x.shape[:-1] + (2,)``). The N-D inputs
+    (..., cols) are viewed as rows; a norm's gamma and beta are (K,). The
     tensor has the inputs' leading dims and the produced last dim, and the produced dtype (``out_dtype``,
     else the input's)."""
     rows, lead, K, dtype = _producer_call(producer, args, out_dtype)
@@ -107,7 +109,7 @@ def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out
     n = 2 * len(scheme.kernel_usages)
     shapes = scheme.kernel_outputs((*lead, K))
     pairs = [(rows_view(data[0], d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs[:n]), shapes)]
-    extras = [e[0].reshape(lead) for e in outs[n:]]
+    extras = [e[0].reshape(producers.stats_shape(producer, lead)) for e in outs[n:]]
     return assemble(scheme, pairs, (*lead, K), dtype), extras
 
 

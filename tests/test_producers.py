@@ -158,6 +158,8 @@ def _inputs(rng, producer, B, M, K, dtype, gamma_dtype):
         return [_values(rng, (B, M, K), dtype)]
     if producer == "rmsnorm":
         return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype)]
+    if producer == "layernorm":  # beta: another gamma-like vector, shifted (zeros and sign changes planted)
+        return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype), (_gamma(rng, K, F32) - 1).astype(gamma_dtype)]
     if producer == "swiglu":
         return [_gate_up(rng, (B, M, 2 * K), dtype)]
     if producer == "gelu":
@@ -204,11 +206,11 @@ def test_kernel_matches_contract(case):
     fn, params = _bind(producer, scheme, eps, out_dtype)
     got = jax.jit(fn)(*args)
     want = producers.produce_quantize(*args, **params)  # NumPy: IEEE subnormals
-    n_extra = 1 if producer == "rmsnorm" else 0
-    assert len(want) == 2 * len(scheme.kernel_usages) + n_extra
-    _assert_outputs_equal(got, want, _case_id(case), rstd=producer == "rmsnorm")
-    if producer == "rmsnorm":
-        assert np.asarray(got[-1]).shape == (B, M)
+    norm = producer in producers.NORMS
+    assert len(want) == 2 * len(scheme.kernel_usages) + norm
+    _assert_outputs_equal(got, want, _case_id(case), rstd=norm)
+    if norm:
+        assert np.asarray(got[-1]).shape == producers.stats_shape(producer, (B, M))
     # the data is not degenerate: most FP8 bytes of the first output are nonzero
     data = np.asarray(want[0])
     if data.size >= 4096:
@@ -219,14 +221,14 @@ def test_kernel_matches_contract(case):
 def test_produce_kernel_matches_contract(case):
     """jf_produce (the producer alone: the unfused ops, and what the fused CUDA kernels do not take) against
     producers.produce_values on NumPy, bit for bit: the produced tensor in its dtype, NaNs canonical, and
-    RMSNorm's rstd."""
+    a norm's statistics."""
     producer, _, B, M, K, dtype, out_dtype, gamma_dtype, eps = case
     rng = np.random.default_rng(stable_seed("produce values", case))
     args = _inputs(rng, producer, B, M, K, dtype, gamma_dtype)
     params = dict(producer=producer, eps=float(eps), out_dtype=jnp.dtype(out_dtype))
     got = jax.jit(lambda *a: produce_p.bind(*a, **params))(*args)
     want = producers.produce_values(*args, **params)
-    assert len(got) == len(want) == (2 if producer == "rmsnorm" else 1)
+    assert len(got) == len(want) == (2 if producer in producers.NORMS else 1)
     assert np.asarray(got[0]).dtype == jnp.dtype(out_dtype)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_bits_equal(g, w, f"{_case_id(case)} output {i}")
@@ -268,6 +270,7 @@ def test_cuda_lowering_fused_where_the_kernels_take_it(name):
     for dtype in (F32, BF16):
         x = np.ones((1, 256, 256), dtype)
         for producer, args in (("cast", (x,)), ("swiglu", (x,)), ("rmsnorm", (x, np.ones(256, np.float32))),
+                               ("layernorm", (x, np.ones(256, np.float32), np.zeros(256, BF16))),
                                ("swiglu_grad", (x[..., :128], x))):
             fn, params = _bind(producer, SCHEMES[name], 1e-6, BF16)
             text = _cuda_module_text(fn, *args)
@@ -283,7 +286,7 @@ def test_cuda_lowering_fused_where_the_kernels_take_it(name):
     assert fused_kernel_takes(dict(params, producer="rmsnorm", scheme=recipe.scheme("lhs")), [BF16, F32])
 
 
-@pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad", "rmsnorm", "gelu", "gelu_grad"])
+@pytest.mark.parametrize("producer", ["swiglu", "swiglu_grad", "rmsnorm", "layernorm", "gelu", "gelu_grad"])
 @pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_scales_expose_every_produced_value(producer, dtype):
     """FP8 data hides a produced value's last bits, but a non-power-of-2 scale is computed from its
@@ -307,15 +310,15 @@ def test_scales_expose_every_produced_value(producer, dtype):
         args = [one * 0 + np.where(one != 0, gate / 8, 0)]
     elif producer == "gelu_grad":
         args = [one, gate / 8]
-    else:
-        args = [full, one[0, 0]]
-    dt = (dtype, F32) if producer == "rmsnorm" else (dtype,) * len(args)
+    else:  # the norms: one nonzero gamma per block (beta 0)
+        args = [full, one[0, 0]] + ([np.zeros(F)] if producer == "layernorm" else [])
+    dt = (dtype, F32, F32) if producer in producers.NORMS else (dtype,) * len(args)
     with np.errstate(over="ignore"):
         args = [np.asarray(a, np.float32).astype(d) for a, d in zip(args, dt)]
     fn, params = _bind(producer, scheme, 1e-6, F32)
     got = jax.jit(fn)(*args)
     want = producers.produce_quantize(*args, **params)
-    _assert_outputs_equal(got, want, f"{producer} {jnp.dtype(dtype).name}", rstd=producer == "rmsnorm")
+    _assert_outputs_equal(got, want, f"{producer} {jnp.dtype(dtype).name}", rstd=producer in producers.NORMS)
     si = np.asarray(want[1])
     assert np.mean((si != 1) & np.isfinite(si)) > 0.7  # most blocks hold a nonzero value that sets their scale
 
@@ -413,6 +416,47 @@ def _rms_inputs(rng, R, K, dtype=F32):
     mags = 2.0 ** rng.integers(-20, 20, size=(R, 1))
     x = (rng.uniform(0.5, 2, (R, K)) * rng.choice([-1, 1], (R, K)) * mags).astype(np.float32)
     return x.astype(dtype)
+
+
+@pytest.mark.parametrize("K", KS)
+def test_layer_norm_within_derived_bound(K):
+    """LayerNorm's fp32 statistics and values against float64. The mean's sum of K terms of either sign,
+    through ceil(K/256) - 1 lane additions and the 8 tree levels: within gamma(c + 8) * sum|x|, then the
+    mean's 2 roundings. The centred sum of squares: each (x - mean) one rounding and its square one (so
+    3u relative per term), the sum gamma(c + 8), times fp32(1/K) 2 and + eps 1 more, and the mean's own
+    error dm adds K dm**2 (the centred terms sum to 0): the variance within (c + 14)u relative + dm**2 /
+    var; the sqrt halves it and rounds, 1 / rounds. The values ((x - mean) * rstd) * gamma + beta: each
+    op one rounding on top of the inputs' errors, absolutely."""
+    rng = np.random.default_rng(stable_seed("layer norm bound", K))
+    R = 64
+    scale = 2.0 ** rng.integers(-20, 20, (R, 1))  # per row; its mean up to 3 of its spreads from 0
+    x = ((rng.standard_normal((R, K)) + rng.uniform(-3, 3, (R, 1))) * scale).astype(np.float32)
+    gamma = (rng.uniform(0.25, 4, K) * rng.choice([-1, 1], K)).astype(np.float32)
+    beta = rng.standard_normal(K).astype(np.float32)
+    x64, c = x.astype(np.float64), -(-K // producers.SUM_LANES)
+    g_n = lambda n: n * U32 / (1 - n * U32)  # noqa: E731
+    for eps in (1e-6, 0.0, 0.5):
+        mean, rstd = producers.layer_norm_stats(x, eps)
+        vals = producers.layer_norm_values(x, gamma, beta, mean, rstd)
+        assert mean.dtype == rstd.dtype == vals.dtype == np.float32
+        m64 = x64.mean(-1)
+        var64 = ((x64 - m64[:, None]) ** 2).mean(-1) + float(np.float32(eps))
+        dm = (g_n(c + 8) * np.abs(x64).sum(-1) / K + 2 * U32 * np.abs(m64)) * (1 + 1e-6)
+        assert (np.abs(mean - m64) <= dm).all(), np.max(np.abs(mean - m64) / dm)
+        rel_var = g_n(c + 14) + K * dm ** 2 / var64 / K
+        bound_rstd = (rel_var / 2 + 2 * U32) * (1 + 1e-3)
+        r64 = 1 / np.sqrt(var64)
+        rel = np.abs(rstd - r64) / r64
+        assert (rel <= bound_rstd).all(), np.max(rel / bound_rstd)
+        want = (x64 - m64[:, None]) * r64[:, None] * gamma + beta
+        t = np.abs(x64 - m64[:, None])  # the centred value's error: dm, then its rounding
+        e_c = dm[:, None] + U32 * t
+        e_n = (e_c * r64[:, None] + t * r64[:, None] * bound_rstd[:, None]) * (1 + 1e-6) + U32 * t * r64[:, None]
+        e_g = e_n * np.abs(gamma) + U32 * np.abs(want - beta)
+        bound = (e_g + U32 * np.abs(want)) * (1 + 1e-4) + 4 * TINY
+        err = np.abs(vals - want)
+        assert (err <= bound).all(), np.max(err / bound)
+        assert K == 1 or np.max(err / bound) > 0.01  # (K = 1: x - mean is 0, every value beta exactly)
 
 
 @pytest.mark.parametrize("K", KS)
@@ -629,6 +673,8 @@ def test_jnp_contract_under_jit_matches_numpy(producer, dtype):
     B, M, K = 2, 64, 1000
     if producer == "rmsnorm":
         args = [_normal_range(rng, (B, M, K), dtype), _normal_range(rng, (K,), BF16)]
+    elif producer == "layernorm":
+        args = [_normal_range(rng, (B, M, K), dtype) + 3, _normal_range(rng, (K,), BF16), _normal_range(rng, (K,), F32)]
     elif producer == "swiglu":
         args = [_normal_range(rng, (B, M, 2 * K), dtype)]
         args[0][..., :K] = (rng.uniform(-40, 40, (B, M, K))).astype(np.float32).astype(dtype)
@@ -700,10 +746,11 @@ def test_vmap_equals_per_slice(producer):
     rng = np.random.default_rng(stable_seed("vmap", producer))
     V, B, M, K = 3, 2, 70, 160
     args = _inputs(rng, producer, V * B, M, K, BF16, F32)
-    args = [a if producer == "rmsnorm" and i == 1 else a.reshape(V, B, *a.shape[1:]) for i, a in enumerate(args)]
+    norm = producer in producers.NORMS  # gamma and beta shared
+    args = [a if norm and i >= 1 else a.reshape(V, B, *a.shape[1:]) for i, a in enumerate(args)]
     scheme = SCHEMES["f8-lhs"]
     fn, _ = _bind(producer, scheme, 1e-5, F32)
-    mapped = [0, None] if producer == "rmsnorm" else [0] * len(args)
+    mapped = [0 if i == 0 or not norm else None for i in range(len(args))]
     single = jax.jit(fn)
     # x mapped along axis 0, and along axis 2 (moved there)
     for axis in (0, 2):
@@ -719,11 +766,14 @@ def test_vmap_equals_per_slice(producer):
             _assert_outputs_equal([o[v] for o in got], single(args[0][v], h0), f"da mapped, slice {v}")
 
 
-def test_vmap_rmsnorm_with_mapped_gamma_refuses():
-    fn, _ = _bind("rmsnorm", SCHEMES["f8-lhs"])
+def test_vmap_norm_with_mapped_gamma_refuses():
     x, g = np.zeros((2, 1, 8, 128), np.float32), np.ones((2, 128), np.float32)
+    fn, _ = _bind("rmsnorm", SCHEMES["f8-lhs"])
     with pytest.raises(NotImplementedError, match="gamma"):
         jax.vmap(fn)(x, g)
+    fn, _ = _bind("layernorm", SCHEMES["f8-lhs"])
+    with pytest.raises(NotImplementedError, match="beta"):
+        jax.vmap(fn, in_axes=(0, None, 0))(x, g[0], g)
 
 
 # ---- 5. shape errors -----------------------------------------------------------------------------------
@@ -738,6 +788,9 @@ def test_wrong_shapes_raise():
         ("swiglu_grad", (jnp.zeros((1, 8, 64), F32), jnp.zeros((1, 9, 128), F32)), "da \\(B, M, F\\) and h"),
         ("cast", (jnp.zeros((8, 128), F32),), "\\(batch, rows, cols\\)"),
         ("rmsnorm", (x,), "takes 2 inputs"),
+        ("layernorm", (x, jnp.ones((128,), F32), jnp.ones((64,), F32)), "layernorm's beta must have shape \\(128,\\)"),
+        ("layernorm", (x, jnp.ones((128,), F32)), "takes 3 inputs"),
+        ("gelu_grad", (x, jnp.zeros((1, 8, 64), F32)), "gelu_grad takes da and x of one shape"),
     ]
     for producer, args, match in cases:
         fn, _ = _bind(producer, s)
@@ -761,15 +814,16 @@ def _mesh(shape, names, mode="auto"):
 
 
 def _sharded_inputs(producer, args, mesh, spec):
-    """Every (B, M, cols) input with ``spec``; rmsnorm's gamma split as x's last dim."""
+    """Every (B, M, cols) input with ``spec``; a norm's gamma and beta split as x's last dim."""
     out = []
     for i, a in enumerate(args):
-        s = P(spec[2]) if producer == "rmsnorm" and i == 1 else spec
+        s = P(spec[2]) if producer in producers.NORMS and i >= 1 else spec
         out.append(jax.device_put(a, NamedSharding(mesh, s)))
     return out
 
 
-WHY = {"rmsnorm": "RMSNorm reduces along it", "swiglu": "SwiGLU multiplies its two halves",
+WHY = {"rmsnorm": "RMSNorm reduces along it", "layernorm": "LayerNorm reduces along it",
+       "swiglu": "SwiGLU multiplies its two halves",
        "swiglu_grad": "SwiGLU's gradient pairs the two halves of its input"}
 
 
@@ -819,7 +873,7 @@ def test_shard_map_types_and_gives_per_shard_results(producer):
     args = _inputs(rng, producer, B, n * Mloc, K, BF16, BF16)
     scheme = SCHEMES["f8-lhs"]
     fn, _ = _bind(producer, scheme, 1e-6, F32)
-    mapped = [i != 1 or producer != "rmsnorm" for i in range(len(args))]
+    mapped = [i == 0 or producer not in producers.NORMS for i in range(len(args))]
     in_specs = tuple(P(None, "data") if m else P() for m in mapped)
     seen = []
 

@@ -216,7 +216,7 @@ inline float round_to(InType t, float v) {
 struct ProducedRows {
   const ProduceArgs& p;
   int64_t M, K;
-  std::vector<float> gamma;  // rmsnorm's, widened once
+  std::vector<float> gamma, beta;  // the norms', widened once
 
   void operator()(int64_t b, int64_t r, float* row) const { flat(b * M + r, row); }
 
@@ -230,8 +230,14 @@ struct ProducedRows {
         return;
       case Producer::kRmsNorm: {
         load_f32(p.in[0], p.in_type[0], rr * K, K, row);
-        const float rstd = p.rstd[rr];
+        const float rstd = p.stats[rr];
         for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, (row[k] * rstd) * gamma[k]);
+        return;
+      }
+      case Producer::kLayerNorm: {
+        load_f32(p.in[0], p.in_type[0], rr * K, K, row);
+        const float mean = p.stats[2 * rr], rstd = p.stats[2 * rr + 1];
+        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, layer_norm_f(row[k], mean, rstd, gamma[k], beta[k]));
         return;
       }
       case Producer::kSwiglu:  // h (B, M, 2K) = [gate | up]
@@ -265,33 +271,53 @@ struct ProducedRows {
   }
 };
 
-// RMSNorm's rstd of every row, written to p.rstd (the quantize passes read it).
-void rms_rstd_rows(const ProduceArgs& p, int64_t rows, int64_t K) {
+// The sum of term(k) over k < K in producers.h's order (kSumLanes partials, then their tree).
+template <class Term>
+float row_sum(int64_t K, Term term) {
+  float part[kSumLanes] = {};
+  for (int64_t k = 0; k < K; ++k) part[k % kSumLanes] = part[k % kSumLanes] + term(k);
+  sum_tree(part);
+  return part[0];
+}
+
+// A norm's statistics of every row, written to p.stats (the quantize passes read them): RMSNorm's rstd;
+// LayerNorm's mean, then its rstd from the sum of (x - mean)**2 (two passes over the row).
+void norm_stats_rows(const ProduceArgs& p, int64_t rows, int64_t K) {
   parallel_for(rows, rows * K, [&](int64_t r0, int64_t r1) {
     std::vector<float> x(K);
-    float part[kSumLanes];
     for (int64_t r = r0; r < r1; ++r) {
       load_f32(p.in[0], p.in_type[0], r * K, K, x.data());
-      std::fill(part, part + kSumLanes, 0.0f);
-      for (int64_t k = 0; k < K; ++k) part[k % kSumLanes] = part[k % kSumLanes] + x[k] * x[k];
-      sum_tree(part);
-      p.rstd[r] = rms_rstd_f(part[0], p.inv_k, p.eps);
+      if (p.producer == Producer::kRmsNorm) {
+        p.stats[r] = rms_rstd_f(row_sum(K, [&](int64_t k) { return x[k] * x[k]; }), p.inv_k, p.eps);
+        continue;
+      }
+      const float mean = canonical_f32(row_sum(K, [&](int64_t k) { return x[k]; }) * p.inv_k);
+      const float ss = row_sum(K, [&](int64_t k) {
+        const float d = x[k] - mean;
+        return d * d;
+      });
+      p.stats[2 * r] = mean;
+      p.stats[2 * r + 1] = rms_rstd_f(ss, p.inv_k, p.eps);
     }
   });
 }
 
-// The producer's rows, RMSNorm's rstd computed first (into p.rstd).
+// The producer's rows, a norm's statistics computed first (into p.stats).
 ProducedRows producer_rows(const ProduceArgs& p, int64_t B, int64_t M, int64_t K) {
-  ProducedRows rows{p, M, K, {}};
-  if (p.producer == Producer::kRmsNorm) {
+  ProducedRows rows{p, M, K, {}, {}};
+  if (is_norm(p.producer)) {
     rows.gamma.resize(K);
     load_f32(p.in[1], p.in_type[1], 0, K, rows.gamma.data());
-    rms_rstd_rows(p, B * M, K);
+    if (p.producer == Producer::kLayerNorm) {
+      rows.beta.resize(K);
+      load_f32(p.in[2], p.in_type[2], 0, K, rows.beta.data());
+    }
+    norm_stats_rows(p, B * M, K);
   }
   return rows;
 }
 
-// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and rmsnorm's rstd.
+// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and a norm's statistics.
 ffi::Error ProduceCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> extra,
                       int32_t producer, float eps) {
   ProduceArgs p;
@@ -317,7 +343,7 @@ ffi::Error ProduceCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y, ff
   return ffi::Error::Success();
 }
 
-// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
+// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and a norm's statistics.
 ffi::Error ProduceQuantizeCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
                               ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
                               ffi::Result<ffi::AnyBuffer> scale1, ffi::Result<ffi::AnyBuffer> extra, Scheme scheme,

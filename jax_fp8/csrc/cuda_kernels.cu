@@ -39,7 +39,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   return check_launch();
 }
 
-// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and rmsnorm's rstd.
+// The producer's inputs (produce_args.h); y: its tensor in y's dtype (NaNs canonical), and a norm's statistics.
 ffi::Error ProduceCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::AnyBuffer> extra, int32_t producer, float eps) {
   ProduceArgs p;
@@ -49,7 +49,7 @@ ffi::Error ProduceCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result
   return check_launch();
 }
 
-// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and rmsnorm's rstd.
+// The producer's inputs (produce_args.h), its quantize outputs as jf_quantize's, and a norm's statistics.
 ffi::Error ProduceQuantizeCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> data0,
                                ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
                                ffi::Result<ffi::AnyBuffer> scale1, ffi::Result<ffi::AnyBuffer> extra, Scheme scheme,

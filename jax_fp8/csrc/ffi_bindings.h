@@ -40,11 +40,11 @@ auto bind_produce_quantize(Binding b) {
       .template Ret<ffi::AnyBuffer>()  // first output: scales
       .template Ret<ffi::AnyBuffer>()  // second output: data (empty if none)
       .template Ret<ffi::AnyBuffer>()  // second output: scales (empty if none)
-      .template Ret<ffi::AnyBuffer>()  // rmsnorm: rstd (B, M) float32; else empty
+      .template Ret<ffi::AnyBuffer>()  // the norms: statistics (rmsnorm rstd (B, M), layernorm (B, M, 2)); else empty
       .template Attr<Scheme>("scheme")
       .template Attr<int32_t>("producer")  // producers.h's Producer
       .template Attr<int32_t>("dtype")     // the produced dtype: 0 float32, 1 bfloat16, 2 float16
-      .template Attr<float>("eps");        // rmsnorm's epsilon
+      .template Attr<float>("eps");        // the norms' epsilon
 }
 
 // jf_produce: a producer's (B, M, K) tensor (producers.h), rounded to the output's dtype, NaNs canonical;
@@ -54,9 +54,9 @@ auto bind_produce(Binding b) {
   return std::move(b)
       .RemainingArgs()                     // the producer's inputs
       .template Ret<ffi::AnyBuffer>()      // y (B, M, K) float32 / bfloat16 / float16
-      .template Ret<ffi::AnyBuffer>()      // rmsnorm: rstd (B, M) float32; else empty
+      .template Ret<ffi::AnyBuffer>()      // the norms: statistics (as jf_produce_quantize's); else empty
       .template Attr<int32_t>("producer")  // producers.h's Producer
-      .template Attr<float>("eps");        // rmsnorm's epsilon
+      .template Attr<float>("eps");        // the norms' epsilon
 }
 
 // jf_dequantize: one compact output of the scheme back to high precision.

@@ -1,7 +1,7 @@
 // Argument decoding of jf_produce and jf_produce_quantize (ffi_bindings.h), shared by the CPU and CUDA
 // handlers: the producer's inputs checked against the (B, M, K) tensor it produces (cast: x (B, M, K);
 // rmsnorm: x (B, M, K), gamma (K,); swiglu: h (B, M, 2K); swiglu_grad: da (B, M, F), h (B, M, 2F), K = 2F;
-// gelu: x (B, M, K); gelu_grad: da (B, M, K), x (B, M, K)),
+// gelu: x (B, M, K); gelu_grad: da (B, M, K), x (B, M, K); layernorm: x (B, M, K), gamma (K,), beta (K,)),
 // which jf_produce returns and jf_produce_quantize quantizes as jf_quantize quantizes an input of that
 // shape and dtype.
 #pragma once
@@ -16,12 +16,17 @@ namespace jf {
 
 struct ProduceArgs {
   Producer producer;
-  const void* in[2];  // cast, gelu: x; rmsnorm: x, gamma; swiglu: h; swiglu_grad: da, h; gelu_grad: da, x
-  InType in_type[2];
-  InType out;         // the produced values' dtype (they are rounded to it)
-  float eps, inv_k;   // rmsnorm
-  float* rstd;        // rmsnorm's extra output (B, M); null otherwise
+  // cast, gelu: x; rmsnorm: x, gamma; swiglu: h; swiglu_grad: da, h; gelu_grad: da, x; layernorm: x, gamma, beta
+  const void* in[3];
+  InType in_type[3];
+  InType out;        // the produced values' dtype (they are rounded to it)
+  float eps, inv_k;  // the norms'
+  // the norms' extra output, each row's statistics for the backward: rmsnorm rstd (B, M); layernorm (mean,
+  // rstd) (B, M, 2); null otherwise
+  float* stats;
 };
+
+inline bool is_norm(Producer p) { return p == Producer::kRmsNorm || p == Producer::kLayerNorm; }
 
 inline ffi::Error in_type(const ffi::AnyBuffer& x, InType* t) {
   float unused;
@@ -29,16 +34,17 @@ inline ffi::Error in_type(const ffi::AnyBuffer& x, InType* t) {
 }
 
 // The producer of a call: its inputs checked against each other (shapes in produce_args.h's header
-// comment), the produced tensor's (B, M, K), the extra output (rmsnorm's rstd (B, M) float32, else
-// empty) and `dtype`, the produced dtype as InType (0 float32, 1 bfloat16, 2 float16).
+// comment), the produced tensor's (B, M, K), the extra output (the norms' statistics, ProduceArgs::stats,
+// float32; else empty) and `dtype`, the produced dtype as InType (0 float32, 1 bfloat16, 2 float16).
 inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBuffer& extra, int32_t producer,
                                 int32_t dtype, float eps, int64_t* B, int64_t* M, int64_t* K, ProduceArgs* p) {
-  if (producer < 0 || producer > int32_t(Producer::kGeluGrad))
-    return bad("produce: producer must be 0..5, got " + std::to_string(producer));
+  if (producer < 0 || producer > int32_t(Producer::kLayerNorm))
+    return bad("produce: producer must be 0..6, got " + std::to_string(producer));
   if (dtype < 0 || dtype > 2) return bad("produce: dtype must be 0 (f32), 1 (bf16) or 2 (f16)");
   p->producer = Producer(producer);
   p->out = InType(dtype);
-  const size_t n = p->producer == Producer::kRmsNorm || p->producer == Producer::kSwigluGrad ||
+  const size_t n = p->producer == Producer::kLayerNorm                                                     ? 3
+                   : p->producer == Producer::kRmsNorm || p->producer == Producer::kSwigluGrad ||
                            p->producer == Producer::kGeluGrad
                        ? 2
                        : 1;
@@ -63,8 +69,10 @@ inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBu
       if (!same3(in[1], *K)) return bad("produce: gelu_grad takes da and x of one shape (B, M, K)");
       break;
     case Producer::kRmsNorm:
-      if (in[1].dimensions().size() != 1 || in[1].dimensions()[0] != *K)
-        return bad("produce: rmsnorm's gamma must be (K,) for x (B, M, K)");
+    case Producer::kLayerNorm:
+      for (size_t i = 1; i < n; ++i)
+        if (in[i].dimensions().size() != 1 || in[i].dimensions()[0] != *K)
+          return bad("produce: a norm's gamma and beta must be (K,) for x (B, M, K)");
       break;
     case Producer::kSwiglu:
       if (*K % 2) return bad("produce: swiglu's input must be (B, M, 2F)");
@@ -77,12 +85,13 @@ inline ffi::Error make_producer(const ffi::RemainingArgs& args, const ffi::AnyBu
   }
   p->eps = eps;
   p->inv_k = *K > 0 ? inv_len(*K) : 0.0f;
-  const bool rms = p->producer == Producer::kRmsNorm;
-  if (rms && (extra.element_type() != ffi::DataType::F32 || !(extra.dimensions().size() == 2 &&
-                                                              extra.dimensions()[0] == *B && extra.dimensions()[1] == *M)))
-    return bad("produce: rmsnorm's rstd output must be float32 (B, M)");
-  if (!rms && extra.element_count() != 0) return bad("produce: only rmsnorm has an extra output");
-  p->rstd = rms ? static_cast<float*>(const_cast<void*>(extra.untyped_data())) : nullptr;
+  const bool norm = is_norm(p->producer), ln = p->producer == Producer::kLayerNorm;
+  const auto d = extra.dimensions();
+  if (norm && (extra.element_type() != ffi::DataType::F32 || d.size() != size_t(ln ? 3 : 2) || d[0] != *B ||
+               d[1] != *M || (ln && d[2] != 2)))
+    return bad("produce: the statistics output must be float32 (B, M) for rmsnorm, (B, M, 2) for layernorm");
+  if (!norm && extra.element_count() != 0) return bad("produce: only the norms have an extra output");
+  p->stats = norm ? static_cast<float*>(const_cast<void*>(extra.untyped_data())) : nullptr;
   return ffi::Error::Success();
 }
 

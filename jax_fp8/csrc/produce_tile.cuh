@@ -2,7 +2,8 @@
 // its input, the tile asks a source for VEC produced values of one row (RMSNorm, SwiGLU, GELU, their
 // gradients, a cast; producers.h), rounded to the produced dtype and packed as that dtype's vector; the
 // tile's amaxes, scales and stores are unchanged, so the produced tensor never reaches memory in high
-// precision. RMSNorm's rstd comes from a pass of its own first (rms_rstd_kernel), one warp per row.
+// precision. A norm's statistics (RMSNorm's rstd, LayerNorm's mean and rstd) come from a pass of their own
+// first (norm_stats_kernel), one warp per row.
 //
 // Inputs may be float32, bfloat16 or float16 (a run-time switch per load: the same for every thread); the
 // fused kernels produce bfloat16 (LoadBF16, VEC 8). What they do not take (with_produce) runs as jf_produce
@@ -94,7 +95,7 @@ struct RmsNormSrc {
   const void* x;
   const void* gamma;
   InType xt, gt;
-  const float* rstd;  // (B * M) from rms_rstd_kernel
+  const float* rstd;  // (B * M) from norm_stats_kernel
   bool vec;
   template <bool INTERIOR>
   __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
@@ -111,6 +112,33 @@ struct RmsNormSrc {
     const float s = rstd[b * sp.M + r];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = e < n ? (v[e] * s) * g[e] : 0.0f;
+  }
+};
+
+template <int IN = kAnyIn>
+struct LayerNormSrc {
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  InType xt, gt, bt;
+  const float* stats;  // (B * M, 2): mean, rstd, from norm_stats_kernel
+  bool vec;
+  template <bool INTERIOR>
+  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
+    const int n = valid8<INTERIOR>(sp, r, col0);
+    if (n == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+      return;
+    }
+    float g[kVec], bb[kVec];
+    const bool whole = vec && n == kVec;
+    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
+    load8(gamma, gt, col0, n, whole, g);
+    load8(beta, bt, col0, n, whole, bb);
+    const float2 ms = reinterpret_cast<const float2*>(stats)[b * sp.M + r];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = e < n ? layer_norm_f(v[e], ms.x, ms.y, g[e], bb[e]) : 0.0f;
   }
 };
 
@@ -236,21 +264,19 @@ struct Packed {
   }
 };
 
-// RMSNorm's rstd of every row (B * M rows of K): one warp per row; lane l's 8 partial sums are the
-// partials 8l .. 8l+7 of producers.h's order (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then
-// the lane's own pairs (4, 2, 1) are its tree.
-__global__ void __launch_bounds__(kThreads) rms_rstd_kernel(const void* x, InType xt, int64_t rows, int64_t K,
-                                                            float inv_k, float eps, bool vec, float* rstd) {
+// The sum over a warp's row of term(8 values, e) in producers.h's order: lane l's 8 partial sums are the
+// partials 8l .. 8l+7 (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then the lane's own pairs (4, 2,
+// 1) are the tree; every lane returns the total.
+template <class Term>
+__device__ __forceinline__ float warp_row_sum(const void* x, InType xt, int64_t row, int64_t K, bool vec, Term term) {
   const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
-  if (row >= rows) return;
   float part[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t c = 8 * lane; c < K; c += kSumLanes) {
     const int64_t n = K - c;
     float v[kVec];
     load8(x, xt, row * K + c, n >= kVec ? kVec : int(n), vec && n >= kVec, v);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) part[e] = part[e] + v[e] * v[e];
+    for (int e = 0; e < kVec; ++e) part[e] = part[e] + (e < n ? term(v[e]) : 0.0f);
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2)
@@ -260,9 +286,32 @@ __global__ void __launch_bounds__(kThreads) rms_rstd_kernel(const void* x, InTyp
   for (int half = kVec / 2; half > 0; half /= 2)
 #pragma unroll
     for (int e = 0; e < half; ++e) part[e] = part[e] + part[e + half];
-  if (lane == 0) rstd[row] = rms_rstd_f(part[0], inv_k, eps);
+  return part[0];
 }
 
+// A norm's statistics of every row (B * M rows of K), one warp per row: RMSNorm's rstd (stats[row]);
+// LayerNorm's mean and its rstd from the sum of (x - mean)**2, a second pass over the row (stats[2 row],
+// stats[2 row + 1]).
+__global__ void __launch_bounds__(kThreads) norm_stats_kernel(const void* x, InType xt, int64_t rows, int64_t K,
+                                                              float inv_k, float eps, bool vec, bool layer,
+                                                              float* stats) {
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  if (!layer) {
+    const float ss = warp_row_sum(x, xt, row, K, vec, [](float v) { return v * v; });
+    if (threadIdx.x % 32 == 0) stats[row] = rms_rstd_f(ss, inv_k, eps);
+    return;
+  }
+  const float mean = canonical_f32(warp_row_sum(x, xt, row, K, vec, [](float v) { return v; }) * inv_k);
+  const float ss = warp_row_sum(x, xt, row, K, vec, [mean](float v) {
+    const float d = v - mean;
+    return d * d;
+  });
+  if (threadIdx.x % 32 == 0) {
+    stats[2 * row] = mean;
+    stats[2 * row + 1] = rms_rstd_f(ss, inv_k, eps);
+  }
+}
 
 // Calls f(src) with the source of the call's producer (its tensor K wide). FUSED: the fused kernels' sources,
 // their inputs' dtypes fixed (a cast's x float32, the others' bfloat16: fused_inputs_ok), else the call's.
@@ -273,8 +322,11 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
   switch (p.producer) {
     case Producer::kCast: return f(CastSrc<kF32>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kRmsNorm:
-      return f(RmsNormSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.rstd,
+      return f(RmsNormSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.stats,
                                  k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
+    case Producer::kLayerNorm:
+      return f(LayerNormSrc<kBF16>{p.in[0], p.in[1], p.in[2], p.in_type[0], p.in_type[1], p.in_type[2], p.stats,
+                                   k8 && aligned16(p.in[0]) && aligned16(p.in[1]) && aligned16(p.in[2])});
     case Producer::kSwiglu: return f(SwigluSrc<kBF16>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kSwigluGrad:
       return f(SwigluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
@@ -288,7 +340,7 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
 }
 
 // Whether the inputs have the dtypes of the fused kernels' sources: a cast's float32 (a master weight), the
-// other producers' bfloat16 (gamma: any).
+// other producers' bfloat16 (a norm's gamma and beta: any).
 inline bool fused_inputs_ok(const ProduceArgs& p) {
   if (p.producer == Producer::kCast) return p.in_type[0] == InType::kF32;
   const bool two = p.producer == Producer::kSwigluGrad || p.producer == Producer::kGeluGrad;  // not gamma
@@ -339,19 +391,20 @@ __global__ void __launch_bounds__(kThreads) produce_values_kernel(Span sp, int64
   }
 }
 
-inline ffi::Error rms_rstd(cudaStream_t st, const ProduceArgs& p, int64_t rows, int64_t K) {
+// A norm's statistics into p.stats (nothing for the other producers).
+inline ffi::Error norm_stats(cudaStream_t st, const ProduceArgs& p, int64_t rows, int64_t K) {
   const int64_t per_cta = kThreads / 32;
+  if (!is_norm(p.producer) || rows == 0) return ffi::Error::Success();
   if (cdiv(rows, per_cta) > 0x7FFFFFFF) return bad("tensor too large for one launch");
-  if (rows > 0)
-    rms_rstd_kernel<<<unsigned(cdiv(rows, per_cta)), kThreads, 0, st>>>(
-        p.in[0], p.in_type[0], rows, K, p.inv_k, p.eps, K % kVec == 0 && aligned16(p.in[0]), p.rstd);
+  norm_stats_kernel<<<unsigned(cdiv(rows, per_cta)), kThreads, 0, st>>>(
+      p.in[0], p.in_type[0], rows, K, p.inv_k, p.eps, K % kVec == 0 && aligned16(p.in[0]),
+      p.producer == Producer::kLayerNorm, p.stats);
   return ffi::Error::Success();
 }
 
 // The producer's (B, M, K) tensor into y (its dtype: p.out).
 inline ffi::Error produce_values(cudaStream_t st, const ProduceArgs& p, int64_t B, int64_t M, int64_t K, void* y) {
-  if (p.producer == Producer::kRmsNorm)
-    if (auto e = rms_rstd(st, p, B * M, K); e.failure()) return e;
+  if (auto e = norm_stats(st, p, B * M, K); e.failure()) return e;
   const int64_t n = B * M * cdiv(K, kVec);
   if (n == 0) return ffi::Error::Success();
   if (cdiv(n, kThreads) > 0x7FFFFFFF) return bad("tensor too large for one launch");
@@ -369,14 +422,13 @@ inline ffi::Error produce_values(cudaStream_t st, const ProduceArgs& p, int64_t 
   });
 }
 
-// The producer's tensor quantized into the outputs d / s (tile_outputs' order); RMSNorm's rstd first.
+// The producer's tensor quantized into the outputs d / s (tile_outputs' order); a norm's statistics first.
 inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const ProduceArgs& p, uint8_t* const* d,
                                 void* const* s) {
   using L = LoadBF16;
   return with_produce(a, p, [&](auto cfg, auto rule, auto src) -> ffi::Error {
     using C = decltype(cfg);
-    if (p.producer == Producer::kRmsNorm)
-      if (auto e = rms_rstd(st, p, a.B * a.M, a.K); e.failure()) return e;
+    if (auto e = norm_stats(st, p, a.B * a.M, a.K); e.failure()) return e;
     Outs<typename C::S> row, col;
     ScaleAt row_at, col_at;
     tile_outputs(a, d, s, row, col, row_at, col_at);

@@ -1,4 +1,4 @@
-// The producers that quantization fuses with (RMSNorm, SwiGLU, GELU and their derivatives, the cast of fp32
+// The producers that quantization fuses with (RMSNorm, LayerNorm, SwiGLU, GELU and their derivatives, the cast of fp32
 // master weights), shared by the CPU and CUDA kernels. jax_fp8/producers.py defines the same numbers
 // (its docstring gives the order of every operation); tests compare them bit for bit. Every fp32 op
 // rounds on its own: the module is built without FMA contraction (-ffp-contract=off, nvcc -fmad=false),
@@ -13,10 +13,19 @@
 namespace jf {
 
 // jax_fp8/producers.py's PRODUCERS, in order.
-enum class Producer : int32_t { kCast = 0, kRmsNorm = 1, kSwiglu = 2, kSwigluGrad = 3, kGelu = 4, kGeluGrad = 5 };
+enum class Producer : int32_t {
+  kCast = 0,
+  kRmsNorm = 1,
+  kSwiglu = 2,
+  kSwigluGrad = 3,
+  kGelu = 4,
+  kGeluGrad = 5,
+  kLayerNorm = 6
+};
 
-// The row sum of squares: kSumLanes partial sums, partial v over elements v, v + kSumLanes, ... in
-// order, then the pairwise tree v + (v ^ half) for half = kSumLanes / 2 ... 1.
+// The row sums (RMSNorm's of x**2, LayerNorm's of x then of (x - mean)**2): kSumLanes partial sums, partial
+// v over elements v, v + kSumLanes, ... in order, then the pairwise tree v + (v ^ half) for half =
+// kSumLanes / 2 ... 1.
 constexpr int kSumLanes = 256;
 
 JF_HD float sqrt_f(float x) {
@@ -86,10 +95,16 @@ JF_HD float gelu_grad_f(float d, float x) {
   return d * (s + (x * (s * (1.0f - s))) * (kGeluA + (kGeluB3 * c) * c));
 }
 
-// RMSNorm's rstd from a row's sum of squares: 1 / sqrt(sum * fp32(1 / K) + eps), NaN canonical.
+// A norm's rstd from a row's sum of squares (LayerNorm's: of x - mean): 1 / sqrt(sum * fp32(1 / K) + eps),
+// NaN canonical.
 JF_HD float rms_rstd_f(float sum_squares, float inv_k, float eps) {
   return canonical_f32(1.0f / sqrt_f(sum_squares * inv_k + eps));  // one NaN, whatever the row's were
 }
+// LayerNorm's value before rounding: ((x - mean) * rstd) * gamma + beta.
+JF_HD float layer_norm_f(float x, float mean, float rstd, float gamma, float beta) {
+  return ((x - mean) * rstd) * gamma + beta;
+}
+
 // The float32 nearest 1 / K, as jax_fp8/producers.py's np.float32(1.0 / K).
 inline float inv_len(int64_t K) { return float(1.0 / double(K)); }
 

@@ -1,13 +1,15 @@
 """``jf_produce_quantize``: a producer (RMSNorm, SwiGLU, GELU, their gradients, a cast; :mod:`jax_fp8.producers`)
 and the quantization of what it produces, in one kernel: the produced (B, M, K) tensor is never stored in
 high precision. Its outputs are ``jf_quantize``'s for that tensor (same scheme, same layouts), then the
-producer's extra outputs (RMSNorm: the rstd of every row, (B, M) float32, for the backward). And
+producer's extra outputs (a norm's statistics of every row, float32, for the backward: RMSNorm's rstd (B, M),
+LayerNorm's (mean, rstd) (B, M, 2)). And
 ``jf_produce``: the producer alone, its tensor in its dtype (the unfused ops of :mod:`jax_fp8.fused`).
 
 The fused CUDA kernels take what the fused layers ask (:func:`fused_kernel_takes`); any other call
 runs on the GPU as ``jf_produce`` then ``jf_quantize``, the same bits in two passes.
 
-Inputs (B, rows, cols): ``cast`` x (B, M, K); ``rmsnorm`` x (B, M, K) and gamma (K,); ``swiglu`` h (B, M,
+Inputs (B, rows, cols): ``cast`` x (B, M, K); ``rmsnorm`` x (B, M, K) and gamma (K,); ``layernorm`` x (B,
+M, K), gamma (K,) and beta (K,); ``swiglu`` h (B, M,
 2K) = [gate | up]; ``swiglu_grad`` da (B, M, F) and h (B, M, 2F), producing (B, M, 2F) = [d_gate | d_up];
 ``gelu`` x (B, M, K); ``gelu_grad`` da and x (B, M, K).
 
@@ -41,8 +43,9 @@ def produced_shape(producer: str, shapes) -> tuple:
     if len(x) != 3:
         raise ValueError(f"jf_produce_quantize: {producer} takes (batch, rows, cols) inputs, got shape {x}")
     B, M, K = x
-    if producer == "rmsnorm" and tuple(shapes[1]) != (K,):
-        raise ValueError(f"jf_produce_quantize: rmsnorm's gamma must have shape ({K},) for x {x}, got {shapes[1]}")
+    for name, shape in zip(("gamma", "beta"), shapes[1:] if producer in producers.NORMS else ()):
+        if tuple(shape) != (K,):
+            raise ValueError(f"jf_produce_quantize: {producer}'s {name} must have shape ({K},) for x {x}, got {shape}")
     if producer == "swiglu":
         if K % 2:
             raise ValueError(f"jf_produce_quantize: swiglu takes h (B, M, 2F) = [gate | up], got shape {x}")
@@ -82,18 +85,19 @@ def _ffi_lowering(ctx, *args, producer, scheme, eps, out_dtype):
         producer=np.int32(producers.PRODUCERS.index(producer)), dtype=np.int32(_DTYPE_CODE[jnp.dtype(out_dtype)]),
         eps=np.float32(eps))
     outs = list(outs)
-    return outs[:n_quantize] + (outs[_QUANTIZE_RESULTS:] if producer == "rmsnorm" else [])
+    return outs[:n_quantize] + (outs[_QUANTIZE_RESULTS:] if producer in producers.NORMS else [])
 
 
 def _batch(prim, args, dims, *, producer, **params):
-    """vmap: the mapped dim folds into the batch of every (B, rows, cols) input; gamma is shared."""
-    if producer == "rmsnorm" and dims[1] is not None:
-        raise NotImplementedError("jf_produce_quantize: rmsnorm under vmap takes one gamma for every mapped "
-                                  "x (vmap with in_axes=None for gamma)")
+    """vmap: the mapped dim folds into the batch of every (B, rows, cols) input; a norm's gamma and beta are
+    shared."""
+    if producer in producers.NORMS and any(d is not None for d in dims[1:]):
+        raise NotImplementedError(f"jf_produce_quantize: {producer} under vmap takes one gamma (and beta) for "
+                                  "every mapped x (vmap with in_axes=None for gamma and beta)")
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     folded = []
     for i, (a, d) in enumerate(zip(args, dims)):
-        if producer == "rmsnorm" and i == 1:
+        if producer in producers.NORMS and i >= 1:
             folded.append(a)
             continue
         a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
@@ -104,13 +108,13 @@ def _batch(prim, args, dims, *, producer, **params):
 
 def fused_kernel_takes(params: dict, in_dtypes) -> bool:
     """Whether the fused CUDA kernels take this call: they are built for what the fused layers ask (the
-    recipes' schemes), float32 master weights to cast and bfloat16 inputs to the other producers (RMSNorm's
-    gamma: any dtype), bfloat16 values quantized GEMM-ready in Float8 blockwise blocks with both usages
+    recipes' schemes), float32 master weights to cast and bfloat16 inputs to the other producers (a norm's
+    gamma and beta: any dtype), bfloat16 values quantized GEMM-ready in Float8 blockwise blocks with both usages
     and infinite amaxes kept infinite (``saturate_inf=False``), 128x128 tiles for a cast (a master weight)
     and 1x128 blocks for the other producers (produce_tile.cuh, with_produce)."""
     scheme, producer, out = params["scheme"], params["producer"], jnp.dtype(params["out_dtype"])
     cast = producer == "cast"
-    main = [jnp.dtype(d) for d in in_dtypes][:1 if producer == "rmsnorm" else None]  # not gamma
+    main = [jnp.dtype(d) for d in in_dtypes][:1 if producer in producers.NORMS else None]  # not gamma, beta
     inputs = all(d == jnp.dtype(jnp.float32 if cast else jnp.bfloat16) for d in main)
     tiles = tuple(scheme.block) == (FLOAT8_BLOCK, FLOAT8_BLOCK)
     return (inputs and out == jnp.dtype(jnp.bfloat16) and scheme.format is BLOCKWISE and not scheme.saturate_inf
@@ -119,7 +123,8 @@ def fused_kernel_takes(params: dict, in_dtypes) -> bool:
 
 def _extra_avals(producer, B, M):
     """The producer's extra outputs: RMSNorm's rstd of every row."""
-    return [ShapedArray((B, M), np.float32)] if producer == "rmsnorm" else []
+    shape = producers.stats_shape(producer, (B, M))
+    return [] if shape is None else [ShapedArray(shape, np.float32)]
 
 
 def _produce_ffi(ctx, args, producer, eps, y_aval):
@@ -146,7 +151,8 @@ def _cuda_lowering(ctx, *args, producer, scheme, eps, out_dtype):
 
 # ---- partitioning: the batch and the rows split, the last dim only for a cast ------------------------
 _NAMES = dict(b="the batch dim", m="the rows (leading dims)", k="the last dim",
-              h="the last dim of SwiGLU's input", f="the last dim of SwiGLU's output gradient")
+              h="the last dim of SwiGLU's input", f="the last dim of SwiGLU's output gradient",
+              s="LayerNorm's statistics (mean, rstd)")
 
 
 #: The producers that work element by element: their last dim splits like the others.
@@ -155,13 +161,14 @@ ELEMENTWISE = ("cast", "gelu", "gelu_grad")
 
 def _sizes(shapes, params):
     B, M, K = produced_shape(params["producer"], shapes)
-    return dict(b=B, m=M, k=K, h=2 * K, f=K // 2)
+    return dict(b=B, m=M, k=K, h=2 * K, f=K // 2, s=2)
 
 
 def _arrays(sizes, params):
     producer, scheme = params["producer"], params["scheme"]
     b, m, k = Dim("b", sizes["b"]), Dim("m", sizes["m"]), Dim("k", sizes["k"])
-    inputs = {"cast": [(b, m, k)], "rmsnorm": [(b, m, k), (k,)], "swiglu": [(b, m, Dim("h", sizes["h"]))],
+    inputs = {"cast": [(b, m, k)], "rmsnorm": [(b, m, k), (k,)], "layernorm": [(b, m, k), (k,), (k,)],
+              "swiglu": [(b, m, Dim("h", sizes["h"]))],
               "swiglu_grad": [(b, m, Dim("f", sizes["f"])), (b, m, k)], "gelu": [(b, m, k)],
               "gelu_grad": [(b, m, k), (b, m, k)]}[producer]
     outs = [] if scheme is not None else [(b, m, k)]  # jf_produce: the tensor itself
@@ -170,13 +177,15 @@ def _arrays(sizes, params):
                  (b, *scale_dims(scheme, m.size, k.size, usage))]
     if producer == "rmsnorm":
         outs.append((b, m))
+    elif producer == "layernorm":
+        outs.append((b, m, Dim("s", sizes["s"])))
     return inputs, outs
 
 
 def _why_not(label, local, sizes, params):
     producer = params["producer"]
     if label in ("k", "h", "f") and producer not in ELEMENTWISE:
-        return {"rmsnorm": "RMSNorm reduces along it",
+        return {"rmsnorm": "RMSNorm reduces along it", "layernorm": "LayerNorm reduces along it",
                 "swiglu": "SwiGLU multiplies its two halves",
                 "swiglu_grad": "SwiGLU's gradient pairs the two halves of its input"}[producer]
     return None
@@ -185,7 +194,7 @@ def _why_not(label, local, sizes, params):
 produce_quantize_p = define_primitive(
     "jf_produce_quantize", abstract=_abstract, reference=_reference,
     ffi_rules=dict(cpu=_ffi_lowering, cuda=_cuda_lowering), batch=partial(_batch, lambda: produce_quantize_p),
-    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
+    rule=Rule(tuple(_NAMES), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
     multiple_results=True,
     no_jvp_hint="Differentiate the fused ops of jax_fp8.fused (norm_dense, norm_mlp), whose VJPs are defined.")
 
@@ -214,5 +223,5 @@ def _produce_arrays(sizes, params):
 produce_p = define_primitive(
     "jf_produce", abstract=_produce_abstract, reference=_produce_reference,
     ffi_rules=dict(cpu=_produce_lowering, cuda=_produce_lowering), batch=partial(_batch, lambda: produce_p),
-    rule=Rule(("b", "m", "k", "h", "f"), _NAMES, _sizes, _produce_arrays, why_not=_why_not), multiple_results=True,
+    rule=Rule(tuple(_NAMES), _NAMES, _sizes, _produce_arrays, why_not=_why_not), multiple_results=True,
     no_jvp_hint="Use jax_fp8.rms_norm / jax_fp8.swiglu / jax_fp8.gelu, whose VJPs are defined.")
