@@ -61,8 +61,11 @@ def _cases(n_dims: int, n: int, tag: str):
 
 def _case_id(c):
     g = "none" if c["gamma"] is None else jnp.dtype(c["gamma"]).name
+    extra = "".join(f"-{c[k]}" for k in ("activation",) if k in c)
+    if c.get("norm") == "layernorm":
+        extra += "-ln" + ("" if c.get("beta") is None else "-b" + jnp.dtype(c["beta"]).name)
     return (f"{c['tag']}{c['i']}-{'x'.join(map(str, c['dims']))}-{c['ndim']}d-{jnp.dtype(c['x_dtype']).name}"
-            f"-g{g}-w{jnp.dtype(c['w_dtype']).name}-{c['recipe']}")
+            f"-g{g}-w{jnp.dtype(c['w_dtype']).name}-{c['recipe']}{extra}")
 
 
 COMMON = (512, 1024, 2048, 4096)  # the widths models use, each among the widths of the cases below
@@ -81,6 +84,9 @@ DENSE = _cases(3, 8, "dense") + _common_cases(3, 4, "dense-common")  # (M, K, N)
 MLP = _cases(4, 6, "mlp") + _common_cases(4, 4, "mlp-common")  # (M, K, F, N)
 for _i, _c in enumerate(MLP):  # the MLP's activation alternates (the swiglu in 6 of 10)
     _c["activation"] = ("swiglu", "gelu", "swiglu")[_i % 3]
+for _i, _c in enumerate(DENSE + MLP):  # LayerNorm in every other case with a norm, a bias in most of those
+    _c["norm"] = ("rmsnorm", "layernorm")[(_i // 3) % 2]
+    _c["beta"] = (F32, None, BF16)[(_i // 2) % 3] if _c["norm"] == "layernorm" else None
 
 
 def test_cases_cover_every_residue():
@@ -90,6 +96,9 @@ def test_cases_cover_every_residue():
             if d:  # the widths: every common one too
                 assert set(COMMON) <= {c["dims"][d] for c in cases}, (d, [c["dims"] for c in cases])
     assert {c["activation"] for c in MLP} == set(fused.ACTIVATIONS)
+    for cases in (DENSE, MLP):  # each norm with a gamma, LayerNorm with and without a bias
+        assert {c["norm"] for c in cases if c["gamma"] is not None} == set(fused.NORMS)
+        assert {c["beta"] is None for c in cases if c["gamma"] is not None and c["norm"] == "layernorm"} == {True, False}
     for key in ("gamma", "w_dtype", "ndim", "recipe"):
         assert len({str(c[key]) for c in DENSE}) == len({str(c[key]) for c in DENSE + MLP}) > 1, key
 
@@ -99,13 +108,19 @@ def _kn(x):
     return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-def unfused_dense(x, gamma, w, *, eps=EPS, recipe=None):
-    n = x if gamma is None else fused.rms_norm(x, gamma, eps)
+def _unfused_norm(x, gamma, eps, norm, beta):
+    if gamma is None:
+        return x
+    return fused.rms_norm(x, gamma, eps) if norm == "rmsnorm" else fused.layer_norm(x, gamma, beta, eps)
+
+
+def unfused_dense(x, gamma, w, *, eps=EPS, recipe=None, norm="rmsnorm", beta=None):
+    n = _unfused_norm(x, gamma, eps, norm, beta)
     return jf.fp8_dot_general(n, w.astype(x.dtype), _kn(n), recipe=recipe)
 
 
-def unfused_mlp(x, gamma, w1, w2, *, eps=EPS, recipe=None, activation="swiglu"):
-    h = unfused_dense(x, gamma, w1, eps=eps, recipe=recipe)
+def unfused_mlp(x, gamma, w1, w2, *, eps=EPS, recipe=None, activation="swiglu", norm="rmsnorm", beta=None):
+    h = unfused_dense(x, gamma, w1, eps=eps, recipe=recipe, norm=norm, beta=beta)
     a = fused.ACTIVATIONS[activation][0](h)
     return jf.fp8_dot_general(a, w2.astype(x.dtype), _kn(a), recipe=recipe)
 
@@ -139,24 +154,36 @@ def _value_and_grads(layer, x, gamma, ws, c):
     return y, tuple(g)
 
 
-def _dn(x, gamma, ws, c, eps, recipe, mlp):
-    """The output gradient of the unfused RMSNorm (what dgamma sums over the rows); ``mlp``: False, True
-    (the SwiGLU MLP) or the MLP's activation."""
-    n = fused.rms_norm(x, gamma, eps)
+def _dn(x, gamma, ws, c, eps, recipe, mlp, norm="rmsnorm", beta=None):
+    """The output gradient of the unfused norm (what dgamma and dbeta sum over the rows); ``mlp``: False,
+    True (the SwiGLU MLP) or the MLP's activation."""
+    n = _unfused_norm(x, gamma, eps, norm, beta)
     act = mlp if isinstance(mlp, str) else "swiglu"
     rest = ((lambda n: unfused_mlp(n, None, *ws, recipe=recipe, activation=act)) if mlp
             else (lambda n: unfused_dense(n, None, *ws, recipe=recipe)))
     return jax.grad(lambda n: jnp.sum(rest(n).astype(F32) * c))(n)
 
 
-def _assert_dgamma_close(got, want, x, gamma, dn, eps, what="dgamma"):
-    """Both sum the same M fp32 terms dn * xhat (their bits agree: dn and rstd do) over the rows, in
-    orders XLA picks: each within gamma(M - 1) * sum|terms| of the exact sum, so within twice that of
-    each other; a 16-bit gamma's rounding of each adds at most one of its ulps at the larger value."""
+def _xhat(x, eps, norm):
+    """The normalised rows (before gamma) in float64 from the contract's statistics; "ones": dbeta's terms'
+    factor."""
     xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
-    rstd = producers.rms_norm_rstd(xf, eps).astype(np.float64)
-    S = np.sum(np.abs(np.asarray(dn, np.float64).reshape(xf.shape)) * np.abs(xf * rstd[:, None]), axis=0)
-    M = xf.shape[0]
+    if norm == "ones":
+        return np.ones(xf.shape)
+    if norm == "rmsnorm":
+        return xf * producers.rms_norm_rstd(xf, eps).astype(np.float64)[:, None]
+    mean, rstd = producers.layer_norm_stats(xf, eps)
+    return (xf - mean[:, None]) * rstd.astype(np.float64)[:, None]
+
+
+def _assert_dgamma_close(got, want, x, gamma, dn, eps, what="dgamma", norm="rmsnorm"):
+    """Both sum the same M fp32 terms dn * xhat (their bits agree: dn and the statistics do) over the rows,
+    in orders XLA picks: each within gamma(M - 1) * sum|terms| of the exact sum, so within twice that of
+    each other; a 16-bit gamma's rounding of each adds at most one of its ulps at the larger value.
+    ``norm="ones"``: dbeta, the sum of dn itself."""
+    xhat = _xhat(x, eps, norm)
+    S = np.sum(np.abs(np.asarray(dn, np.float64).reshape(xhat.shape)) * np.abs(xhat), axis=0)
+    M = xhat.shape[0]
     g_m = (M - 1) * U32 / (1 - (M - 1) * U32)
     bound = 2 * g_m * S * (1 + 4 * U32)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -184,7 +211,7 @@ def _n_produce(fn, *args):
 
 def _check_case(c, mlp):
     rng = np.random.default_rng(stable_seed(_case_id(c)))
-    act = c.get("activation", "swiglu")
+    act, norm = c.get("activation", "swiglu"), c.get("norm", "rmsnorm")
     if mlp:
         M, K, F, N = c["dims"]
         w_shapes, n_out = [(K, fused.ACTIVATIONS[act][1] * F), (F, N)], N
@@ -193,34 +220,53 @@ def _check_case(c, mlp):
         w_shapes, n_out = [(K, N)], N
     recipe = RECIPES[c["recipe"]]
     x, gamma, ws, cot = _data(rng, _x_shape(M, K, c["ndim"]), c["gamma"], w_shapes, c["w_dtype"], c["x_dtype"], n_out)
-    layer = ((lambda x, g, *w: fused.norm_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act)) if mlp
-             else (lambda x, g, *w: fused.norm_dense(x, g, *w, eps=EPS, recipe=recipe)))
-    ref = ((lambda x, g, *w: unfused_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act)) if mlp
-           else (lambda x, g, *w: unfused_dense(x, g, *w, eps=EPS, recipe=recipe)))
+    # LayerNorm with a bias: beta leads the differentiated parameters after gamma
+    nb = int(c.get("beta") is not None and gamma is not None)
+    params = ([jnp.asarray(0.5 * rng.standard_normal(K), c["beta"])] if nb else []) + ws
+
+    def split(p):
+        return dict(norm=norm, beta=p[0] if nb else None), p[nb:]
+
+    def layer(x, g, *p):
+        kw, w = split(p)
+        return (fused.norm_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act, **kw) if mlp
+                else fused.norm_dense(x, g, *w, eps=EPS, recipe=recipe, **kw))
+
+    def ref(x, g, *p):
+        kw, w = split(p)
+        return (unfused_mlp(x, g, *w, eps=EPS, recipe=recipe, activation=act, **kw) if mlp
+                else unfused_dense(x, g, *w, eps=EPS, recipe=recipe, **kw))
 
     @jax.jit
-    def run(x, gamma, ws, cot):
-        out = {"fused": _value_and_grads(layer, x, gamma, ws, cot), "unfused": _value_and_grads(ref, x, gamma, ws, cot)}
-        out["dn"] = None if gamma is None else _dn(x, gamma, ws, cot, EPS, recipe, mlp and act)
+    def run(x, gamma, params, cot):
+        out = {"fused": _value_and_grads(layer, x, gamma, params, cot),
+               "unfused": _value_and_grads(ref, x, gamma, params, cot)}
+        kw, w = split(params)
+        out["dn"] = None if gamma is None else _dn(x, gamma, w, cot, EPS, recipe, mlp and act, **kw)
         return out
 
-    out = run(x, gamma, ws, cot)
+    out = run(x, gamma, params, cot)
     (y, grads), (y_ref, grads_ref) = out["fused"], out["unfused"]
-    # the fused layer runs fused: one jf_produce_quantize per norm, master cast and SwiGLU
+    # the fused layer runs fused: one jf_produce_quantize per norm, master cast and activation
     casts = sum(jnp.dtype(w.dtype) != jnp.dtype(x.dtype) for w in ws)
-    assert _n_produce(layer, x, gamma, *ws) == (gamma is not None) + casts + mlp
-    assert _n_produce(ref, x, gamma, *ws) == 0
+    assert _n_produce(layer, x, gamma, *params) == (gamma is not None) + casts + mlp
+    assert _n_produce(ref, x, gamma, *params) == 0
+    if gamma is not None and norm == "layernorm":
+        assert "layernorm" in jax.make_jaxpr(layer)(x, gamma, *params).pretty_print()
     assert y.shape == x.shape[:-1] + (n_out,) and y.dtype == x.dtype
     assert np.isfinite(np.asarray(y, np.float32)).all()
     assert_bits_equal(y, y_ref, "y")
     assert_bits_equal(grads[0], grads_ref[0], "dx")
     for i, w in enumerate(ws):
-        _assert_weight_grad(grads[2 + i], grads_ref[2 + i], w, x.dtype, f"dW{i}", rows=x.size // x.shape[-1])
+        _assert_weight_grad(grads[2 + nb + i], grads_ref[2 + nb + i], w, x.dtype, f"dW{i}", rows=x.size // x.shape[-1])
     if gamma is None:
         assert grads[1] is None
     else:
         assert grads[1].dtype == gamma.dtype
-        _assert_dgamma_close(grads[1], grads_ref[1], x, gamma, out["dn"], EPS)
+        _assert_dgamma_close(grads[1], grads_ref[1], x, gamma, out["dn"], EPS, norm=norm)
+    if nb:
+        assert grads[2].dtype == params[0].dtype
+        _assert_dgamma_close(grads[2], grads_ref[2], x, params[0], out["dn"], EPS, "dbeta", norm="ones")
 
 
 @pytest.mark.parametrize("case", DENSE, ids=_case_id)
@@ -475,6 +521,16 @@ def test_errors_name_the_argument():
         fused.norm_mlp(x, g, w1, w2, activation="gelu")
     with pytest.raises(ValueError, match=r"norm_mlp: activation must be one of \('swiglu', 'gelu'\), got 'relu'"):
         fused.norm_mlp(x, g, w1, w2, activation="relu")
+    with pytest.raises(ValueError, match=r"norm_dense: norm must be one of \('rmsnorm', 'layernorm'\), got 'ln'"):
+        fused.norm_dense(x, g, w, norm="ln")
+    with pytest.raises(ValueError, match="norm_dense: beta is LayerNorm's bias: it takes norm='layernorm'"):
+        fused.norm_dense(x, g, w, beta=jnp.zeros((256,), F32))
+    with pytest.raises(ValueError, match="norm_mlp: beta is LayerNorm's bias"):
+        fused.norm_mlp(x, None, w1, w2, norm="layernorm", beta=jnp.zeros((256,), F32))
+    with pytest.raises(ValueError, match=r"norm_dense: beta must be a float array of shape \(256,\)"):
+        fused.norm_dense(x, g, w, norm="layernorm", beta=jnp.zeros((128,), F32))
+    with pytest.raises(ValueError, match=r"layer_norm: beta must be a float array of shape \(256,\)"):
+        fused.layer_norm(x, g, jnp.zeros((2, 256), F32))
     for bad in ("f8", jf.Scheme("blockwise"), 3):
         with pytest.raises(TypeError, match="norm_dense: recipe must be a Float8BlockScaling or MXFP8BlockScaling"):
             fused.norm_dense(x, g, w, recipe=bad)
@@ -529,6 +585,59 @@ def test_rms_norm_gradients_against_float64_autodiff():
     assert np.max(np.abs(dx - dx64) / bound_dx) > 1e-3  # the bound is not vacuous
 
 
+def _ln64(x, gamma, beta, eps):
+    m = jnp.mean(x, axis=-1, keepdims=True)
+    return (x - m) / jnp.sqrt(jnp.mean((x - m) ** 2, axis=-1, keepdims=True) + eps) * gamma + beta
+
+
+def test_layer_norm_gradients_against_float64_autodiff():
+    """fused.layer_norm's VJP (fp32, x fp32) against jax.grad of a float64 LayerNorm, each quantity's error
+    propagated op by op as in the RMSNorm test: the mean within dm = gamma(c + 8) mean|x| + 2u|mean|, rstd
+    within E = (gamma(c + 14) + dm**2 / var) / 2 + 2u (test_producers' derivation), xhat = (x - mean) * rstd
+    within dm * rstd + (E + 2u)|xhat|; c1 = mean(dxhat), c2 = mean(dxhat * xhat) within gamma(K) + u of
+    their magnitudes plus their terms' errors; dx = rstd * (dxhat - c1 - xhat * c2) term by term; dgamma =
+    sum over rows of dy * xhat, dbeta = sum of dy, within gamma(R) of their magnitudes plus the terms'."""
+    rng = np.random.default_rng(stable_seed("ln grad f64"))
+    R, K, eps = 96, 1000, 1e-5
+    scale = 2.0 ** rng.integers(-6, 6, (R, 1))
+    x = ((rng.standard_normal((R, K)) + rng.uniform(-3, 3, (R, 1))) * scale).astype(np.float32)
+    gamma = (1 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    beta = rng.standard_normal(K).astype(np.float32)
+    dy = rng.standard_normal((R, K)).astype(np.float32)
+    _, vjp = jax.vjp(lambda x, g, b: fused.layer_norm(x, g, b, eps), x, gamma, beta)
+    dx, dg, db = (np.asarray(v, np.float64) for v in vjp(dy))
+    with jax.enable_x64(True):
+        args = [jnp.asarray(v, jnp.float64) for v in (x, gamma, beta, dy)]
+        eps64 = float(np.float32(eps))
+        dx64, dg64, db64 = (np.asarray(v) for v in jax.vjp(lambda a, b, c: _ln64(a, b, c, eps64), *args[:3])[1](args[3]))
+    xd, gd, dyd = x.astype(np.float64), gamma.astype(np.float64), dy.astype(np.float64)
+    m = xd.mean(-1, keepdims=True)
+    var = ((xd - m) ** 2).mean(-1, keepdims=True) + eps64
+    rstd = 1 / np.sqrt(var)
+    xhat, dxhat = (xd - m) * rstd, dyd * gd
+    c1, c2 = dxhat.mean(-1, keepdims=True), (dxhat * xhat).mean(-1, keepdims=True)
+    u = U32
+    gam = lambda n: n * u / (1 - n * u)  # noqa: E731
+    c = -(-K // 256)
+    dm = gam(c + 8) * np.abs(xd).mean(-1, keepdims=True) + 2 * u * np.abs(m)
+    E = (gam(c + 14) + dm ** 2 / var) / 2 + 2 * u
+    e_xhat = dm * rstd + (E + 2 * u) * np.abs(xhat)
+    e_dxhat = u * np.abs(dxhat)
+    e_c1 = (gam(K) + u) * np.abs(dxhat).mean(-1, keepdims=True) + e_dxhat.mean(-1, keepdims=True)
+    e_p = np.abs(dxhat) * e_xhat + np.abs(xhat) * e_dxhat + u * np.abs(dxhat * xhat)
+    e_c2 = (gam(K) + u) * np.abs(dxhat * xhat).mean(-1, keepdims=True) + e_p.mean(-1, keepdims=True)
+    e_t = np.abs(xhat) * e_c2 + np.abs(c2) * e_xhat + u * np.abs(xhat * c2)
+    d = dxhat - c1 - xhat * c2
+    e_d = e_dxhat + e_c1 + e_t + 2 * u * (np.abs(dxhat - c1) + np.abs(d))
+    bound_dx = (rstd * e_d + E * rstd * np.abs(d) + u * np.abs(rstd * d)) * 1.01
+    assert (np.abs(dx - dx64) <= bound_dx).all(), np.max(np.abs(dx - dx64) / bound_dx)
+    bound_dg = (np.sum(np.abs(dyd) * e_xhat, 0) + (u + gam(R)) * np.sum(np.abs(dyd * xhat), 0)) * 1.01
+    assert (np.abs(dg - dg64) <= bound_dg).all(), np.max(np.abs(dg - dg64) / bound_dg)
+    bound_db = gam(R) * np.sum(np.abs(dyd), 0) * 1.01
+    assert (np.abs(db - db64) <= bound_db).all(), np.max(np.abs(db - db64) / bound_db)
+    assert np.max(np.abs(dx - dx64) / bound_dx) > 1e-3  # the bound is not vacuous
+
+
 def test_swiglu_gradient_against_float64_autodiff():
     """fused.swiglu's VJP (fp32) against jax.grad of silu(gate) * up in float64: d_up within 8u relative,
     d_gate within the absolute bound propagated through s(1 + g(1 - s)) (see test_producers), which
@@ -580,3 +689,24 @@ def test_linen_mlp_takes_the_gelu_activation():
     assert_bits_equal(y, want, "y")
     with pytest.raises(ValueError, match="RMSNormMLP: activation must be one of"):
         RMSNormMLP(hidden=8, activation="relu").init(jax.random.key(0), x)
+
+
+def test_linen_dense_takes_a_layernorm():
+    """flax_utils.RMSNormDense(layernorm_type="layernorm"): nn.LayerNorm's parameters (scale and bias, or
+    scale alone with use_bias=False) in the norm's scope, and the bits of norm_dense(norm="layernorm") on
+    them; the decoder's default (RMSNorm) keeps scale alone; an unknown type is refused."""
+    from jax_fp8.flax_utils import RMSNormDense
+
+    x = jnp.asarray(np.random.default_rng(stable_seed("linen ln")).standard_normal((2, 128, 256)), BF16)
+    for use_bias in (True, False):
+        m = RMSNormDense(features=384, layernorm_type="layernorm", use_bias=use_bias,
+                         bias_init=jax.nn.initializers.normal(1.0))
+        params = m.init(jax.random.key(1), x)["params"]
+        assert set(params["norm"]) == ({"scale", "bias"} if use_bias else {"scale"})
+        y = jax.jit(m.apply)({"params": params}, x)
+        want = fused.norm_dense(x, params["norm"]["scale"], params["dense"]["kernel"], norm="layernorm",
+                                beta=params["norm"].get("bias"))
+        assert_bits_equal(y, want, f"y use_bias={use_bias}")
+    assert set(RMSNormDense(features=8).init(jax.random.key(0), x)["params"]["norm"]) == {"scale"}
+    with pytest.raises(ValueError, match="RMSNormDense: layernorm_type must be one of"):
+        RMSNormDense(features=8, layernorm_type="batchnorm").init(jax.random.key(0), x)
