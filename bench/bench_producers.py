@@ -1,7 +1,7 @@
-"""Times the fused producers (``jf_produce_quantize``: RMSNorm, SwiGLU, SwiGLU's gradient and the master
-weights' cast, each fused with its GEMM-ready Float8 quantization) against what the ``fp8`` decoder step
-runs for the same tensors: XLA's producer (flax's RMSNorm, ``silu(gate) * up``, their autodiff, the
-bf16 convert), then our quantize kernel. GB/s counts the bytes a fused kernel must move (each input
+"""Times the fused producers (``jf_produce_quantize``: RMSNorm, LayerNorm, SwiGLU, GELU, their gradients and
+the master weights' cast, each fused with its GEMM-ready Float8 quantization) against what an ``fp8`` step
+runs for the same tensors: XLA's producer (flax's RMSNorm / LayerNorm, ``silu(gate) * up``, the tanh GELU,
+their autodiff, the bf16 convert), then our quantize kernel. GB/s counts the bytes a fused kernel must move (each input
 read once, the FP8 outputs and scales written once), against a device-to-device copy. Checks the
 fused kernel against the NumPy contract bit for bit on a slice of rows.
 
@@ -31,6 +31,18 @@ def flax_rms_norm(x, gamma, eps=1e-6):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * gamma).astype(x.dtype)
+
+
+def flax_layer_norm(x, gamma, beta, eps=1e-6):
+    """flax's nn.LayerNorm (fp32 statistics), rounded to x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)
+    return (y * gamma + beta).astype(x.dtype)
+
+
+def flax_gelu(x):
+    return jax.nn.gelu(x, approximate=True)
 
 
 def flax_swiglu(h):
@@ -69,13 +81,30 @@ def cases(M: int, d: int, F: int):
          lambda w: leaves(quantize(w.astype(BF16), RHS)),
          lambda i: (jax.random.normal(jax.random.fold_in(k[0], 100 + i), (d, 2 * F), jnp.float32) / 64,),
          d * 2 * F * 4 + 2 * d * 2 * F + 2 * 4 * (d * 2 * F // 16384), "cast"),
+        ("layernorm+quantize", (M, d),
+         lambda x, g, b: leaves(produce_quantize("layernorm", x, g, b, scheme=LHS, eps=1e-6)),
+         lambda x, g, b: leaves(quantize(flax_layer_norm(x, g, b), LHS)),
+         lambda i: (jax.random.normal(jax.random.fold_in(k[0], 200 + i), (M, d), BF16) + 1,
+                    jnp.ones((d,), jnp.float32), jnp.zeros((d,), jnp.float32)),
+         M * d * 2 + 8 * d + fp8(M * d), "layernorm"),
+        ("gelu+quantize", (M, F),
+         lambda x: leaves(produce_quantize("gelu", x, scheme=LHS)),
+         lambda x: leaves(quantize(flax_gelu(x), LHS)),
+         lambda i: (jax.random.normal(jax.random.fold_in(k[1], 300 + i), (M, F), BF16),),
+         M * F * 2 + fp8(M * F), "gelu"),
+        ("dgelu+quantize", (M, F),
+         lambda da, x: leaves(produce_quantize("gelu_grad", da, x, scheme=GRAD)),
+         lambda da, x: leaves(quantize(jax.vjp(flax_gelu, x)[1](da)[0], GRAD)),
+         lambda i: (jax.random.normal(jax.random.fold_in(k[2], 400 + i), (M, F), BF16),
+                    jax.random.normal(jax.random.fold_in(k[3], 400 + i), (M, F), BF16)),
+         2 * M * F * 2 + fp8(M * F), "gelu_grad"),
     ]
 
 
 def exact_on_rows(name, producer, fused, args, rows: int = 256) -> bool:
     """The fused kernel's outputs on the first ``rows`` rows against the NumPy contract."""
     cut = [a[:rows] if a.ndim == 2 else a for a in args]
-    scheme = RHS if producer == "cast" else GRAD if producer == "swiglu_grad" else LHS
+    scheme = RHS if producer == "cast" else GRAD if producer in ("swiglu_grad", "gelu_grad") else LHS
     want = producers.produce_quantize(*[np.asarray(a)[None] if a.ndim == 2 else np.asarray(a) for a in cut],
                                       producer=producer, scheme=scheme, eps=1e-6,
                                       out_dtype=BF16 if producer == "cast" else None)

@@ -62,11 +62,11 @@ python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('C
 [ "${PRODUCERS:-0}" != 0 ] && { stage producers; python3 -m pytest tests/test_producers.py tests/test_fused_layers.py \
   tests/test_command_buffers.py -q -n 0 -p no:cacheprovider 2>&1 | log producers_tests.log | tail -15;
   (cd bench && python3 bench_producers.py ${PRODUCERS_ARGS:-}) 2>&1 | log bench_producers.log | tail -12; }
-# NCU_PRODUCERS=1: Nsight Compute on each fused SwiGLU kernel (instruction mix, stalls by SASS line) and their SASS
+# NCU_PRODUCERS=1: Nsight Compute on fused producer kernels (NCU_SOURCES; instruction mix, stalls by SASS line), their SASS
 if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
   stage ncu_producers
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for src in ${NCU_SOURCES:-SwigluSrc SwigluGradSrc}; do
+  for src in ${NCU_SOURCES:-SwigluSrc SwigluGradSrc GeluSrc}; do
     ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:Packed<.*$src>:2" \
       --section SpeedOfLight --section Occupancy --section InstructionStats --section WarpStateStats \
       --section SourceCounters ${NCU_ARGS:-} python3 bench/bench_producers.py --widths 4096x14336 --iters 2 \

@@ -127,42 +127,25 @@ def layer_norm(x, gamma, beta=None, eps: float = 1e-6):
     return _layer_norm(x, gamma, b, float(eps))
 
 
-@jax.custom_vjp
-def swiglu(h):
-    """SwiGLU of ``h`` (..., 2F) = [gate | up]: ``silu(gate) * up`` in fp32 with jax_fp8's exact
-    exponential (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform and as the
-    fused layers'), rounded to h's dtype. Differentiable (reverse mode)."""
-    return produce("swiglu", h)[0]
+def _activation(producer: str, doc: str):
+    """The unfused activation ``producer`` on jf_produce, its VJP the ``producer + "_grad"`` kernel."""
+    @jax.custom_vjp
+    def act(h):
+        return produce(producer, h)[0]
+
+    act.defvjp(lambda h: (produce(producer, h)[0], h),
+               lambda h, da: (produce(producer + "_grad", da, h, out_dtype=h.dtype)[0],))
+    act.__name__ = act.__qualname__ = producer
+    act.__doc__ = doc
+    return act
 
 
-def _swiglu_fwd(h):
-    return produce("swiglu", h)[0], h
-
-
-def _swiglu_bwd(h, da):
-    return (produce("swiglu_grad", da, h, out_dtype=h.dtype)[0],)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-@jax.custom_vjp
-def gelu(x):
-    """GELU, tanh form (``jax.nn.gelu(x, approximate=True)``): ``x * sigmoid(x * (A + B x**2))`` in fp32
-    with jax_fp8's exact sigmoid (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform
-    and as the fused layers'), rounded to x's dtype. Differentiable (reverse mode)."""
-    return produce("gelu", x)[0]
-
-
-def _gelu_fwd(x):
-    return produce("gelu", x)[0], x
-
-
-def _gelu_bwd(x, da):
-    return (produce("gelu_grad", da, x, out_dtype=x.dtype)[0],)
-
-
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
+swiglu = _activation("swiglu", """SwiGLU of ``h`` (..., 2F) = [gate | up]: ``silu(gate) * up`` in fp32 with
+    jax_fp8's exact sigmoid (:mod:`jax_fp8.producers`; on our kernels, the same bits on every platform and as
+    the fused layers'), rounded to h's dtype. Differentiable (reverse mode).""")
+gelu = _activation("gelu", """GELU, tanh form (``jax.nn.gelu(x, approximate=True)``): ``x * sigmoid(x * (A + B
+    x**2))`` in fp32 with jax_fp8's exact sigmoid (:mod:`jax_fp8.producers`; on our kernels, the same bits
+    on every platform and as the fused layers'), rounded to x's dtype. Differentiable (reverse mode).""")
 
 #: norm_mlp's activations: the unfused op, and how many columns of the up projection make one output
 ACTIVATIONS = {"swiglu": (swiglu, 2), "gelu": (gelu, 1)}

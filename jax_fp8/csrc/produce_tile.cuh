@@ -90,38 +90,15 @@ struct CastSrc {
   }
 };
 
-template <int IN = kAnyIn>
-struct RmsNormSrc {
+// A norm's values from its statistics (norm_stats_kernel): RMSNorm's (x * rstd) * gamma (LAYER false), or
+// LayerNorm's ((x - mean) * rstd) * gamma + beta.
+template <int IN, bool LAYER>
+struct NormSrc {
   const void* x;
   const void* gamma;
-  InType xt, gt;
-  const float* rstd;  // (B * M) from norm_stats_kernel
-  bool vec;
-  template <bool INTERIOR>
-  __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
-    const int n = valid8<INTERIOR>(sp, r, col0);
-    if (n == 0) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
-      return;
-    }
-    float g[kVec];
-    const bool whole = vec && n == kVec;
-    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
-    load8(gamma, gt, col0, n, whole, g);
-    const float s = rstd[b * sp.M + r];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = e < n ? (v[e] * s) * g[e] : 0.0f;
-  }
-};
-
-template <int IN = kAnyIn>
-struct LayerNormSrc {
-  const void* x;
-  const void* gamma;
-  const void* beta;
+  const void* beta;  // LayerNorm's
   InType xt, gt, bt;
-  const float* stats;  // (B * M, 2): mean, rstd, from norm_stats_kernel
+  const float* stats;  // per row: RMSNorm's rstd; LayerNorm's (mean, rstd)
   bool vec;
   template <bool INTERIOR>
   __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
@@ -133,12 +110,19 @@ struct LayerNormSrc {
     }
     float g[kVec], bb[kVec];
     const bool whole = vec && n == kVec;
-    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, whole, v);
+    const int64_t row = b * sp.M + r;
+    load8<IN>(x, xt, row * sp.K + col0, n, whole, v);
     load8(gamma, gt, col0, n, whole, g);
-    load8(beta, bt, col0, n, whole, bb);
-    const float2 ms = reinterpret_cast<const float2*>(stats)[b * sp.M + r];
+    if constexpr (LAYER) {
+      load8(beta, bt, col0, n, whole, bb);
+      const float2 ms = reinterpret_cast<const float2*>(stats)[row];
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = e < n ? layer_norm_f(v[e], ms.x, ms.y, g[e], bb[e]) : 0.0f;
+      for (int e = 0; e < kVec; ++e) v[e] = e < n ? layer_norm_f(v[e], ms.x, ms.y, g[e], bb[e]) : 0.0f;
+    } else {
+      const float s = stats[row];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = e < n ? (v[e] * s) * g[e] : 0.0f;
+    }
   }
 };
 
@@ -322,11 +306,11 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
   switch (p.producer) {
     case Producer::kCast: return f(CastSrc<kF32>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kRmsNorm:
-      return f(RmsNormSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1], p.stats,
-                                 k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
+      return f(NormSrc<kBF16, false>{p.in[0], p.in[1], nullptr, p.in_type[0], p.in_type[1], InType::kF32, p.stats,
+                                     k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
     case Producer::kLayerNorm:
-      return f(LayerNormSrc<kBF16>{p.in[0], p.in[1], p.in[2], p.in_type[0], p.in_type[1], p.in_type[2], p.stats,
-                                   k8 && aligned16(p.in[0]) && aligned16(p.in[1]) && aligned16(p.in[2])});
+      return f(NormSrc<kBF16, true>{p.in[0], p.in[1], p.in[2], p.in_type[0], p.in_type[1], p.in_type[2], p.stats,
+                                    k8 && aligned16(p.in[0]) && aligned16(p.in[1]) && aligned16(p.in[2])});
     case Producer::kSwiglu: return f(SwigluSrc<kBF16>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
     case Producer::kSwigluGrad:
       return f(SwigluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
