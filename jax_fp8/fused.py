@@ -1,22 +1,21 @@
 """Layers whose quantization is fused into the kernels that produce each FP8 operand, so that no
 activation, gradient or weight makes a separate quantize pass (DESIGN section 11):
 
-- :func:`norm_dense`: ``fp8_dot_general(rms_norm(x, gamma), kernel)`` (or :func:`layer_norm`): the norm
-  writes x's FP8 operands directly (rowwise for the forward GEMM, columnwise for the weight gradient), and the fp32
-  master ``kernel`` is cast and quantized to its 128x128 tiles in one pass;
+- :func:`norm_dense`: ``fp8_dot_general(rms_norm(x, gamma), kernel)`` (or :func:`layer_norm`): the
+  norm writes x's FP8 operands directly (rowwise for the forward GEMM, columnwise for the weight
+  gradient), and the fp32 master ``kernel`` is cast and quantized to its 128x128 tiles in one pass;
 - :func:`norm_mlp`: the SwiGLU (or GELU) MLP ``fp8_dot_general(swiglu(fp8_dot_general(rms_norm(x,
   gamma), w_gate_up)), w_down)``: the norm and the activation write the next GEMM's operands, and in the
   backward the activation's derivative writes the up projection's output gradient in FP8
   (TransformerEngine's ``layernorm_mlp`` with ``dact_lu`` + quantize).
 
 Each gives the bits of the unfused composition of :func:`rms_norm` (:func:`layer_norm`), :func:`swiglu`
-(:func:`gelu`) and
-:func:`~jax_fp8.fp8_dot_general` (the produced tensors are rounded to the activation dtype and quantized
-exactly as the unfused program quantizes them), forward and backward, except that a master weight's
-gradient comes out of the weight-gradient GEMM in the weight's dtype rather than rounded to the
-activation dtype first. :func:`rms_norm`, :func:`layer_norm`, :func:`swiglu` and :func:`gelu` are the unfused
-ops, with jax_fp8's exact
-numbers (:mod:`jax_fp8.producers`) and the VJPs the fused layers use.
+(:func:`gelu`) and :func:`~jax_fp8.fp8_dot_general` (the produced tensors are rounded to the activation
+dtype and quantized exactly as the unfused program quantizes them), forward and backward, except that a
+master weight's gradient comes out of the weight-gradient GEMM in the weight's dtype rather than rounded
+to the activation dtype first. :func:`rms_norm`, :func:`layer_norm`, :func:`swiglu` and :func:`gelu` are
+the unfused ops, with jax_fp8's exact numbers (:mod:`jax_fp8.producers`) and the VJPs the fused layers
+use.
 """
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def test_cases_cover_every_residue():
     assert {c["activation"] for c in MLP} == set(fused.ACTIVATIONS)
     for cases in (DENSE, MLP):  # each norm with a gamma, LayerNorm with and without a bias
         assert {c["norm"] for c in cases if c["gamma"] is not None} == set(fused.NORMS)
-        assert {c["beta"] is None for c in cases if c["gamma"] is not None and c["norm"] == "layernorm"} == {True, False}
+        with_ln = [c for c in cases if c["gamma"] is not None and c["norm"] == "layernorm"]
+        assert {c["beta"] is None for c in with_ln} == {True, False}
     for key in ("gamma", "w_dtype", "ndim", "recipe"):
         assert len({str(c[key]) for c in DENSE}) == len({str(c[key]) for c in DENSE + MLP}) > 1, key
 
@@ -609,7 +610,8 @@ def test_layer_norm_gradients_against_float64_autodiff():
     with jax.enable_x64(True):
         args = [jnp.asarray(v, jnp.float64) for v in (x, gamma, beta, dy)]
         eps64 = float(np.float32(eps))
-        dx64, dg64, db64 = (np.asarray(v) for v in jax.vjp(lambda a, b, c: _ln64(a, b, c, eps64), *args[:3])[1](args[3]))
+        vjp64 = jax.vjp(lambda a, b, c: _ln64(a, b, c, eps64), *args[:3])[1]
+        dx64, dg64, db64 = (np.asarray(v) for v in vjp64(args[3]))
     xd, gd, dyd = x.astype(np.float64), gamma.astype(np.float64), dy.astype(np.float64)
     m = xd.mean(-1, keepdims=True)
     var = ((xd - m) ** 2).mean(-1, keepdims=True) + eps64

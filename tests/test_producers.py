@@ -120,8 +120,8 @@ def _values(rng, shape, dtype):
 
 #: gate values at the edges of the sigmoid: its flush (-126 ln 2 = -87.3365), exp's clamps (+-17, +-88),
 #: float32 exp's own overflow and underflow limits, saturation
-EXP_EDGES = [88.7228394, -88.7228394, 88.0, -88.0, 87.3, -87.3, -87.33654, -87.336555, -87.33656, 103.98, -103.98, 100.0,
-             -100.0, 1e4, -1e4, 17.0, -17.0, 16.99999, -16.99999, 20.0, -20.0, 1.0, -1.278]
+EXP_EDGES = [88.7228394, -88.7228394, 88.0, -88.0, 87.3, -87.3, -87.33654, -87.336555, -87.33656, 103.98, -103.98,
+             100.0, -100.0, 1e4, -1e4, 17.0, -17.0, 16.99999, -16.99999, 20.0, -20.0, 1.0, -1.278]
 
 
 def _gate_up(rng, shape, dtype):
@@ -159,7 +159,8 @@ def _inputs(rng, producer, B, M, K, dtype, gamma_dtype):
     if producer == "rmsnorm":
         return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype)]
     if producer == "layernorm":  # beta: another gamma-like vector, shifted (zeros and sign changes planted)
-        return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype), (_gamma(rng, K, F32) - 1).astype(gamma_dtype)]
+        beta = (_gamma(rng, K, F32) - 1).astype(gamma_dtype)
+        return [_values(rng, (B, M, K), dtype), _gamma(rng, K, gamma_dtype), beta]
     if producer == "swiglu":
         return [_gate_up(rng, (B, M, 2 * K), dtype)]
     if producer == "gelu":

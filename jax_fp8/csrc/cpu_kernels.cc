@@ -237,7 +237,8 @@ struct ProducedRows {
       case Producer::kLayerNorm: {
         load_f32(p.in[0], p.in_type[0], rr * K, K, row);
         const float mean = p.stats[2 * rr], rstd = p.stats[2 * rr + 1];
-        for (int64_t k = 0; k < K; ++k) row[k] = round_to(p.out, layer_norm_f(row[k], mean, rstd, gamma[k], beta[k]));
+        for (int64_t k = 0; k < K; ++k)
+          row[k] = round_to(p.out, layer_norm_f(row[k], mean, rstd, gamma[k], beta[k]));
         return;
       }
       case Producer::kSwiglu:  // h (B, M, 2K) = [gate | up]

@@ -333,11 +333,11 @@ inline bool fused_inputs_ok(const ProduceArgs& p) {
 
 // Calls f(cfg, rule, src) with the tile configuration, scale rule and source of the call. The kernels are
 // built for what the fused layers ask (the recipes' schemes): inputs as fused_inputs_ok says (one load path
-// each), bfloat16 values, Float8 blockwise with an
-// infinite amax kept infinite (saturate_inf false), GEMM-ready with both usages, a cast (a master weight)
-// into 128x128 tiles, the other producers (activations and gradients) into 1x128 and transposed 128x1
-// blocks. The primitive's lowering runs jf_produce then jf_quantize for anything else
-// (jax_fp8/primitives/produce.py, fused_kernel_takes): four fused kernels where every combination would be dozens.
+// each), bfloat16 values, Float8 blockwise with an infinite amax kept infinite (saturate_inf false),
+// GEMM-ready with both usages, a cast (a master weight) into 128x128 tiles, the other producers (activations
+// and gradients) into 1x128 and transposed 128x1 blocks. The primitive's lowering runs jf_produce then
+// jf_quantize for anything else (jax_fp8/primitives/produce.py, fused_kernel_takes): one fused kernel per
+// producer, where every combination would be dozens.
 template <class F>
 ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   const bool cast = p.producer == Producer::kCast, tiles = a.out[0].bm == a.out[0].bk;
@@ -350,7 +350,8 @@ ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   const R rule{a.fp8, a.pow2, a.eps, a.inf_value};
   return with_source<true>(p, a.K, [&](auto src) {
     using S = decltype(src);
-    if constexpr (std::is_same_v<S, CastSrc<int(InType::kF32)>>) return f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule, src);
+    if constexpr (std::is_same_v<S, CastSrc<int(InType::kF32)>>)
+      return f(TileCfg<R, 128, 128, 0, false, true, true, true>{}, rule, src);
     else return f(TileCfg<R, 128, 128, 128, true, false, true, true>{}, rule, src);
   });
 }

@@ -1,7 +1,7 @@
-"""flax.linen modules on :mod:`jax_fp8.fused`'s layers: :class:`RMSNormDense` (an RMSNorm, or a LayerNorm, and
-the projection it feeds) and :class:`RMSNormMLP` (the norm and a SwiGLU or GELU MLP), each with every
-quantization fused into the kernel that produces the operand. This module imports flax (``jax_fp8.flax_utils`` loads it on first
-use of these names).
+"""flax.linen modules on :mod:`jax_fp8.fused`'s layers: :class:`RMSNormDense` (an RMSNorm, or a LayerNorm,
+and the projection it feeds) and :class:`RMSNormMLP` (the norm and a SwiGLU or GELU MLP), each with every
+quantization fused into the kernel that produces the operand. This module imports flax
+(``jax_fp8.flax_utils`` loads it on first use of these names).
 
 Their parameters are those of the unfused modules they replace, under the names of those modules:
 ``RMSNormDense(norm_name="attn_norm", dense_name="wqkv")`` holds ``attn_norm/scale`` (as ``nn.RMSNorm``)
@@ -124,7 +124,8 @@ class RMSNormMLP(nn.Module):
         out = self.features or d
         scale, bias = _norm_params(self, d)
         if self.activation not in fused.ACTIVATIONS:
-            raise ValueError(f"RMSNormMLP: activation must be one of {tuple(fused.ACTIVATIONS)}, got {self.activation!r}")
+            raise ValueError(f"RMSNormMLP: activation must be one of {tuple(fused.ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
         width = fused.ACTIVATIONS[self.activation][1] * self.hidden
         w1 = _Param("kernel", self.kernel_init, (d, width), self.param_dtype, name=self.gate_up_name)()
         w2 = _Param("kernel", self.kernel_init, (self.hidden, out), self.param_dtype, name=self.down_name)()
