@@ -196,14 +196,10 @@ struct SwigluGradSrc {  // da (B, M, F), h (B, M, 2F); the produced row is [d_ga
 };
 
 template <int IN = kAnyIn>
-struct GeluSrc {  // x (B, M, K)
-  const void* x;
-  InType xt;
-  bool vec;
+struct GeluSrc : CastSrc<IN> {  // x (B, M, K): the cast's values, then GELU
   template <bool INTERIOR>
   __device__ __forceinline__ void values(const Span& sp, int64_t b, int64_t r, int64_t col0, float (&v)[kVec]) const {
-    const int n = valid8<INTERIOR>(sp, r, col0);
-    load8<IN>(x, xt, (b * sp.M + r) * sp.K + col0, n, vec && n == kVec, v);
+    CastSrc<IN>::template values<INTERIOR>(sp, b, r, col0, v);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = gelu_f(v[e]);  // gelu(0) = 0 past the matrix
   }
@@ -315,7 +311,7 @@ ffi::Error with_source(const ProduceArgs& p, int64_t K, F&& f) {
     case Producer::kSwigluGrad:
       return f(SwigluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
                                     (K / 2) % kVec == 0 && aligned16(p.in[0]) && aligned16(p.in[1])});
-    case Producer::kGelu: return f(GeluSrc<kBF16>{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])});
+    case Producer::kGelu: return f(GeluSrc<kBF16>{{p.in[0], p.in_type[0], k8 && aligned16(p.in[0])}});
     case Producer::kGeluGrad:
       return f(GeluGradSrc<kBF16>{p.in[0], p.in[1], p.in_type[0], p.in_type[1],
                                   k8 && aligned16(p.in[0]) && aligned16(p.in[1])});
