@@ -74,6 +74,12 @@ def _f32(xp, v):
     return xp.asarray(v, _F32) if xp is np else v.astype(_F32)
 
 
+def _canonical_nans(y):
+    """``y`` with every NaN the one quiet NaN of its dtype (what the kernels store)."""
+    xp = xp_of(y)
+    return xp.where(xp.isnan(y), xp.asarray(np.nan, y.dtype), y)
+
+
 def _pow2(xp, k):
     """2**k (float32) for int32 ``k`` in [-126, 127], exactly: the exponent field alone."""
     return bitcast((k + 127).astype(np.int32) << 23, _F32)
@@ -201,7 +207,7 @@ def rms_norm_rstd(x, eps: float):
     with _quiet():
         ms = _rounded(row_sum_squares(x) * _F32(1.0 / x.shape[-1]))
         rstd = _F32(1) / _rounded(xp.sqrt(ms + _F32(eps)))  # kept apart: XLA rewrites 1 / sqrt as rsqrt
-    return xp.where(xp.isnan(rstd), _F32(np.nan), rstd)  # one NaN (0x7FC00000), whatever the row's NaNs were
+    return _canonical_nans(rstd)  # one NaN (0x7FC00000), whatever the row's NaNs were
 
 
 def rms_norm_values(x, gamma, rstd):
@@ -217,10 +223,6 @@ def rms_norm(x, gamma, eps: float = 1e-6):
     return rms_norm_values(x, gamma, rstd).astype(x.dtype), rstd
 
 
-def _canonical(xp, v):
-    return xp.where(xp.isnan(v), _F32(np.nan), v)
-
-
 def layer_norm_stats(x, eps: float):
     """LayerNorm's statistics of each row of ``x``: (mean, rstd), float32 (...,). mean = (row sum of x) *
     fp32(1/K); rstd = 1 / sqrt((row sum of (x - mean)**2) * fp32(1/K) + eps); both sums in the module
@@ -229,11 +231,11 @@ def layer_norm_stats(x, eps: float):
     x = _f32(xp, x)
     inv_k = _F32(1.0 / x.shape[-1])
     with _quiet():
-        mean = _canonical(xp, row_sum(x) * inv_k)
+        mean = _canonical_nans(row_sum(x) * inv_k)
         mean = xp.where(mean == 0, _F32(0), mean)  # +0: the kernels' partial sums start from +0, NumPy's from x
         var = _rounded(row_sum(x - mean[..., None], square=True) * inv_k)
         rstd = _F32(1) / _rounded(xp.sqrt(var + _F32(eps)))
-    return mean, _canonical(xp, rstd)
+    return mean, _canonical_nans(rstd)
 
 
 def layer_norm_values(x, gamma, beta, mean, rstd):
@@ -284,12 +286,6 @@ def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
     if producer == "gelu_grad":
         return gelu_grad(*args, dtype), []
     raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
-
-
-def _canonical_nans(y):
-    """``y`` with every NaN the one quiet NaN of its dtype (what the kernels store)."""
-    xp = xp_of(y)
-    return xp.where(xp.isnan(y), xp.asarray(np.nan, y.dtype), y)
 
 
 def produce_values(*args, producer: str, eps: float = 0.0, out_dtype=None):
