@@ -321,7 +321,11 @@ def test_vmap_leading_dim():
         y, g = one(x[v], cot[v])
         assert_bits_equal(got[0][v], y, f"y[{v}]")
         for a, b, what in zip(got[1], g, ("dx", "dgamma", "dW0", "dW1")):
-            assert_bits_equal(a[v], b, f"{what}[{v}]")
+            if what == "dgamma":  # a sum over the rows in XLA's order, which may change under vmap (GPU)
+                dn = jax.jit(lambda: _dn(x[v], gamma, ws, cot[v], EPS, recipe, True))()
+                _assert_dgamma_close(a[v], b, x[v], gamma, dn, EPS, f"dgamma[{v}]")
+            else:
+                assert_bits_equal(a[v], b, f"{what}[{v}]")
 
 
 def test_checkpoint_changes_nothing():
@@ -380,10 +384,11 @@ def test_shard_map_data_parallel(layer):
     assert_bits_equal(got[0], want[0], "dx")
     dn = jax.jit(lambda: _dn(x, gamma, ws, cot, EPS, None, layer == "norm_mlp"))()
     _assert_dgamma_close(got[1], want[1], x, gamma, dn, EPS)
-    # the per-shard gradients, on one device
+    # the per-shard gradients, on one of the mesh's devices (another platform's GEMMs have other bits)
     one = jax.jit(lambda x, c: jax.grad(lambda x, g, ws: jnp.sum(fused_fn(x, g, *ws).astype(F32) * c),
                                         argnums=(0, 1, 2))(x, gamma, ws))
-    parts = [one(x[r * Mloc:(r + 1) * Mloc], cot[r * Mloc:(r + 1) * Mloc]) for r in range(n)]
+    with jax.default_device(mesh.devices.flat[0]):
+        parts = [one(x[r * Mloc:(r + 1) * Mloc], cot[r * Mloc:(r + 1) * Mloc]) for r in range(n)]
     for r in range(n):
         assert_bits_equal(got[0][r * Mloc:(r + 1) * Mloc], parts[r][0], f"dx shard {r}")
     for i, w in enumerate(ws):
