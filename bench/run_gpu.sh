@@ -67,7 +67,7 @@ if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
   stage ncu_producers
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for src in ${NCU_SOURCES:-SwigluSrc SwigluGradSrc GeluSrc}; do
-    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:Packed<.*$src>:2" \
+    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:Packed<.*::$src<:2" \
       --section SpeedOfLight --section Occupancy --section InstructionStats --section WarpStateStats \
       --section SourceCounters ${NCU_ARGS:-} python3 bench/bench_producers.py --widths 4096x14336 --iters 2 \
       > "$OUT/ncu_$src.txt" 2>&1
