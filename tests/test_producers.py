@@ -219,6 +219,25 @@ def test_kernel_matches_contract(case):
         assert np.count_nonzero(data) > data.size // 2, (np.count_nonzero(data), data.size)
 
 
+#: Widths that pick the fused CUDA kernels' code paths: whole vectors or not, SwiGLU's gradient by pairs of
+#: tiles (F % 128 == 0) or tile by tile, partial tiles
+FUSED_KS = (64, 100, 128, 200, 256, 384, 1000, 1024, 2176)
+FUSED_CASES = [(producer, K, MS[(i + j) % len(MS)], ("f8-lhs", "f8-grad-e5m2")[(i + j) % 2])
+               for i, producer in enumerate(p for p in PRODUCERS if p != "cast") for j, K in enumerate(FUSED_KS)]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-K{c[1]}-M{c[2]}-{c[3]}")
+def test_fused_kernel_inputs_match_contract(case):
+    """What the fused CUDA kernels take (bfloat16 in and out, GEMM-ready 1x128 blocks), over widths that
+    pick their code paths, two matrices: bit for bit the contract (on the CPU, the CPU kernel)."""
+    producer, K, M, name = case
+    rng = np.random.default_rng(stable_seed("fused kernel", case))
+    args = _inputs(rng, producer, 2, M, K, BF16, BF16)
+    fn, params = _bind(producer, SCHEMES[name], 1e-6, BF16)
+    want = producers.produce_quantize(*args, **params)
+    _assert_outputs_equal(jax.jit(fn)(*args), want, str(case), rstd=producer in producers.NORMS)
+
+
 @pytest.mark.parametrize("case", CASES[::9], ids=_case_id)
 def test_produce_kernel_matches_contract(case):
     """jf_produce (the producer alone: the unfused ops, and what the fused CUDA kernels do not take) against

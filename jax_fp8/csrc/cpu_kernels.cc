@@ -253,8 +253,10 @@ struct ProducedRows {
         load_f32(p.in[0], p.in_type[0], rr * F, F, in0.data());
         load_f32(p.in[1], p.in_type[1], rr * K, K, in1.data());
         for (int64_t k = 0; k < F; ++k) {
-          row[k] = round_to(p.out, swiglu_grad_half_f(in0[k], in1[k], in1[F + k], false));
-          row[F + k] = round_to(p.out, swiglu_grad_half_f(in0[k], in1[k], 0.0f, true));
+          float d_gate, d_up;
+          swiglu_grad_pair_f(in0[k], in1[k], in1[F + k], d_gate, d_up);
+          row[k] = round_to(p.out, d_gate);
+          row[F + k] = round_to(p.out, d_up);
         }
         return;
       }

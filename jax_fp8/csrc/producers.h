@@ -77,11 +77,18 @@ JF_HD float sigmoid_f(float g) {
 
 // SwiGLU: silu(gate) * up, before rounding.
 JF_HD float swiglu_f(float g, float u) { return (g * sigmoid_f(g)) * u; }
-// SwiGLU's gradient given da, before rounding: d_up (the up projection's column) where `up`, else d_gate
-// (the gate's column; u unused for d_up).
-JF_HD float swiglu_grad_half_f(float d, float g, float u, bool up) {
+// SwiGLU's gradient given da, before rounding, for the gate column (d_gate) and the up projection's (d_up)
+// of one (g, u) pair: one sigmoid for both.
+JF_HD void swiglu_grad_pair_f(float d, float g, float u, float& d_gate, float& d_up) {
   const float s = sigmoid_f(g);
-  return up ? d * (g * s) : (d * u) * (s * (1.0f + g * (1.0f - s)));
+  d_up = d * (g * s);
+  d_gate = (d * u) * (s * (1.0f + g * (1.0f - s)));
+}
+// One of the pair: d_up where `up`, else d_gate.
+JF_HD float swiglu_grad_half_f(float d, float g, float u, bool up) {
+  float d_gate, d_up;
+  swiglu_grad_pair_f(d, g, u, d_gate, d_up);
+  return up ? d_up : d_gate;
 }
 
 // GELU, tanh form: x * sigmoid(x * (A + (B x) x)), A = 2 sqrt(2 / pi), B = 0.044715 A, before rounding.
