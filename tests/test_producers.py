@@ -219,8 +219,8 @@ def test_kernel_matches_contract(case):
         assert np.count_nonzero(data) > data.size // 2, (np.count_nonzero(data), data.size)
 
 
-#: Widths that pick the fused CUDA kernels' code paths: whole vectors or not, SwiGLU's gradient by pairs of
-#: tiles (F % 128 == 0) or tile by tile, partial tiles
+#: Widths that pick the fused CUDA kernels' code paths: whole vectors or not, whole tiles or partial ones (and
+#: for SwiGLU's gradient, whose K is 2F, F a multiple of 128 or not)
 FUSED_KS = (64, 100, 128, 200, 256, 384, 1000, 1024, 2176)
 FUSED_CASES = [(producer, K, MS[(i + j) % len(MS)], ("f8-lhs", "f8-grad-e5m2")[(i + j) % 2])
                for i, producer in enumerate(p for p in PRODUCERS if p != "cast") for j, K in enumerate(FUSED_KS)]
