@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import producers, vma
+from . import vma
 from .arrays import view_2d
 from .formats import HIGH_DTYPES
 from .gemm.dot_general import Linear, fp8_dot_general, linear_backward, linear_forward
@@ -42,16 +42,15 @@ _F32 = np.float32
 
 
 # ---- the unfused ops: exact numbers, their VJPs ------------------------------------------------------
-def _norm_grad(norm: str, x, gamma, stats, dy):
-    """(dx, dgamma, dbeta) of a norm (dbeta float32; None for RMSNorm) given the output gradient ``dy``
-    and the forward's statistics: dx in :func:`~jax_fp8.producers.norm_dx`'s exact order (the same bits
-    on every platform and in the fused and unfused layers), dgamma and dbeta XLA's sums over the rows."""
-    K = x.shape[-1]
-    dx = producers.norm_dx(norm, x, gamma, stats, dy)
-    dyf = dy.astype(_F32).reshape(-1, K)
-    dgamma = jnp.sum(dyf * producers.norm_xhat(norm, x, stats).reshape(-1, K), axis=0)
-    dbeta = jnp.sum(dyf, axis=0) if norm == "layernorm" else None
-    return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta
+def _rms_norm_grad(x, gamma, rstd, dy):
+    """(dx, dgamma) of RMSNorm given the output gradient ``dy`` and the forward's rstd (fp32 math)."""
+    xhat = x.astype(_F32) * rstd[..., None]
+    dyf = dy.astype(_F32)
+    dxhat = dyf * gamma.astype(_F32)
+    dgamma = jnp.sum((dyf * xhat).reshape(-1, x.shape[-1]), axis=0)
+    c = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dx = rstd[..., None] * (dxhat - xhat * c)
+    return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -65,7 +64,7 @@ def _rms_norm_fwd(x, gamma, eps):
 
 
 def _rms_norm_bwd(eps, res, dy):
-    return _norm_grad("rmsnorm", *res, dy)[:2]
+    return _rms_norm_grad(*res, dy)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -81,6 +80,21 @@ def rms_norm(x, gamma, eps: float = 1e-6):
     return _rms_norm(x, gamma, float(eps))
 
 
+def _layer_norm_grad(x, gamma, stats, dy):
+    """(dx, dgamma, dbeta) of LayerNorm given the output gradient ``dy`` and the forward's statistics
+    (..., 2) = (mean, rstd) (fp32 math)."""
+    mean, rstd = stats[..., 0:1], stats[..., 1:2]
+    xhat = (x.astype(_F32) - mean) * rstd
+    dyf = dy.astype(_F32)
+    dxhat = dyf * gamma.astype(_F32)
+    dgamma = jnp.sum((dyf * xhat).reshape(-1, x.shape[-1]), axis=0)
+    dbeta = jnp.sum(dyf.reshape(-1, x.shape[-1]), axis=0)
+    c1 = jnp.mean(dxhat, axis=-1, keepdims=True)
+    c2 = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dx = rstd * (dxhat - c1 - xhat * c2)
+    return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _layer_norm(x, gamma, beta, eps: float):
     return produce("layernorm", x, gamma, beta, eps=eps)[0]
@@ -93,7 +107,7 @@ def _layer_norm_fwd(x, gamma, beta, eps):
 
 def _layer_norm_bwd(eps, res, dy):
     x, gamma, stats, beta = res
-    dx, dgamma, dbeta = _norm_grad("layernorm", x, gamma, stats, dy)
+    dx, dgamma, dbeta = _layer_norm_grad(x, gamma, stats, dy)
     return dx, dgamma, dbeta.astype(beta.dtype)
 
 
@@ -188,8 +202,10 @@ def _x_grad(x2, gamma, beta, stats, dn, cfg: _Layer):
     """(dx, dgamma, dbeta) through the norm (None where it has none, or no beta)."""
     if cfg.norm is None:
         return dn, None, None
-    dx, dgamma, dbeta = _norm_grad(cfg.norm, x2, gamma, stats, dn)
-    return dx, dgamma, None if dbeta is None else dbeta.astype(beta.dtype)
+    if cfg.norm == "rmsnorm":
+        return (*_rms_norm_grad(x2, gamma, stats, dn), None)
+    dx, dgamma, dbeta = _layer_norm_grad(x2, gamma, stats, dn)
+    return dx, dgamma, dbeta.astype(beta.dtype)
 
 
 def _marker(v):

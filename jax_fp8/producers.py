@@ -245,35 +245,6 @@ def layer_norm_values(x, gamma, beta, mean, rstd):
         return _rounded(((_f32(xp, x) - mean[..., None]) * rstd[..., None]) * _f32(xp, gamma)) + _f32(xp, beta)
 
 
-def norm_xhat(norm: str, x, stats):
-    """The normalised ``x`` before gamma, float32: x * rstd (RMSNorm, ``stats`` the rstd (...,)) or
-    (x - mean) * rstd (LayerNorm, ``stats`` (..., 2) = (mean, rstd))."""
-    xp = xp_of(x, stats)
-    with _quiet():
-        if norm == "rmsnorm":
-            return _f32(xp, x) * stats[..., None]
-        return (_f32(xp, x) - stats[..., 0:1]) * stats[..., 1:2]
-
-
-def norm_dx(norm: str, x, gamma, stats, dy):
-    """A norm's input gradient in float32 (before rounding), given the output gradient ``dy`` and the
-    forward's statistics: ``rstd * (dxhat - xhat * c2)`` (RMSNorm) or ``rstd * ((dxhat - c1) - xhat *
-    c2)`` (LayerNorm), with xhat from :func:`norm_xhat`, ``dxhat = dy * gamma``, ``c1 = row_sum(dxhat) *
-    fp32(1/K)``, ``c2 = row_sum(dxhat * xhat) * fp32(1/K)``: the row sums in the module docstring's
-    order and every product rounded on its own (no FMA, no division, no sqrt), so that XLA under jit, on
-    any platform and inside any fusion, computes NumPy's bits."""
-    xp = xp_of(x, gamma, stats, dy)
-    inv_k = _F32(1.0 / x.shape[-1])
-    with _quiet():
-        xhat = norm_xhat(norm, x, stats)
-        rstd = stats[..., None] if norm == "rmsnorm" else stats[..., 1:2]
-        dxhat = _rounded(_f32(xp, dy) * _f32(xp, gamma))
-        c2 = _rounded(row_sum(_rounded(dxhat * xhat)) * inv_k)[..., None]
-        if norm == "layernorm":
-            dxhat = dxhat - _rounded(row_sum(dxhat) * inv_k)[..., None]
-        return rstd * (dxhat - _rounded(xhat * c2))
-
-
 #: The norms: their inputs after x are (K,) parameters (RMSNorm: gamma; LayerNorm: gamma, beta), and their
 #: extra output holds each row's statistics for the backward (RMSNorm: rstd (...,); LayerNorm: (mean, rstd)
 #: stacked last, (..., 2)).
