@@ -42,15 +42,25 @@ _F32 = np.float32
 
 
 # ---- the unfused ops: exact numbers, their VJPs ------------------------------------------------------
-def _rms_norm_grad(x, gamma, rstd, dy):
-    """(dx, dgamma) of RMSNorm given the output gradient ``dy`` and the forward's rstd (fp32 math)."""
-    xhat = x.astype(_F32) * rstd[..., None]
+def _norm_grad(norm: str, x, gamma, stats, dy):
+    """(dx, dgamma, dbeta) of a norm given the output gradient ``dy`` and the forward's statistics (RMSNorm:
+    rstd (...,); LayerNorm: (..., 2) = (mean, rstd)), fp32 math; dbeta float32, None for RMSNorm."""
+    K = x.shape[-1]
+    if norm == "rmsnorm":
+        rstd = stats[..., None]
+        xhat = x.astype(_F32) * rstd
+    else:
+        mean, rstd = stats[..., 0:1], stats[..., 1:2]
+        xhat = (x.astype(_F32) - mean) * rstd
     dyf = dy.astype(_F32)
     dxhat = dyf * gamma.astype(_F32)
-    dgamma = jnp.sum((dyf * xhat).reshape(-1, x.shape[-1]), axis=0)
-    c = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
-    dx = rstd[..., None] * (dxhat - xhat * c)
-    return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
+    dgamma = jnp.sum((dyf * xhat).reshape(-1, K), axis=0).astype(gamma.dtype)
+    c2 = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    if norm == "rmsnorm":
+        return (rstd * (dxhat - xhat * c2)).astype(x.dtype), dgamma, None
+    c1 = jnp.mean(dxhat, axis=-1, keepdims=True)
+    dbeta = jnp.sum(dyf.reshape(-1, K), axis=0)
+    return (rstd * (dxhat - c1 - xhat * c2)).astype(x.dtype), dgamma, dbeta
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -64,7 +74,7 @@ def _rms_norm_fwd(x, gamma, eps):
 
 
 def _rms_norm_bwd(eps, res, dy):
-    return _rms_norm_grad(*res, dy)
+    return _norm_grad("rmsnorm", *res, dy)[:2]
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -80,21 +90,6 @@ def rms_norm(x, gamma, eps: float = 1e-6):
     return _rms_norm(x, gamma, float(eps))
 
 
-def _layer_norm_grad(x, gamma, stats, dy):
-    """(dx, dgamma, dbeta) of LayerNorm given the output gradient ``dy`` and the forward's statistics
-    (..., 2) = (mean, rstd) (fp32 math)."""
-    mean, rstd = stats[..., 0:1], stats[..., 1:2]
-    xhat = (x.astype(_F32) - mean) * rstd
-    dyf = dy.astype(_F32)
-    dxhat = dyf * gamma.astype(_F32)
-    dgamma = jnp.sum((dyf * xhat).reshape(-1, x.shape[-1]), axis=0)
-    dbeta = jnp.sum(dyf.reshape(-1, x.shape[-1]), axis=0)
-    c1 = jnp.mean(dxhat, axis=-1, keepdims=True)
-    c2 = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
-    dx = rstd * (dxhat - c1 - xhat * c2)
-    return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _layer_norm(x, gamma, beta, eps: float):
     return produce("layernorm", x, gamma, beta, eps=eps)[0]
@@ -107,7 +102,7 @@ def _layer_norm_fwd(x, gamma, beta, eps):
 
 def _layer_norm_bwd(eps, res, dy):
     x, gamma, stats, beta = res
-    dx, dgamma, dbeta = _layer_norm_grad(x, gamma, stats, dy)
+    dx, dgamma, dbeta = _norm_grad("layernorm", x, gamma, stats, dy)
     return dx, dgamma, dbeta.astype(beta.dtype)
 
 
@@ -202,10 +197,8 @@ def _x_grad(x2, gamma, beta, stats, dn, cfg: _Layer):
     """(dx, dgamma, dbeta) through the norm (None where it has none, or no beta)."""
     if cfg.norm is None:
         return dn, None, None
-    if cfg.norm == "rmsnorm":
-        return (*_rms_norm_grad(x2, gamma, stats, dn), None)
-    dx, dgamma, dbeta = _layer_norm_grad(x2, gamma, stats, dn)
-    return dx, dgamma, dbeta.astype(beta.dtype)
+    dx, dgamma, dbeta = _norm_grad(cfg.norm, x2, gamma, stats, dn)
+    return dx, dgamma, None if dbeta is None else dbeta.astype(beta.dtype)
 
 
 def _marker(v):

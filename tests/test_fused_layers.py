@@ -165,16 +165,25 @@ def _dn(x, gamma, ws, c, eps, recipe, mlp, norm="rmsnorm", beta=None):
     return jax.grad(lambda n: jnp.sum(rest(n).astype(F32) * c))(n)
 
 
+def _normalised(x, eps, norm):
+    """(xhat, rstd) of the rows in float64 from the contract's statistics: the normalised rows before gamma
+    (rows, K) and each row's rstd (rows, 1)."""
+    xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+    if norm == "rmsnorm":
+        mean, rstd = 0.0, producers.rms_norm_rstd(xf, eps)
+    else:
+        mean, rstd = producers.layer_norm_stats(xf, eps)
+        mean = mean[:, None]
+    rstd = rstd.astype(np.float64)[:, None]
+    return (xf - mean) * rstd, rstd
+
+
 def _xhat(x, eps, norm):
     """The normalised rows (before gamma) in float64 from the contract's statistics; "ones": dbeta's terms'
     factor."""
-    xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
     if norm == "ones":
-        return np.ones(xf.shape)
-    if norm == "rmsnorm":
-        return xf * producers.rms_norm_rstd(xf, eps).astype(np.float64)[:, None]
-    mean, rstd = producers.layer_norm_stats(xf, eps)
-    return (xf - mean[:, None]) * rstd.astype(np.float64)[:, None]
+        return np.ones((x.size // x.shape[-1], x.shape[-1]))
+    return _normalised(x, eps, norm)[0]
 
 
 def _assert_dgamma_close(got, want, x, gamma, dn, eps, what="dgamma", norm="rmsnorm"):
@@ -208,10 +217,7 @@ def _assert_dx_close(got, want, x, gamma, dn, eps, norm, exact=None):
         assert_bits_equal(got, want, "dx")
         return
     K = x.shape[-1]
-    xhat = _xhat(x, eps, norm)
-    xf = np.asarray(x, np.float32).reshape(-1, K)
-    rstd = (producers.rms_norm_rstd(xf, eps) if norm == "rmsnorm" else producers.layer_norm_stats(xf, eps)[1])
-    rstd = rstd.astype(np.float64)[:, None]
+    xhat, rstd = _normalised(x, eps, norm)
     dxhat = np.asarray(dn, np.float64).reshape(-1, K) * np.asarray(gamma, np.float64)
     g = (K + 2) * U32 / (1 - (K + 2) * U32)
     s1 = np.abs(dxhat).sum(-1, keepdims=True) / K if norm == "layernorm" else 0.0
@@ -238,12 +244,11 @@ def test_dx_bound_holds_and_can_fail(norm):
     xhat = _xhat(x, EPS, norm).astype(np.float32)
     if norm == "rmsnorm":
         stats = producers.rms_norm_rstd(x, EPS)
-        want = jax.jit(lambda *a: fused._rms_norm_grad(*a)[0])(x, gamma, stats, dn)
         rstd = stats[:, None]
     else:
         stats = np.stack(producers.layer_norm_stats(x, EPS), -1)
-        want = jax.jit(lambda *a: fused._layer_norm_grad(*a)[0])(x, gamma, stats, dn)
         rstd = stats[:, 1:2]
+    want = jax.jit(lambda *a: fused._norm_grad(norm, *a)[0])(x, gamma, stats, dn)
     dxhat = dn * gamma
     mean = lambda t: (np.cumsum(t, axis=-1, dtype=np.float32)[:, -1:] / np.float32(K)).astype(np.float32)  # noqa: E731
     c1 = mean(dxhat) if norm == "layernorm" else np.float32(0)
