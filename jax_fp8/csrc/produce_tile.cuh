@@ -244,6 +244,68 @@ struct Packed {
   }
 };
 
+// SwiGLU's gradient with one sigmoid per (gate, up) pair (swiglu_pair_tiles): the CTA quantizes the gate tile
+// of columns [c, c + 128) (second false), keeping the up projection's values of the same positions, rounded and
+// packed, in shared memory, then the up tile of columns [F + c, F + c + 128) from there (second true): each
+// thread reads back the vectors it wrote. Takes F % 128 == 0 and whole aligned vectors.
+template <class L>
+struct SwigluGradPairSrc {
+  static_assert(std::is_same_v<L, LoadBF16>, "bfloat16 inputs and values");
+  const void* da;
+  const void* h;
+  uint4* up;    // shared: the up tile's vectors, [row in tile][vector in row]
+  bool second;  // the up tile
+  template <bool INTERIOR>
+  __device__ __forceinline__ uint4 vector(const Span& sp, int64_t b, int64_t r, int64_t col0) const {
+    const int slot = int(r % 128) * (128 / kVec) + int(col0 % 128) / kVec;
+    if (second) return up[slot];
+    uint4 d = make_uint4(0, 0, 0, 0), g = d, u = d;
+    // the loads after the previous vector's store: hoisting more of the tile's (8 x 3 vectors) spilled
+    asm volatile("" ::: "memory");
+    if (INTERIOR || r < sp.M) {  // the gate tile's columns all exist (F % 128 == 0); rows past M: zeros
+      const int64_t F = sp.K / 2, row = b * sp.M + r;
+      d = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(da) + row * F + col0));
+      g = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(h) + row * sp.K + col0));
+      u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(h) + row * sp.K + F + col0));
+    }
+    // word by word (2 elements): fewer values live at once than 8 unpacked inputs and outputs
+    const uint32_t dw[4] = {d.x, d.y, d.z, d.w}, gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+    uint32_t gate[4], upw[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float dg[2], du[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int sh = 16 * e;
+        swiglu_grad_pair_f(L::get(uint16_t(dw[w] >> sh)), L::get(uint16_t(gw[w] >> sh)), L::get(uint16_t(uw[w] >> sh)),
+                           dg[e], du[e]);  // 0 from zeros
+      }
+      gate[w] = cvt_pack2<false>(dg[0], dg[1]);
+      upw[w] = cvt_pack2<false>(du[0], du[1]);
+    }
+    up[slot] = make_uint4(upw[0], upw[1], upw[2], upw[3]);
+    return make_uint4(gate[0], gate[1], gate[2], gate[3]);
+  }
+};
+
+// The pair kernel: CTA i quantizes gate tile i of the walk over the gate half (`half`: the span with nTK / 2
+// tile columns), then its up tile, nTK / 2 tile columns on.
+template <class L, class Cfg, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    swiglu_pair_kernel(Span sp, Span half, typename Cfg::Rule rule, int fp8, Outs<typename Cfg::S> row,
+                       Outs<typename Cfg::S> col, ScaleAt row_at, ScaleAt col_at, const void* da, const void* h) {
+  extern __shared__ __align__(16) uint4 up_tile[];
+  const Window w{0, sp.L, 0, sp.aligned_base};
+  const TilePos p = tile_pos(blockIdx.x, half, w);
+#pragma unroll 1
+  for (int k = 0; k < 2; ++k) {  // one copy of the tile code (and of its shared memory)
+    quantize_tile_at<L, Cfg, kQuantize>(nullptr, sp, rule, fp8, row, col, row_at, col_at, w,
+                                        TilePos{p.b, p.tm, p.tk + k * half.nTK},
+                                        SwigluGradPairSrc<L>{da, h, up_tile, k == 1});
+    __syncthreads();  // the tile's shared staging is reused
+  }
+}
+
 // The sum over a warp's row of term(8 values, e) in producers.h's order: lane l's 8 partial sums are the
 // partials 8l .. 8l+7 (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then the lane's own pairs (4, 2,
 // 1) are the tree; every lane returns the total.
@@ -403,6 +465,28 @@ inline ffi::Error produce_values(cudaStream_t st, const ProduceArgs& p, int64_t 
   });
 }
 
+// SwiGLU's gradient quantized by pairs of tiles (SwigluGradPairSrc; F = K / 2 a multiple of 128, whole vectors).
+template <class L, class Cfg, int IN>
+ffi::Error swiglu_pair_tiles(cudaStream_t st, const QuantizeArgs& a, const typename Cfg::Rule& rule,
+                             const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col, const ScaleAt& row_at,
+                             const ScaleAt& col_at, const SwigluGradSrc<IN>& s) {
+  static_assert(Cfg::TM == 128 && Cfg::TK == 128, "the pair source's slots");
+  Span sp = dense_span(a.M, a.K, Cfg::GROUP);
+  const int64_t n_tiles = plan_tiles<L, Cfg::TM, Cfg::TK>(sp, a.B, nullptr);
+  if (n_tiles / 2 > 0x7FFFFFFF) return bad("tensor too large for one launch");
+  if (n_tiles == 0) return ffi::Error::Success();
+  Span half = sp;
+  half.nTK = sp.nTK / 2;
+  constexpr int kUpBytes = Cfg::TM * Cfg::TK * int(sizeof(typename L::T));  // above the 48 KB of static memory
+  // 2 CTAs per SM: the registers of two tiles' values (at 3: 80 registers, 216 bytes spilled; at 2: 128, 36)
+  const auto kernel = swiglu_pair_kernel<L, Cfg, 2>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUpBytes) != cudaSuccess)
+    return bad("produce_quantize: the SwiGLU gradient's pair kernel cannot have its shared memory");
+  kernel<<<unsigned(n_tiles / 2), kThreads, kUpBytes, st>>>(sp, half, rule, a.fp8, row, col, row_at, col_at, s.da,
+                                                            s.h);
+  return ffi::Error::Success();
+}
+
 // The producer's tensor quantized into the outputs d / s (tile_outputs' order); a norm's statistics first.
 inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const ProduceArgs& p, uint8_t* const* d,
                                 void* const* s) {
@@ -414,6 +498,8 @@ inline ffi::Error produce_tiles(cudaStream_t st, const QuantizeArgs& a, const Pr
     ScaleAt row_at, col_at;
     tile_outputs(a, d, s, row, col, row_at, col_at);
     using S = decltype(src);
+    if constexpr (std::is_same_v<S, SwigluGradSrc<int(InType::kBF16)>>)
+      if (src.vec && a.K % 256 == 0) return swiglu_pair_tiles<L, C>(st, a, rule, row, col, row_at, col_at, src);
     return launch_tiles<L, C, Packed<L, S>, kSourceMinBlocks<S>>(st, a, nullptr, rule, row, col, row_at, col_at,
                                                                  Packed<L, S>{src});
   });

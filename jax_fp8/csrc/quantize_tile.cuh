@@ -218,22 +218,17 @@ __device__ __forceinline__ void quantize_tile_vectors(const Th& th) {
 // stored transposed (COL_T: GEMM-ready). Every scale block belongs to exactly one tile, so no atomics
 // are needed in any mode.
 // Src: where the tile's vectors come from (FromMemory: x; a producer: produce_tile.cuh).
+// quantize_tile_at: tile p of the span in the window w (kernels that pick their tiles); quantize_tile: tile t
+// of the call's walk.
 template <class L, class Cfg, int MODE, class Src = FromMemory>
-__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp,
-                                              const typename Cfg::Rule& rule, int fp8,
-                                              const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col,
-                                              const ScaleAt& row_at, const ScaleAt& col_at, uint32_t t,
-                                              const Src& src = Src{}) {
+__device__ __forceinline__ void quantize_tile_at(const typename L::T* __restrict__ x, const Span& sp,
+                                                 const typename Cfg::Rule& rule, int fp8,
+                                                 const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col,
+                                                 const ScaleAt& row_at, const ScaleAt& col_at, const Window& w,
+                                                 const TilePos& p, const Src& src) {
   using Th = TileThread<L, Cfg, MODE, Src>;
   constexpr int TM = Cfg::TM, TK = Cfg::TK;
   static_assert(!(Cfg::COL_T && Th::SHARD), "master-weight shards are compact");
-  Window w;
-  w.offset = sp.dev_offset ? *sp.dev_offset : 0;
-  w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
-  w.first_tm = sp.dev_offset ? first_tile_row<TM>(w.offset, sp.K) : 0;
-  w.aligned = sp.aligned_base && w.offset % Th::VEC == 0;
-  const TilePos p = tile_pos(t, sp, w);
-  if (p.tm >= sp.nTM) return;
   const int tid = threadIdx.x;
   const int c = tid % Th::CHUNKS, g = tid / Th::CHUNKS;
   const int64_t col0 = p.tk * TK + int64_t(c) * Th::VEC;
@@ -249,6 +244,22 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ 
   const Th th{x, sp, rule, fp8, row, col, w, p, tid, c, g, col0, base, stage, row_scale_at, col_scale_at, col_gi, src};
   if (tile_interior<TM, TK, Th::SHARD>(p.tm, p.tk, sp, w)) quantize_tile_vectors<true>(th);
   else quantize_tile_vectors<false>(th);
+}
+
+template <class L, class Cfg, int MODE, class Src = FromMemory>
+__device__ __forceinline__ void quantize_tile(const typename L::T* __restrict__ x, const Span& sp,
+                                              const typename Cfg::Rule& rule, int fp8,
+                                              const Outs<typename Cfg::S>& row, const Outs<typename Cfg::S>& col,
+                                              const ScaleAt& row_at, const ScaleAt& col_at, uint32_t t,
+                                              const Src& src = Src{}) {
+  Window w;
+  w.offset = sp.dev_offset ? *sp.dev_offset : 0;
+  w.length = sp.dev_length && *sp.dev_length < sp.L ? int64_t(*sp.dev_length) : sp.L;
+  w.first_tm = sp.dev_offset ? first_tile_row<Cfg::TM>(w.offset, sp.K) : 0;
+  w.aligned = sp.aligned_base && w.offset % TileThread<L, Cfg, MODE, Src>::VEC == 0;
+  const TilePos p = tile_pos(t, sp, w);
+  if (p.tm >= sp.nTM) return;
+  quantize_tile_at<L, Cfg, MODE, Src>(x, sp, rule, fp8, row, col, row_at, col_at, w, p, src);
 }
 
 // CTAs per SM for the register allocation, measured fastest on the H200 (bench/kernel_bench.cu sweeps them;
