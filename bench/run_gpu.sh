@@ -66,15 +66,15 @@ python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('C
 if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
   stage ncu_producers
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for src in ${NCU_SOURCES:-SwigluSrc SwigluGradSrc GeluSrc}; do
-    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:Packed<.*::$src<:2" \
+  for src in ${NCU_SOURCES:-SwigluSrc swiglu_pair_kernel GeluSrc}; do
+    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:(Packed<.*::$src<|::$src<):2" \
       --section SpeedOfLight --section Occupancy --section InstructionStats --section WarpStateStats \
       --section SourceCounters ${NCU_ARGS:-} python3 bench/bench_producers.py --widths 4096x14336 --iters 2 \
       > "$OUT/ncu_$src.txt" 2>&1
     tee -a "$OUT/run.log" < "$OUT/ncu_$src.txt" | grep -E "Executed Ipc|Issue Slots|Registers|Duration|Occupancy" | head
   done
   so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
-  cuobjdump --dump-sass "$so" | awk '/Function :/ {keep = /Packed/} keep' | gzip > "$OUT/sass_packed.txt.gz"
+  cuobjdump --dump-sass "$so" | awk '/Function :/ {keep = /Packed|swiglu_pair/} keep' | gzip > "$OUT/sass_packed.txt.gz"
 fi
 [ "${BACKENDS:-0}" != 0 ] && { stage backends; python3 -m pytest tests/test_gemm_backends.py tests/test_command_buffers.py tests/test_compiled_for_gpu.py -q -n 0 -p no:cacheprovider 2>&1 | log backends.log | tail -15; }
 [ -n "$kb_pid" ] && { wait $kb_pid || tail -20 "$L/kernel_bench_build.log" | tee -a "$OUT/run.log"; }

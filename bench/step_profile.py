@@ -95,7 +95,7 @@ CHAIN_DEPTH = 4
 KERNEL_RULES = (
     (re.compile(r"nvjet\w*_Ablk128|cutlass\w*Blockwise|GemmUniversal"), "fp8 GEMM fprop+dgrad (by kernel name)"),
     (re.compile(r"nvjet\w*_Avec128"), FP8_WGRAD),
-    (re.compile(r"jf::.*(Packed<|norm_stats_kernel|produce_values_kernel)"), OURS_P),  # producer kernels
+    (re.compile(r"jf::.*(Packed<|swiglu_pair_kernel|norm_stats_kernel|produce_values_kernel)"), OURS_P),  # producer kernels
     (re.compile(r"jf::"), OURS_Q),
     (re.compile(r"sdpa|fmha|flash"), ATTN),
     (re.compile(r"nvjet_sm\d+_(qq|qr|rq)"), XLA_FP8),
