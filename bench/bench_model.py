@@ -58,6 +58,7 @@ import step_profile  # noqa: E402
 
 import jax_fp8 as jf  # noqa: E402
 from jax_fp8.gemm import crossover  # noqa: E402
+from jax_fp8.gemm import table as gemm_table  # noqa: E402
 from jax_fp8.gemm.table import local_device_kind  # noqa: E402
 
 TINY = dict(d_model=128, ffn=384, heads=4, layers=2, seq=128, batch=4, vocab=256, steps=20, untimed=3, dispatch=4,
@@ -80,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          + " (seq from --seq); default: the one config of the size flags")
     ap.add_argument("--crossover-table", metavar="JSON",
                     help="jax_fp8.gemm.crossover.load() this table first (fp8-auto: where FP8 pays on this GPU)")
+    ap.add_argument("--gemm-table", metavar="JSON",
+                    help="jax_fp8.gemm.table.load() this kernel table first (bench_gemm_tune.py --out writes it)")
     ap.add_argument("--steps", type=int, default=300, help="training steps per variant (loss after them)")
     ap.add_argument("--untimed", type=int, default=5, help="untimed steps first (the first compiles)")
     ap.add_argument("--warmup-s", type=float, default=3.0,
@@ -280,6 +283,9 @@ def main(argv=None) -> dict:
     {config label: {variant: result}}."""
     args = parse_args(argv)
     out = lambda s="": print(s, flush=True)  # noqa: E731
+    if args.gemm_table:
+        gemm_table.load(args.gemm_table)
+        out(f"GEMM kernel table {args.gemm_table} loaded")
     if args.crossover_table:
         crossover.load(args.crossover_table)
         out(f"crossover table {args.crossover_table} loaded (device kinds: {', '.join(sorted(crossover.TABLES))})")

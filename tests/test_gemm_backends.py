@@ -30,9 +30,10 @@ except ImportError:  # pragma: no cover - the module ships with the package
     CUTLASS, CONFIGS = None, ()
 
 #: shape classes: aligned, padded (M, N, K off the alignment), partial blocks (K and rows % 128 != 0),
-#: tiny M, tiny N, K = 128
+#: tiny M, tiny N, K = 128; and long K, with k-tile counts 1 to 4, 7 and 10 between them (the "_overlap"
+#: configurations' mainloop takes tiles two at a time: odd and even counts, one trip and several)
 SHAPES = {"aligned": (256, 384, 512), "padded": (37, 50, 300), "partial": (130, 257, 200), "tiny_m": (1, 256, 512),
-          "tiny_n": (256, 8, 384), "k128": (192, 136, 128)}
+          "tiny_n": (256, 8, 384), "k128": (192, 136, 128), "k7": (64, 128, 896), "k10_partial": (136, 264, 1200)}
 PAIRS = {"1D2D": (B1, B2), "1D1D": (B1, B1)}
 
 

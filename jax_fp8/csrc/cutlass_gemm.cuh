@@ -52,15 +52,16 @@ enum Raster : int { kRasterHeuristic = 0, kRasterAlongM = 1, kRasterAlongN = 2 }
 
 // The configurations, in index order (the `config` attribute; cutlass.py's CONFIGS). "c<m>x<n>": the
 // cluster shape along M and N; "coop": cooperative (two consumer warp groups split a tile along M),
-// "pingpong": two consumer warp groups alternate between tiles.
+// "pingpong": two consumer warp groups alternate between tiles; "_overlap": each k tile's scale promotion
+// overlapped with the next tile's MMAs (cutlass_overlap.cuh), and for calls without c an epilogue with no
+// C operand (Kernel's HasC).
 // (256x128x128 cluster 1x2, example 67's, spilled 546 bytes with CUTLASS 4.2 and ran at 0.2-0.5x
 // cuBLASLt on the H200: dropped; bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
 // where="auto"".)
-constexpr int kNumConfigs = 3;
+constexpr int kNumConfigs = 5;
 constexpr const char* kConfigNames[kNumConfigs] = {
-    "128x128x128_c1x1_coop",
-    "128x128x128_c1x2_coop",
-    "64x128x128_c1x1_pingpong",
+    "128x128x128_c1x1_coop",          "128x128x128_c1x2_coop",          "64x128x128_c1x1_pingpong",
+    "128x128x128_c1x1_coop_overlap",  "128x128x128_c1x2_coop_overlap",
 };
 
 // Operand type pairs with kernels: E4M3 x E4M3 always; with JF_CUTLASS_E5M2 (CMake: JAX_FP8_CUTLASS_E5M2)
@@ -128,6 +129,7 @@ inline GemmResult run(int pair, int out_type, const GemmCall& call) {
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/numeric_types.h"
+#include "cutlass_overlap.cuh"
 
 // Compiled for any other device architecture (sm_90 without the "a" included) CUTLASS's sm90 kernels
 // would build as empty bodies that fail at run time: refuse at compile time instead.
@@ -138,10 +140,11 @@ inline GemmResult run(int pair, int out_type, const GemmCall& call) {
 namespace jf {
 namespace cutlass_gemm {
 
-// A configuration: CTA tile (M, N; K is always 128, one scale block per k tile), cluster shape, and
-// kernel schedule.
-template <int TileM, int TileN, int ClusterM, int ClusterN, bool Cooperative>
+// A configuration: CTA tile (M, N; K is always 128, one scale block per k tile), cluster shape, kernel
+// schedule, and whether the promotion overlaps the MMAs (OverlappedPromotionMma).
+template <int TileM, int TileN, int ClusterM, int ClusterN, bool Cooperative, bool Overlap = false>
 struct Config {
+  static constexpr bool kOverlap = Overlap;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule = std::conditional_t<Cooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
@@ -150,7 +153,8 @@ struct Config {
                                               cutlass::epilogue::TmaWarpSpecialized>;
 };
 // kConfigNames, in the same order
-using Configs = std::tuple<Config<128, 128, 1, 1, true>, Config<128, 128, 1, 2, true>, Config<64, 128, 1, 1, false>>;
+using Configs = std::tuple<Config<128, 128, 1, 1, true>, Config<128, 128, 1, 2, true>, Config<64, 128, 1, 1, false>,
+                           Config<128, 128, 1, 1, true, true>, Config<128, 128, 1, 2, true, true>>;
 static_assert(std::tuple_size_v<Configs> == kNumConfigs);
 // How many configurations are compiled: all, or the first N with -DJF_CUTLASS_BUILD_CONFIGS=N (the quick
 // compile check of bench/check_cutlass_kernel.sh, CI's); the others then fail at run time, saying so.
@@ -187,7 +191,9 @@ struct ScaleLayouts {
   }
 };
 
-template <class Cfg, int P, class ElementA, class ElementB, class ElementOut>
+// HasC false: the epilogue has no C operand at all (ElementC void: no shared memory for C, so one more
+// mainloop stage, and TMA stores that wait less), for calls without c.
+template <class Cfg, int P, class ElementA, class ElementB, class ElementOut, bool HasC>
 struct Kernel {
   using Scales = ScaleLayouts<P>;
   using LayoutSFA = typename Scales::LayoutSFA;
@@ -199,18 +205,19 @@ struct Kernel {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,  // accumulator, compute
-      ElementOut, cutlass::layout::RowMajor, kAlignOut,               // C
+      std::conditional_t<HasC, ElementOut, void>, cutlass::layout::RowMajor, kAlignOut,  // C
       ElementOut, cutlass::layout::RowMajor, kAlignOut,               // D
       typename Cfg::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementOut, float>>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementA, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, kAlignAB,
       ElementB, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, kAlignAB,
       float, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::MainloopSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<Cfg::kOverlap, OverlappedPromotionMma<BuiltMainloop>, BuiltMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                           cutlass::gemm::PersistentScheduler>;
@@ -219,9 +226,9 @@ struct Kernel {
 
 inline std::string status_text(cutlass::Status s) { return cutlassGetStatusString(s); }
 
-template <class Cfg, int P, class ElementA, class ElementB, class ElementOut>
+template <class Cfg, int P, class ElementA, class ElementB, class ElementOut, bool HasC>
 GemmResult run_kernel(const GemmCall& call) {
-  using K = Kernel<Cfg, P, ElementA, ElementB, ElementOut>;
+  using K = Kernel<Cfg, P, ElementA, ElementB, ElementOut, HasC>;
   using Gemm = typename K::Gemm;
   using GemmKernel = typename K::GemmKernel;
   using namespace cute;
@@ -243,8 +250,12 @@ GemmResult run_kernel(const GemmCall& call) {
   args.epilogue.thread.beta = call.c ? 1.0f : 0.0f;
   args.epilogue.thread.alpha_ptr = nullptr;
   args.epilogue.thread.beta_ptr = nullptr;
-  // beta = 0: C is never loaded; its descriptor still wants a valid address, the output's
-  args.epilogue.ptr_C = static_cast<const ElementOut*>(call.c ? call.c : call.out);
+  if constexpr (HasC) {
+    // beta = 0: C is never loaded; its descriptor still wants a valid address, the output's
+    args.epilogue.ptr_C = static_cast<const ElementOut*>(call.c ? call.c : call.out);
+  } else {
+    args.epilogue.ptr_C = nullptr;
+  }
   args.epilogue.dC = typename GemmKernel::StrideC(int64_t(N), _1{}, int64_t(M) * N);
   args.epilogue.ptr_D = static_cast<ElementOut*>(call.out);
   args.epilogue.dD = typename GemmKernel::StrideD(int64_t(N), _1{}, int64_t(M) * N);
@@ -292,7 +303,12 @@ GemmResult run_kernel(const GemmCall& call) {
 template <int I, int P, class ElementA, class ElementB, class ElementOut>
 GemmResult run_config(const GemmCall& call) {
   if constexpr (I < JF_CUTLASS_BUILD_CONFIGS) {
-    if (call.config == I) return run_kernel<std::tuple_element_t<I, Configs>, P, ElementA, ElementB, ElementOut>(call);
+    using Cfg = std::tuple_element_t<I, Configs>;
+    if (call.config == I) {
+      if constexpr (Cfg::kOverlap)  // these configurations have a C-less kernel for calls without c
+        if (!call.c) return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, false>(call);
+      return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, true>(call);
+    }
     return run_config<I + 1, P, ElementA, ElementB, ElementOut>(call);
   } else {
     GemmResult r;

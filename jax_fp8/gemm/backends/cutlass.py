@@ -9,8 +9,11 @@ blocks ("1D x 1D": wgrad); ``a`` in 128x128 blocks is not implemented.
 Options (``CUTLASS.with_options(...)``; each absent one takes its default):
 
 - ``config`` (default 0): the kernel configuration, an index into :data:`CONFIGS`
-  (``"128x128x128_c1x1_coop"``, ``"128x128x128_c1x2_coop"``, ``"64x128x128_c1x1_pingpong"``: CTA
-  tile M x N x K, cluster shape M x N, cooperative or ping-pong warp-specialized schedule);
+  (``"128x128x128_c1x1_coop"``, ``"128x128x128_c1x2_coop"``, ``"64x128x128_c1x1_pingpong"``,
+  ``"128x128x128_c1x1_coop_overlap"``, ``"128x128x128_c1x2_coop_overlap"``: CTA tile M x N x K, cluster
+  shape M x N, cooperative or ping-pong warp-specialized schedule; ``_overlap``: each k tile's scale
+  promotion runs while the next tile's MMAs do (csrc/cutlass_overlap.cuh), and a call without ``c``
+  runs a kernel whose epilogue has no C operand);
 - ``raster`` (default 0): the persistent tile scheduler's raster order, 0 CUTLASS's heuristic (along M
   when the problem has more tiles along N than along M, else along N), 1 along M, 2 along N;
 - ``swizzle`` (default 1): the scheduler's swizzle size, 1, 2, 4 or 8 (tiles walked in groups of that
@@ -33,7 +36,8 @@ from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
-CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "64x128x128_c1x1_pingpong")
+CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "64x128x128_c1x1_pingpong",
+           "128x128x128_c1x1_coop_overlap", "128x128x128_c1x2_coop_overlap")
 #: Options and their defaults (see the module docstring).
 DEFAULT_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
 RASTERS = {0: "heuristic", 1: "along M", 2: "along N"}
