@@ -67,7 +67,9 @@ if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
   stage ncu_producers
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for src in ${NCU_SOURCES:-SwigluSrc swiglu_pair_kernel GeluSrc}; do
-    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-id "::regex:(Packed<.*::$src<|::$src<):2" \
+    # (--kernel-id's fields are split at ':', so a regex with "::" in it cannot go there)
+    ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-name "regex:(Packed<.*$src<|$src<)" \
+      --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section InstructionStats --section WarpStateStats \
       --section SourceCounters ${NCU_ARGS:-} python3 bench/bench_producers.py --widths 4096x14336 --iters 2 \
       > "$OUT/ncu_$src.txt" 2>&1
