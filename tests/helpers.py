@@ -29,6 +29,19 @@ def stable_seed(*parts) -> int:
     return zlib.crc32(repr(_seed_part(parts)).encode())
 
 
+#: XLA's flag that makes its GPU compiler round every value to the dtype the program gives it.
+ROUND_AS_WRITTEN_FLAG = "--xla_allow_excess_precision=false"
+
+
+def xla_rounds_as_written() -> bool:
+    """Whether XLA here rounds each value to its declared dtype: on the CPU yes; XLA's GPU compiler by
+    default (``--xla_allow_excess_precision``) may keep float32 bits through a bfloat16 / float16 value
+    inside a fusion, so what it computes outside our custom calls depends on the fusions it forms."""
+    import os
+
+    return jax.default_backend() == "cpu" or ROUND_AS_WRITTEN_FLAG in os.environ.get("XLA_FLAGS", "")
+
+
 def on_cpu(fn, *args, **kw):
     """Evaluate the reference ``fn`` with NumPy (IEEE subnormals; XLA's CPU runtime flushes them)."""
     return fn(*jax.tree_util.tree_map(np.asarray, args), **kw)

@@ -20,6 +20,7 @@ import pytest
 
 import jax_fp8 as jf
 import gpu_compile
+from helpers import ROUND_AS_WRITTEN_FLAG
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, re, sys
@@ -57,7 +58,11 @@ SCRIPT = textwrap.dedent(r"""
 
 def _run(tmp_path, name, flags, backend, layer):
     out, dump = tmp_path / f"{name}.json", tmp_path / f"dump_{name}"
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags} --xla_dump_to={dump}")
+    # Both runs round as the program says: with XLA's default excess precision, the fusions around our
+    # calls (the norm's backward) kept different float32 bits with and without command buffers (3 of
+    # 131072 bfloat16 dx values 1 ulp apart on an H100), which says nothing about our calls' replay.
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags} {ROUND_AS_WRITTEN_FLAG} "
+                                     f"--xla_dump_to={dump}")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), backend, layer], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

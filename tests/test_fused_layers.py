@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8 import fused, producers
-from helpers import assert_bits_equal, stable_seed
+from helpers import assert_bits_equal, stable_seed, xla_rounds_as_written
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 U32 = 2.0 ** -24
@@ -262,9 +262,13 @@ def test_dx_bound_holds_and_can_fail(norm):
 def _assert_weight_grad(dw_fused, dw_unfused, w, x_dtype, what, rows=2):
     """The fused layer's dW is in the weight's dtype, the unfused one is x's dtype's, upcast: equal once
     the fused one is rounded to x's dtype; an fp32 master's keeps bits the rounding drops (a sum over
-    ``rows`` > 1 products of FP8 values; one such product fits in bf16)."""
+    ``rows`` > 1 products of FP8 values; one such product fits in bf16). (The unfused dW is x's dtype's
+    only where XLA rounds as the program says: on a GPU, XLA's excess precision may keep its float32
+    bits, seen on an H100 for the MXFP8 recipe's reference GEMM; both still round to the same x dtype.)"""
     assert dw_fused.dtype == w.dtype and dw_unfused.dtype == w.dtype, (what, dw_fused.dtype, dw_unfused.dtype)
-    assert_bits_equal(np.asarray(dw_unfused.astype(x_dtype).astype(w.dtype)), np.asarray(dw_unfused), f"{what} unfused")
+    if xla_rounds_as_written():
+        assert_bits_equal(np.asarray(dw_unfused.astype(x_dtype).astype(w.dtype)), np.asarray(dw_unfused),
+                          f"{what} unfused")
     assert_bits_equal(dw_fused.astype(x_dtype), dw_unfused.astype(x_dtype), what)
     if jnp.dtype(w.dtype) == jnp.dtype(F32) and jnp.dtype(x_dtype) != jnp.dtype(F32) and rows > 1:
         assert (np.asarray(dw_fused) != np.asarray(dw_fused.astype(x_dtype).astype(F32))).any(), what
