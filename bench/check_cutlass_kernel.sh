@@ -2,14 +2,15 @@
 # Compile-checks the CUTLASS FP8 GEMM translation units (jax_fp8/csrc/cutlass_gemm_*.cu, the kernels of
 # the optional _jax_fp8_cutlass module) for sm_90a with nvcc directly: no pip, no CMake, no GPU. Prints
 # the time each takes and ptxas's registers and spills per kernel; exits non-zero when one fails to
-# compile or a kernel spills (ALLOW_SPILLS=1: report spills only).
+# compile, a kernel spills (ALLOW_SPILLS=1: report spills only), or ptxas serializes a kernel's WGMMAs
+# or waits for them where the source does not (its C7514 / C7517 notes: silent slowdowns).
 #
 #   bash bench/check_cutlass_kernel.sh            # the first translation unit (cutlass_gemm_1d2d_bf16)
 #   bash bench/check_cutlass_kernel.sh 2          # the I-th (0-based, in the order --list prints)
 #   bash bench/check_cutlass_kernel.sh 1d1d_f32   # by name
 #   bash bench/check_cutlass_kernel.sh all        # every one, one after the other (~2 min each on 2 cores)
 #   bash bench/check_cutlass_kernel.sh --list
-#   NVCC_FLAGS=-DJF_CUTLASS_BUILD_CONFIGS=1 bash bench/check_cutlass_kernel.sh 0   # its first kernel only (CI)
+#   NVCC_FLAGS=-DJF_CUTLASS_ONLY_CONFIG=4 bash bench/check_cutlass_kernel.sh 2   # one configuration only (CI)
 #
 # CUTLASS's headers (>= 4.2): $CUTLASS_INCLUDE_DIR (the dir holding cutlass/cutlass.h), else those of an
 # importable nvidia-cutlass (cutlass_library), else the nvidia-cutlass wheel in .whl/ unpacked (unzip)
@@ -76,6 +77,11 @@ for tu in "${picks[@]}"; do
   regs=$(grep -oE 'Used [0-9]+ registers' "$log" | awk '{print $2}' | sort -n | uniq | tr '\n' ' ')
   stack=$(grep -oE '[0-9]+ bytes stack frame' "$log" | awk '{print $1}' | sort -n | uniq | tr '\n' ' ')
   echo "compiled $src for sm_90a in $secs s: $kernels kernels, registers {${regs% }} (launch bound), stack bytes {${stack% }}, $spills with spills (ptxas log: $log)"
+  serial=$(grep -cE 'C751[47]' "$log" || true)
+  if [ "$serial" -gt 0 ]; then
+    echo "ptxas serialized or waited for WGMMAs ($serial notes):"; grep -E 'C751[47]' "$log" | cut -c1-160
+    rc=1
+  fi
   if [ "$spills" -gt 0 ]; then
     grep -E '[1-9][0-9]* bytes spill' "$log"
     [ "${ALLOW_SPILLS:-0}" = 1 ] || rc=1

@@ -156,11 +156,12 @@ struct Config {
 using Configs = std::tuple<Config<128, 128, 1, 1, true>, Config<128, 128, 1, 2, true>, Config<64, 128, 1, 1, false>,
                            Config<128, 128, 1, 1, true, true>, Config<128, 128, 1, 2, true, true>>;
 static_assert(std::tuple_size_v<Configs> == kNumConfigs);
-// How many configurations are compiled: all, or the first N with -DJF_CUTLASS_BUILD_CONFIGS=N (the quick
+// Which configurations are compiled: all, or only the I-th with -DJF_CUTLASS_ONLY_CONFIG=I (the quick
 // compile check of bench/check_cutlass_kernel.sh, CI's); the others then fail at run time, saying so.
-#ifndef JF_CUTLASS_BUILD_CONFIGS
-#define JF_CUTLASS_BUILD_CONFIGS kNumConfigs
+#ifndef JF_CUTLASS_ONLY_CONFIG
+#define JF_CUTLASS_ONLY_CONFIG -1
 #endif
+static_assert(JF_CUTLASS_ONLY_CONFIG < kNumConfigs, "JF_CUTLASS_ONLY_CONFIG: no such configuration");
 
 template <int P>
 struct ScaleLayouts {
@@ -302,19 +303,21 @@ GemmResult run_kernel(const GemmCall& call) {
 
 template <int I, int P, class ElementA, class ElementB, class ElementOut>
 GemmResult run_config(const GemmCall& call) {
-  if constexpr (I < JF_CUTLASS_BUILD_CONFIGS) {
+  if constexpr (I < kNumConfigs) {
     using Cfg = std::tuple_element_t<I, Configs>;
-    if (call.config == I) {
-      if constexpr (Cfg::kOverlap)  // these configurations have a C-less kernel for calls without c
-        if (!call.c) return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, false>(call);
-      return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, true>(call);
+    if constexpr (JF_CUTLASS_ONLY_CONFIG < 0 || JF_CUTLASS_ONLY_CONFIG == I) {
+      if (call.config == I) {
+        if constexpr (Cfg::kOverlap)  // these configurations have a C-less kernel for calls without c
+          if (!call.c) return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, false>(call);
+        return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, true>(call);
+      }
     }
     return run_config<I + 1, P, ElementA, ElementB, ElementOut>(call);
   } else {
     GemmResult r;
     r.status = kInvalid;
     r.message = "config " + std::to_string(call.config) + " is not in [0, " + std::to_string(kNumConfigs) + ")" +
-                (JF_CUTLASS_BUILD_CONFIGS < kNumConfigs ? " or not compiled into this build" : "");
+                (JF_CUTLASS_ONLY_CONFIG >= 0 ? " or not compiled into this build" : "");
     return r;
   }
 }
