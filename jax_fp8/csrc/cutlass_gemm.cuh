@@ -192,8 +192,8 @@ struct ScaleLayouts {
   }
 };
 
-// HasC false: the epilogue has no C operand at all (ElementC void: no shared memory for C, so one more
-// mainloop stage, and TMA stores that wait less), for calls without c.
+// HasC false: the epilogue has no C operand at all (ElementC void: no shared memory for C, which the
+// mainloop's stages get instead; CUTLASS's example 67 runs so), for calls without c.
 template <class Cfg, int P, class ElementA, class ElementB, class ElementOut, bool HasC>
 struct Kernel {
   using Scales = ScaleLayouts<P>;
