@@ -1,6 +1,7 @@
 """Shared test helpers: fresh random data with special values, bitwise comparison, CPU reference."""
 from __future__ import annotations
 
+import os
 import zlib
 
 import jax
@@ -37,8 +38,6 @@ def xla_rounds_as_written() -> bool:
     """Whether XLA here rounds each value to its declared dtype: on the CPU yes; XLA's GPU compiler by
     default (``--xla_allow_excess_precision``) may keep float32 bits through a bfloat16 / float16 value
     inside a fusion, so what it computes outside our custom calls depends on the fusions it forms."""
-    import os
-
     return jax.default_backend() == "cpu" or ROUND_AS_WRITTEN_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
