@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 import jax.numpy as jnp
+from jax import lax
 
 from .arrays import bitcast, xp_of
 from .contracts import quantize_usages
@@ -243,6 +244,56 @@ def layer_norm_values(x, gamma, beta, mean, rstd):
     xp = xp_of(x, gamma, beta, mean, rstd)
     with _quiet():
         return _rounded(((_f32(xp, x) - mean[..., None]) * rstd[..., None]) * _f32(xp, gamma)) + _f32(xp, beta)
+
+
+#: The norms' backward sums its columns (dgamma's terms, LayerNorm's dbeta's) by blocks of GRAD_ROWS rows
+#: of one batch entry, each block from +0 in row order, then the blocks' sums from +0 in order (producers.h's
+#: kGradRows).
+GRAD_ROWS = 64
+
+
+def _ordered_sum(v):
+    """The sum over the first dim of float32 ``v``, from +0 one entry after another (a sum from +0 is never
+    -0, so entries of +0 change nothing)."""
+    xp = xp_of(v)
+    if xp is np:
+        acc = np.zeros(v.shape[1:], _F32)
+        for r in v:
+            acc = acc + r
+        return acc
+    return lax.scan(lambda acc, r: (acc + r, None), jnp.zeros(v.shape[1:], _F32), v)[0]
+
+
+def column_sum(t):
+    """The column sums of float32 ``t`` (B, M, K) in the order of :data:`GRAD_ROWS`: (K,)."""
+    xp = xp_of(t)
+    B, M, K = t.shape
+    nb = -(-M // GRAD_ROWS)
+    with _quiet():
+        blocks = xp.pad(t, [(0, 0), (0, nb * GRAD_ROWS - M), (0, 0)]).reshape(B * nb, GRAD_ROWS, K)
+        return _ordered_sum(_ordered_sum(xp.moveaxis(blocks, 1, 0)))
+
+
+def norm_grad(norm: str, x, gamma, stats, dy):
+    """The backward of a norm (``norm`` in :data:`NORMS`) over x (B, M, K) given the output gradient ``dy``
+    (B, M, K), gamma (K,) and the forward's statistics (RMSNorm: rstd (B, M); LayerNorm: (mean, rstd) (B, M,
+    2)): [dx in x's dtype, dgamma (K,) float32] and LayerNorm's dbeta (K,) float32, NaNs canonical. With
+    xhat = (x - mean) * rstd and dxhat = dy * gamma (RMSNorm: mean = 0, c1 = 0), c1 = row_sum(dxhat) *
+    fp32(1/K), c2 = row_sum(dxhat * xhat) * fp32(1/K), dx = rstd * ((dxhat - c1) - xhat * c2); dgamma the
+    :func:`column_sum` of dy * xhat, dbeta that of dy."""
+    xp = xp_of(x, gamma, stats, dy)
+    layer = norm == "layernorm"
+    with _quiet():
+        xf, d, g = _f32(xp, x), _f32(xp, dy), _f32(xp, gamma)
+        inv_k = _F32(1.0 / x.shape[-1]) if x.shape[-1] else _F32(0)
+        mean, rstd = (stats[..., 0:1], stats[..., 1:2]) if layer else (_F32(0), stats[..., None])
+        xhat = (xf - mean) * rstd
+        dxhat = _rounded(d * g)
+        c1 = _rounded(row_sum(dxhat) * inv_k)[..., None] if layer else _F32(0)
+        c2 = (row_sum(_rounded(dxhat * xhat)) * inv_k)[..., None]
+        dx = rstd * (_rounded(dxhat - c1) - _rounded(xhat * c2))
+        sums = [column_sum(_rounded(d * xhat))] + ([column_sum(d)] if layer else [])
+    return [_canonical_nans(dx.astype(x.dtype))] + [_canonical_nans(v) for v in sums]
 
 
 #: The norms: their inputs after x are (K,) parameters (RMSNorm: gamma; LayerNorm: gamma, beta), and their

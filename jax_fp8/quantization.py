@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import contracts, producers, vma
 from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
-from .primitives import dequantize_p, produce_p, produce_quantize_p, quantize_p
+from .primitives import dequantize_p, norm_grad_p, produce_p, produce_quantize_p, quantize_p
 from .primitives.produce import produced_shape
 from .primitives.partitioning import rows_view
 from .scheme import LAYOUTS, Scheme
@@ -95,6 +95,19 @@ def produce(producer: str, *args, eps: float = 0.0, out_dtype=None):
     rows, lead, K, dtype = _producer_call(producer, args, out_dtype)
     y, *extras = produce_p.bind(*rows, producer=producer, eps=float(eps), out_dtype=dtype)
     return rows_view(y[0], (*lead, K)), [e[0].reshape(producers.stats_shape(producer, lead)) for e in extras]
+
+
+def norm_grad(norm: str, x, gamma, stats, dy):
+    """The backward of a norm (``"rmsnorm"`` or ``"layernorm"``) on the ``jf_norm_grad`` kernels
+    (:func:`jax_fp8.producers.norm_grad`'s numbers): x and dy (..., K), gamma (K,), the forward's statistics
+    (:func:`~jax_fp8.producers.stats_shape` of x's leading dims). Returns dx (x's shape and dtype) and the
+    column sums: dgamma, float32 (K,), and LayerNorm's dbeta, float32 (K,)."""
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    rows = view_2d(x.shape)
+    x3, dy3 = rows_view(x, rows)[None], rows_view(dy, rows)[None]
+    stats3 = rows_view(stats, producers.stats_shape(norm, rows[:1]))[None]
+    dx, sums = norm_grad_p.bind(x3, gamma, stats3, dy3, norm=norm)
+    return rows_view(dx[0], (*lead, K)), *sums
 
 
 def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out_dtype=None):

@@ -212,6 +212,15 @@ inline float round_to(InType t, float v) {
   return v;
 }
 
+// out[i] = v in dtype t, NaNs canonical.
+inline void store_as(InType t, void* out, int64_t i, float v) {
+  switch (t) {
+    case InType::kF32: static_cast<float*>(out)[i] = canonical_f32(v); break;
+    case InType::kBF16: static_cast<uint16_t*>(out)[i] = bf16_from_float(v); break;
+    case InType::kF16: static_cast<uint16_t*>(out)[i] = f16_from_float(v); break;
+  }
+}
+
 // The rows of a producer's (B, M, K) tensor, each value rounded to the produced dtype.
 struct ProducedRows {
   const ProduceArgs& p;
@@ -333,14 +342,7 @@ ffi::Error ProduceCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y, ff
     std::vector<float> row(K);
     for (int64_t rr = r0; rr < r1; ++rr) {
       rows.flat(rr, row.data());
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = rr * K + k;
-        switch (p.out) {
-          case InType::kF32: static_cast<float*>(out)[i] = canonical_f32(row[k]); break;
-          case InType::kBF16: static_cast<uint16_t*>(out)[i] = bf16_from_float(row[k]); break;
-          case InType::kF16: static_cast<uint16_t*>(out)[i] = f16_from_float(row[k]); break;
-        }
-      }
+      for (int64_t k = 0; k < K; ++k) store_as(p.out, out, rr * K + k, row[k]);
     }
   });
   return ffi::Error::Success();
@@ -360,6 +362,61 @@ ffi::Error ProduceQuantizeCpu(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffe
   uint8_t* data[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* scale[2] = {scale0->untyped_data(), scale1->untyped_data()};
   with_rule(a, [&](auto rule) { quantize_all(a, rows, rule, data, scale); });
+  return ffi::Error::Success();
+}
+
+// A norm's backward (producers.h): dx row by row, then the column sums by ranges of columns, each column's
+// blocks in order. The workspace is the CUDA kernels'.
+ffi::Error NormGradCpu(ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer stats, ffi::AnyBuffer dy,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> sums,
+                       ffi::Result<ffi::AnyBuffer> work, int32_t producer) {
+  NormGradArgs a;
+  if (auto e = make_norm_grad(x, gamma, stats, dy, *dx, *sums, *work, producer, &a); e.failure()) return e;
+  IeeeFpEnv env;
+  const int64_t K = a.K, rows = a.B * a.M;
+  std::vector<float> g(K);
+  load_f32(a.gamma, a.gt, 0, K, g.data());
+  const auto mean_of = [&](int64_t r) { return a.layer ? a.stats[2 * r] : 0.0f; };
+  const auto rstd_of = [&](int64_t r) { return a.layer ? a.stats[2 * r + 1] : a.stats[r]; };
+  parallel_for(rows, rows * K, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xh(K), dxh(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      load_f32(a.x, a.xt, r * K, K, xh.data());
+      load_f32(a.dy, a.dyt, r * K, K, dxh.data());
+      const float mean = mean_of(r), rstd = rstd_of(r);
+      for (int64_t k = 0; k < K; ++k) {
+        xh[k] = norm_xhat_f(xh[k], mean, rstd);
+        dxh[k] = dxh[k] * g[k];
+      }
+      const float c1 = a.layer ? row_sum(K, [&](int64_t k) { return dxh[k]; }) * a.inv_k : 0.0f;
+      const float c2 = row_sum(K, [&](int64_t k) { return dxh[k] * xh[k]; }) * a.inv_k;
+      for (int64_t k = 0; k < K; ++k) store_as(a.dxt, a.dx, r * K + k, norm_dx_f(dxh[k], xh[k], rstd, c1, c2));
+    }
+  });
+  constexpr int64_t kCols = 64;  // columns per range
+  parallel_for(cdiv(K, kCols), rows * K, [&](int64_t j0, int64_t j1) {
+    std::vector<float> xr(kCols), dr(kCols), part(2 * kCols), total(2 * kCols);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t k0 = j * kCols, w = std::min(kCols, K - k0);
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t b = 0; b < a.B; ++b)
+        for (int64_t m0 = 0; m0 < a.M; m0 += kGradRows) {
+          std::fill(part.begin(), part.end(), 0.0f);
+          for (int64_t r = b * a.M + m0; r < b * a.M + std::min(a.M, m0 + kGradRows); ++r) {
+            load_f32(a.x, a.xt, r * K + k0, w, xr.data());
+            load_f32(a.dy, a.dyt, r * K + k0, w, dr.data());
+            const float mean = mean_of(r), rstd = rstd_of(r);
+            for (int64_t k = 0; k < w; ++k) {
+              part[k] = part[k] + dr[k] * norm_xhat_f(xr[k], mean, rstd);
+              part[kCols + k] = part[kCols + k] + dr[k];
+            }
+          }
+          for (int64_t k = 0; k < 2 * kCols; ++k) total[k] = total[k] + part[k];
+        }
+      for (int i = 0; i < a.n_sums(); ++i)
+        for (int64_t k = 0; k < w; ++k) a.sums[i * K + k0 + k] = canonical_f32(total[i * kCols + k]);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -1,6 +1,7 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
 // registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
-// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh; the FP8 GEMM is cuBLASLt's
+// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh; produce_tile.cuh (producers fused
+// with quantization) and norm_grad.cuh (the norms' backward); the FP8 GEMM is cuBLASLt's
 // (cublaslt_gemm.h, loaded at run time through cublaslt.h).
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
@@ -15,6 +16,7 @@
 #include "ffi_common.h"
 #include "cublaslt_gemm.h"
 #include "produce_tile.cuh"
+#include "norm_grad.cuh"
 #include "quantize_dense.cuh"
 #include "quantize_shards.cuh"
 
@@ -62,6 +64,16 @@ ffi::Error ProduceQuantizeCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi
   uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
   if (auto e = produce_tiles(stream, a, p, d, s); e.failure()) return e;
+  return check_launch();
+}
+
+// A norm's backward (produce_args.h's NormGradArgs; norm_grad.cuh).
+ffi::Error NormGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer stats,
+                        ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> sums,
+                        ffi::Result<ffi::AnyBuffer> work, int32_t producer) {
+  NormGradArgs a;
+  if (auto e = make_norm_grad(x, gamma, stats, dy, *dx, *sums, *work, producer, &a); e.failure()) return e;
+  if (auto e = norm_grad(stream, a); e.failure()) return e;
   return check_launch();
 }
 

@@ -59,6 +59,20 @@ auto bind_produce(Binding b) {
       .template Attr<float>("eps");        // the norms' epsilon
 }
 
+// jf_norm_grad: a norm's backward (producers.h; the arguments as produce_args.h's NormGradArgs).
+template <class Binding>
+auto bind_norm_grad(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()      // x (B, M, K) float32 / bfloat16 / float16
+      .template Arg<ffi::AnyBuffer>()      // gamma (K,)
+      .template Arg<ffi::AnyBuffer>()      // the forward's statistics: rstd (B, M), or (mean, rstd) (B, M, 2)
+      .template Arg<ffi::AnyBuffer>()      // dy (B, M, K)
+      .template Ret<ffi::AnyBuffer>()      // dx (B, M, K)
+      .template Ret<ffi::AnyBuffer>()      // the column sums (n, K) float32: dgamma; layernorm: then dbeta
+      .template Ret<ffi::AnyBuffer>()      // float32 workspace (NormGradArgs::work_needed on CUDA)
+      .template Attr<int32_t>("producer");  // producers.h's Producer: kRmsNorm or kLayerNorm
+}
+
 // jf_dequantize: one compact output of the scheme back to high precision.
 template <class Binding>
 auto bind_dequantize(Binding b) {
@@ -122,6 +136,7 @@ auto bind_cublaslt_gemm(Binding b) {
   X(jf_dequantize, Dequantize, bind_dequantize, __VA_ARGS__)       \
   X(jf_produce, Produce, bind_produce, __VA_ARGS__)                \
   X(jf_produce_quantize, ProduceQuantize, bind_produce_quantize, __VA_ARGS__) \
+  X(jf_norm_grad, NormGrad, bind_norm_grad, __VA_ARGS__)           \
   X(jf_partial_amax, PartialAmax, bind_partial_amax, __VA_ARGS__) \
   X(jf_partial_cast, PartialCast, bind_partial_cast, __VA_ARGS__)
 

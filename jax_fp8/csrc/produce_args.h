@@ -119,4 +119,59 @@ inline ffi::Error make_produce_only(const ffi::RemainingArgs& args, const ffi::A
   return ffi::Error::Success();
 }
 
+// A jf_norm_grad call (producers.h's norm backward): x (B, M, K), gamma (K,), the forward's statistics
+// (rmsnorm: rstd (B, M); layernorm: (mean, rstd) (B, M, 2)), dy (B, M, K); dx (B, M, K), the column sums
+// (n, K) float32 (dgamma; layernorm: then dbeta) and a float32 workspace (the CUDA kernels': each row's (c1,
+// c2), then each block's column sums; the CPU kernel takes any size).
+struct NormGradArgs {
+  bool layer;
+  int64_t B, M, K;
+  const void *x, *gamma, *dy;
+  InType xt, gt, dyt, dxt;
+  const float* stats;
+  void* dx;
+  float *sums, *work;
+  int64_t work_size;  // floats
+  float inv_k;
+  int64_t blocks() const { return B * cdiv(M, kGradRows); }  // of kGradRows rows (partial at each entry's end)
+  int n_sums() const { return layer ? 2 : 1; }
+  // the CUDA kernels' workspace: (c1, c2) per row, then every block's n_sums() x K column sums
+  int64_t work_needed() const { return 2 * B * M + blocks() * n_sums() * K; }
+};
+
+inline ffi::Error make_norm_grad(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& stats,
+                                 const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx, const ffi::AnyBuffer& sums,
+                                 const ffi::AnyBuffer& work, int32_t producer, NormGradArgs* a) {
+  if (producer != int32_t(Producer::kRmsNorm) && producer != int32_t(Producer::kLayerNorm))
+    return bad("norm_grad: producer must be 1 (rmsnorm) or 6 (layernorm), got " + std::to_string(producer));
+  a->layer = producer == int32_t(Producer::kLayerNorm);
+  if (auto e = dims3(x, &a->B, &a->M, &a->K); e.failure()) return e;
+  const auto same3 = [&](const ffi::AnyBuffer& b) {
+    auto d = b.dimensions();
+    return d.size() == 3 && d[0] == a->B && d[1] == a->M && d[2] == a->K;
+  };
+  if (!same3(dy) || !same3(dx)) return bad("norm_grad: x, dy and dx must have one shape (B, M, K)");
+  if (gamma.dimensions().size() != 1 || gamma.dimensions()[0] != a->K) return bad("norm_grad: gamma must be (K,)");
+  const auto sd = stats.dimensions();
+  if (stats.element_type() != ffi::DataType::F32 || sd.size() != size_t(a->layer ? 3 : 2) || sd[0] != a->B ||
+      sd[1] != a->M || (a->layer && sd[2] != 2))
+    return bad("norm_grad: the statistics must be float32 (B, M) for rmsnorm, (B, M, 2) for layernorm");
+  const auto nd = sums.dimensions();
+  if (sums.element_type() != ffi::DataType::F32 || nd.size() != 2 || nd[0] != a->n_sums() || nd[1] != a->K)
+    return bad("norm_grad: the column sums must be float32 (1, K) for rmsnorm, (2, K) for layernorm");
+  if (work.element_type() != ffi::DataType::F32) return bad("norm_grad: the workspace must be float32");
+  for (auto [b, t] : {std::pair{&x, &a->xt}, {&gamma, &a->gt}, {&dy, &a->dyt}, {&dx, &a->dxt}})
+    if (auto e = in_type(*b, t); e.failure()) return e;
+  a->x = x.untyped_data();
+  a->gamma = gamma.untyped_data();
+  a->dy = dy.untyped_data();
+  a->stats = static_cast<const float*>(stats.untyped_data());
+  a->dx = const_cast<void*>(dx.untyped_data());
+  a->sums = static_cast<float*>(const_cast<void*>(sums.untyped_data()));
+  a->work = static_cast<float*>(const_cast<void*>(work.untyped_data()));
+  a->work_size = int64_t(work.element_count());
+  a->inv_k = a->K > 0 ? inv_len(a->K) : 0.0f;
+  return ffi::Error::Success();
+}
+
 }  // namespace jf

@@ -306,19 +306,20 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
 }
 
-// The sum over a warp's row of term(8 values, e) in producers.h's order: lane l's 8 partial sums are the
-// partials 8l .. 8l+7 (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then the lane's own pairs (4, 2,
-// 1) are the tree; every lane returns the total.
-template <class Term>
-__device__ __forceinline__ float warp_row_sum(const void* x, InType xt, int64_t row, int64_t K, bool vec, Term term) {
+// The sum over a warp's row of K elements in producers.h's order, terms(c, n, t) giving the terms t of the
+// elements c .. c + 7 (n <= 8 of them in the row): lane l's 8 partial sums are the partials 8l .. 8l+7
+// (elements 256j + 8l + e), and the XOR shuffles 16 .. 1 then the lane's own pairs (4, 2, 1) are the tree;
+// every lane returns the total.
+template <class Terms>
+__device__ __forceinline__ float warp_sum(int64_t K, Terms terms) {
   const int lane = threadIdx.x % 32;
   float part[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t c = 8 * lane; c < K; c += kSumLanes) {
-    const int64_t n = K - c;
-    float v[kVec];
-    load8(x, xt, row * K + c, n >= kVec ? kVec : int(n), vec && n >= kVec, v);
+    const int n = K - c >= kVec ? kVec : int(K - c);
+    float t[kVec];
+    terms(c, n, t);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) part[e] = part[e] + (e < n ? term(v[e]) : 0.0f);
+    for (int e = 0; e < kVec; ++e) part[e] = part[e] + (e < n ? t[e] : 0.0f);
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2)
@@ -329,6 +330,16 @@ __device__ __forceinline__ float warp_row_sum(const void* x, InType xt, int64_t 
 #pragma unroll
     for (int e = 0; e < half; ++e) part[e] = part[e] + part[e + half];
   return part[0];
+}
+
+// The sum of term(x) over row `row` of x (K wide): warp_sum's.
+template <class Term>
+__device__ __forceinline__ float warp_row_sum(const void* x, InType xt, int64_t row, int64_t K, bool vec, Term term) {
+  return warp_sum(K, [&](int64_t c, int n, float (&t)[kVec]) {
+    load8(x, xt, row * K + c, n, vec && n == kVec, t);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) t[e] = term(t[e]);
+  });
 }
 
 // A norm's statistics of every row (B * M rows of K), one warp per row: RMSNorm's rstd (stats[row]);

@@ -112,6 +112,17 @@ JF_HD float layer_norm_f(float x, float mean, float rstd, float gamma, float bet
   return ((x - mean) * rstd) * gamma + beta;
 }
 
+// The norms' backward (jax_fp8/producers.py's norm_grad), per element of a row: with xhat = (x - mean) *
+// rstd and dxhat = dy * gamma (RMSNorm: mean = 0, c1 = 0, which change no bit), the row sums c1 = sum(dxhat)
+// * fp32(1 / K) and c2 = sum(dxhat * xhat) * fp32(1 / K) in the row sums' order, and dx = rstd * ((dxhat - c1)
+// - xhat * c2). The column sums (dgamma's terms dy * xhat; LayerNorm's dbeta's, dy) go by blocks of kGradRows
+// rows of one batch entry, each from +0 in row order, then the blocks' sums from +0 in order.
+constexpr int kGradRows = 64;
+JF_HD float norm_xhat_f(float x, float mean, float rstd) { return (x - mean) * rstd; }
+JF_HD float norm_dx_f(float dxhat, float xhat, float rstd, float c1, float c2) {
+  return rstd * ((dxhat - c1) - xhat * c2);
+}
+
 // The float32 nearest 1 / K, as jax_fp8/producers.py's np.float32(1.0 / K).
 inline float inv_len(int64_t K) { return float(1.0 / double(K)); }
 

@@ -73,7 +73,8 @@ class Rule:
       (called with local sizes too: the shards' layouts);
     - ``why_not(label, local, sizes, params)``: why a shard of ``local`` entries along ``label`` cannot
       run (alignment beyond whole blocks), or None;
-    - ``contracted``: labels absent from the results (split: partial products, summed);
+    - ``contracted``: labels whose split leaves partial results, summed (by default every result; a rule
+      whose results keep some of these labels sums the others in its ``local``);
     - ``local(bind, reduce_axes, params)``: the per-device function, given the local twin's ``bind``
       (default: ``bind`` with ``params``);
     - ``pad_value``: what padded entries hold.
@@ -288,7 +289,8 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
     def side(layouts):
         return ", ".join(" ".join(name(d) for d in layout) for layout in layouts)
 
-    text = f"{side(operands)} -> {side(results)}"
+    ops, res = side(operands), side(results)
+    text = f"{ops} -> {res}"
     used = set(text.replace("(", " ").replace(")", " ").replace(",", " ").split())
     whole = set(text.replace(",", " ").split())  # factors that name a whole dim somewhere
     for label, c in coarse.items():
@@ -296,7 +298,11 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
         # no grid links to it (each grid got a factor of its own: padded, partial, or another block)
         if f"{label}b" in used and f"{label}b" not in whole:
             factor_sizes[f"{label}b"] = sizes[label] // c
-    reduction = tuple(f for label in rule.contracted for f in (label, f"{label}b", f"{label}r") if f in used)
+    # Shardy's reduction factors name no result's dim: a contracted label that one result keeps (a norm's
+    # dx beside its column sums) is left to the rule's local function to reduce
+    in_results = set(res.replace("(", " ").replace(")", " ").replace(",", " ").split())
+    reduction = tuple(f for label in rule.contracted for f in (label, f"{label}b", f"{label}r")
+                      if f in used and f not in in_results)
     return text, dict(factor_sizes, reduction_factors=reduction)
 
 
