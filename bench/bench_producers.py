@@ -1,11 +1,13 @@
 """Times the fused producers (``jf_produce_quantize``: RMSNorm, LayerNorm, SwiGLU, GELU, their gradients and
 the master weights' cast, each fused with its GEMM-ready Float8 quantization) against what an ``fp8`` step
 runs for the same tensors: XLA's producer (flax's RMSNorm / LayerNorm, ``silu(gate) * up``, the tanh GELU,
-their autodiff, the bf16 convert), then our quantize kernel. GB/s counts the bytes a fused kernel must move (each input
+their autodiff, the bf16 convert), then our quantize kernel; and the norms' backward (``jf_norm_grad``:
+dx, dgamma, dbeta) against XLA's autodiff of flax's norm. GB/s counts the bytes a fused kernel must move (each input
 read once, the FP8 outputs and scales written once), against a device-to-device copy. Checks the
 fused kernel against the NumPy contract bit for bit on a slice of rows.
 
   python bench/bench_producers.py [--tokens 8192] [--widths 4096x14336,2048x8192,1024x4096] [--iters 50]
+      [--ops backward,swiglu]
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import jax_fp8 as jf
 from _timing import jax_time
 from bench_kernels import device_copy, leaves_equal, register_device_copy
 from jax_fp8 import producers
-from jax_fp8.quantization import produce_quantize, quantize
+from jax_fp8.quantization import norm_grad, produce, produce_quantize, quantize
 
 RECIPE = jf.Float8BlockScaling()
 LHS, RHS, GRAD = RECIPE.scheme("lhs"), RECIPE.scheme("rhs"), RECIPE.scheme("grad")
@@ -92,6 +94,16 @@ def cases(M: int, d: int, F: int):
          lambda x: leaves(quantize(flax_gelu(x), LHS)),
          lambda i: (jax.random.normal(jax.random.fold_in(k[1], 300 + i), (M, F), BF16),),
          M * F * 2 + fp8(M * F), "gelu"),
+        ("rmsnorm backward", (M, d),
+         lambda x, g, s, dy: list(norm_grad("rmsnorm", x, g, s, dy)),
+         lambda x, g, s, dy: list(jax.vjp(flax_rms_norm, x, g)[1](dy)),
+         lambda i: norm_inputs("rmsnorm", jax.random.fold_in(k[0], 500 + i), M, d),
+         3 * M * d * 2 + 4 * M + 8 * d, "rmsnorm_grad"),
+        ("layernorm backward", (M, d),
+         lambda x, g, s, dy: list(norm_grad("layernorm", x, g, s, dy)),
+         lambda x, g, s, dy: list(jax.vjp(lambda x, g: flax_layer_norm(x, g, jnp.zeros_like(g)), x, g)[1](dy)),
+         lambda i: norm_inputs("layernorm", jax.random.fold_in(k[1], 600 + i), M, d),
+         3 * M * d * 2 + 8 * M + 12 * d, "layernorm_grad"),
         ("dgelu+quantize", (M, F),
          lambda da, x: leaves(produce_quantize("gelu_grad", da, x, scheme=GRAD)),
          lambda da, x: leaves(quantize(jax.vjp(flax_gelu, x)[1](da)[0], GRAD)),
@@ -101,9 +113,24 @@ def cases(M: int, d: int, F: int):
     ]
 
 
+def norm_inputs(norm, key, M, d):
+    """x, gamma, the forward's statistics (our kernel's), dy: a norm's backward's inputs."""
+    k = jax.random.split(key, 2)
+    x, g = jax.random.normal(k[0], (M, d), BF16) + 1, jnp.ones((d,), jnp.float32)
+    params = (g,) if norm == "rmsnorm" else (g, jnp.zeros((d,), jnp.float32))
+    stats = jax.jit(lambda x: produce(norm, x, *params, eps=1e-6)[1][0])(x)
+    return x, g, stats, jax.random.normal(k[1], (M, d), BF16)
+
+
 def exact_on_rows(name, producer, fused, args, rows: int = 256) -> bool:
     """The fused kernel's outputs on the first ``rows`` rows against the NumPy contract."""
-    cut = [a[:rows] if a.ndim == 2 else a for a in args]
+    cut = [a[:rows] if a.ndim >= 1 and a.shape[0] == args[0].shape[0] else a for a in args]
+    if producer.endswith("_grad") and producer[:-5] in producers.NORMS:  # dx, then the column sums
+        norm = producer[:-5]
+        want = producers.norm_grad(norm, *[np.asarray(a)[None] if a.shape[0] == rows else np.asarray(a) for a in cut])
+        got = jax.jit(lambda *a: norm_grad(norm, *a))(*cut)
+        return leaves_equal([np.ascontiguousarray(np.asarray(g)).reshape(np.shape(w)) for g, w in zip(got, want)],
+                            [np.ascontiguousarray(w) for w in want])
     scheme = RHS if producer == "cast" else GRAD if producer in ("swiglu_grad", "gelu_grad") else LHS
     want = producers.produce_quantize(*[np.asarray(a)[None] if a.ndim == 2 else np.asarray(a) for a in cut],
                                       producer=producer, scheme=scheme, eps=1e-6,
@@ -119,7 +146,9 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=8192, help="rows of the activations (batch x seq)")
     ap.add_argument("--widths", default="4096x14336,2048x8192,1024x4096", help="d_model x ffn pairs")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--ops", default="", help="only the ops whose name contains one of these (comma-separated)")
     args = ap.parse_args(argv)
+    only = [o for o in args.ops.split(",") if o]
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"kernels={jf.kernels_available()}")
     have_copy = jax.default_backend() == "gpu" and register_device_copy()
@@ -127,6 +156,8 @@ def main(argv=None):
     for width in args.widths.split(","):
         d, F = map(int, width.split("x"))
         for name, shape, fused, unfused, make, nbytes, producer in cases(args.tokens, d, F):
+            if only and not any(o in name for o in only):
+                continue
             sets = [make(i) for i in range(3)]
             t_f = jax_time(fused, sets, args.iters)
             t_u = jax_time(unfused, sets, args.iters)
