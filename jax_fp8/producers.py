@@ -1,5 +1,6 @@
 """The producers that quantization fuses with, as exact fp32 math: RMSNorm and LayerNorm, SwiGLU and GELU
-(tanh form) and their derivatives, and the cast of fp32 master weights to the model dtype.
+(tanh form) and their derivatives, and the cast of fp32 master weights to the model dtype; and the norms'
+backward (``jf_norm_grad``'s contract).
 
 Each producer's value is defined here once, in ``jax.numpy`` / NumPy (same code, :func:`~.arrays.xp_of`),
 with every fp32 operation in a fixed order and no fused multiply-add, so that the CPU and CUDA kernels
@@ -11,6 +12,9 @@ then quantized by :func:`~.contracts.quantize_usages` (:func:`produce_quantize`,
 - The row sums (RMSNorm's of x**2; LayerNorm's of x, then of (x - mean)**2): 256 partial sums, partial
   ``v`` adding the terms of elements ``v, v + 256, v + 512, ...`` in order, then a pairwise tree (``v +
   v ^ 128``, then 64, ... 1): what a warp does with 8 consecutive elements per lane and XOR shuffles.
+- The norms' backward (:func:`norm_grad`): its row sums in that order too; its column sums (dgamma,
+  dbeta) by blocks of :data:`GRAD_ROWS` rows of one batch entry, each from +0 in row order, then the
+  blocks' sums from +0 in order.
 - ``sigmoid``: ``1 / (1 + e**-g)``, the division IEEE's, with ``e**-g`` from our own ``exp`` on ``-g``
   clamped to [-17, 88] (below, ``1 + e`` rounds to 1 anyway; above, ``1 + e >= 2**126``) and 0 where
   ``1 + e >= 2**126`` (the quotient would be below float32's normal range: flushed, as FTZ would).
