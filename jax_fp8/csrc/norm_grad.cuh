@@ -1,7 +1,7 @@
 // jf_norm_grad on CUDA: a norm's backward (producers.h), in the order jax_fp8/producers.py's norm_grad
 // defines, in three kernels over the workspace NormGradArgs::work_needed describes:
 // - norm_dx_kernel, one warp per row: the row sums c1 (LayerNorm) and c2 (warp_sum), then dx, stored in
-//   its dtype; each row's (c1, c2) kept in the workspace;
+//   its dtype;
 // - norm_block_sums_kernel: per block of kGradRows rows of one batch entry and 8 columns per thread, the
 //   column terms (dy * xhat; LayerNorm: dy) summed down the block's rows in order;
 // - norm_sums_kernel: per column, the blocks' sums in order.
@@ -47,8 +47,7 @@ __device__ __forceinline__ void store_n(T* out, const float (&v)[kVec], int n) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) norm_dx_kernel(NormGradView v, float inv_k, T* __restrict__ dx,
-                                                           float* __restrict__ row_c) {
+__global__ void __launch_bounds__(kThreads) norm_dx_kernel(NormGradView v, float inv_k, T* __restrict__ dx) {
   const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   if (r >= v.B * v.M) return;
   // dxhat = dy * gamma of elements c .. c + 7, and their xhat
@@ -77,10 +76,6 @@ __global__ void __launch_bounds__(kThreads) norm_dx_kernel(NormGradView v, float
 #pragma unroll
     for (int e = 0; e < kVec; ++e) out[e] = norm_dx_f(dxh[e], xh[e], s, c1, c2);
     store_n(dx + r * v.K + c, out, n);
-  }
-  if (threadIdx.x % 32 == 0) {
-    row_c[2 * r] = c1;
-    row_c[2 * r + 1] = c2;
   }
 }
 
@@ -128,19 +123,19 @@ inline ffi::Error norm_grad(cudaStream_t st, const NormGradArgs& a) {
   const int64_t rows = a.B * a.M, blocks = a.blocks(), width = a.n_sums() * a.K;
   const bool vec = a.K % kVec == 0 && aligned16(a.x) && aligned16(a.dy) && aligned16(a.gamma);
   const NormGradView v{a.x, a.gamma, a.dy, a.xt, a.gt, a.dyt, a.stats, a.layer, vec, a.B, a.M, a.K};
-  float* part = a.work + 2 * rows;
+  float* part = a.work;
   if (rows > 0 && a.K > 0) {
     const int64_t grid = cdiv(rows, kThreads / 32), col_grid = cdiv(a.K, kVec * kSumThreads);
     if (grid > 0x7FFFFFFF || blocks > 0x7FFFFFFF || col_grid > 65535) return bad("tensor too large for one launch");
     switch (a.dxt) {
       case InType::kF32:
-        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<float*>(a.dx), a.work);
+        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<float*>(a.dx));
         break;
       case InType::kBF16:
-        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<__nv_bfloat16*>(a.dx), a.work);
+        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<__nv_bfloat16*>(a.dx));
         break;
       case InType::kF16:
-        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<__half*>(a.dx), a.work);
+        norm_dx_kernel<<<unsigned(grid), kThreads, 0, st>>>(v, a.inv_k, static_cast<__half*>(a.dx));
         break;
     }
     norm_block_sums_kernel<<<dim3(unsigned(blocks), unsigned(col_grid)), kSumThreads, 0, st>>>(v, part);

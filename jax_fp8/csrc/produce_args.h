@@ -121,8 +121,8 @@ inline ffi::Error make_produce_only(const ffi::RemainingArgs& args, const ffi::A
 
 // A jf_norm_grad call (producers.h's norm backward): x (B, M, K), gamma (K,), the forward's statistics
 // (rmsnorm: rstd (B, M); layernorm: (mean, rstd) (B, M, 2)), dy (B, M, K); dx (B, M, K), the column sums
-// (n, K) float32 (dgamma; layernorm: then dbeta) and a float32 workspace (the CUDA kernels': each row's (c1,
-// c2), then each block's column sums; the CPU kernel takes any size).
+// (n, K) float32 (dgamma; layernorm: then dbeta) and a float32 workspace (the CUDA kernels': each block's
+// column sums; the CPU kernel takes any size).
 struct NormGradArgs {
   bool layer;
   int64_t B, M, K;
@@ -135,8 +135,8 @@ struct NormGradArgs {
   float inv_k;
   int64_t blocks() const { return B * cdiv(M, kGradRows); }  // of kGradRows rows (partial at each entry's end)
   int n_sums() const { return layer ? 2 : 1; }
-  // the CUDA kernels' workspace: (c1, c2) per row, then every block's n_sums() x K column sums
-  int64_t work_needed() const { return 2 * B * M + blocks() * n_sums() * K; }
+  // the CUDA kernels' workspace: every block's n_sums() x K column sums
+  int64_t work_needed() const { return blocks() * n_sums() * K; }
 };
 
 inline ffi::Error make_norm_grad(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& stats,

@@ -66,10 +66,10 @@ def _lowering(work):
     return lower
 
 
-def cuda_work(B: int, M: int, K: int, n: int) -> int:
-    """The CUDA kernels' workspace in floats: each row's (c1, c2), then every block's n column sums
-    (produce_args.h's NormGradArgs::work_needed)."""
-    return 2 * B * M + B * -(-M // producers.GRAD_ROWS) * n * K
+def _cuda_work(B: int, M: int, K: int, n: int) -> int:
+    """The CUDA kernels' workspace in floats: every block's n column sums (produce_args.h's
+    NormGradArgs::work_needed)."""
+    return B * -(-M // producers.GRAD_ROWS) * n * K
 
 
 def _batch(args, dims, *, norm):
@@ -115,7 +115,7 @@ def _on_shard(bind, reduce_axes, params):
 
 norm_grad_p = define_primitive(
     "jf_norm_grad", abstract=_abstract, reference=_reference,
-    ffi_rules=dict(cpu=_lowering(lambda B, M, K, n: 0), cuda=_lowering(cuda_work)), batch=_batch,
+    ffi_rules=dict(cpu=_lowering(lambda B, M, K, n: 0), cuda=_lowering(_cuda_work)), batch=_batch,
     rule=Rule(tuple(_NAMES), _NAMES, _sizes, _arrays, why_not=_why_not, contracted=("b", "m"), local=_on_shard),
     multiple_results=True,
     no_jvp_hint="It is the backward of jax_fp8.rms_norm / jax_fp8.layer_norm, whose VJPs use it.")
