@@ -5,7 +5,7 @@
 // - norm_block_sums_kernel: per block of kGradRows rows of one batch entry and 8 columns per thread, the
 //   column terms (dy * xhat; LayerNorm: dy) summed down the block's rows in order;
 // - norm_sums_kernel: per column, the blocks' sums in order.
-// Included by cuda_kernels.cu after produce_tile.cuh (load8, warp_sum, aligned16).
+// Included by cuda_kernels.cu after produce_tile.cuh (load8, warp_sum, store_n, aligned16).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,18 +33,6 @@ struct NormGradView {
     for (int e = 0; e < kVec; ++e) xh[e] = norm_xhat_f(xh[e], m, s);
   }
 };
-
-// n <= 8 values into out[0 .. n) as T (float, or bf16 / fp16 bits), NaNs canonical.
-template <class T>
-__device__ __forceinline__ void store_n(T* out, const float (&v)[kVec], int n) {
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    if (e >= n) break;
-    if constexpr (std::is_same_v<T, float>) out[e] = canonical_f32(v[e]);
-    else if constexpr (std::is_same_v<T, __half>) out[e] = __ushort_as_half(f16_from_float(v[e]));
-    else out[e] = __ushort_as_bfloat16(bf16_from_float(v[e]));
-  }
-}
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) norm_dx_kernel(NormGradView v, float inv_k, T* __restrict__ dx) {

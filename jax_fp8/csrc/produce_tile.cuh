@@ -425,6 +425,18 @@ ffi::Error with_produce(const QuantizeArgs& a, const ProduceArgs& p, F&& f) {
   });
 }
 
+// n <= 8 values into out[0 .. n) as T (float, or bf16 / fp16 bits), NaNs canonical.
+template <class T>
+__device__ __forceinline__ void store_n(T* out, const float (&v)[kVec], int n) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    if (e >= n) break;
+    if constexpr (std::is_same_v<T, float>) out[e] = canonical_f32(v[e]);
+    else if constexpr (std::is_same_v<T, __half>) out[e] = __ushort_as_half(f16_from_float(v[e]));
+    else out[e] = __ushort_as_bfloat16(bf16_from_float(v[e]));
+  }
+}
+
 // jf_produce: one thread per 8 values of the (B, M, K) tensor, rounded to T (float, or bf16 / fp16 bits) with
 // canonical NaNs and stored.
 template <class T, class S>
@@ -435,14 +447,7 @@ __global__ void __launch_bounds__(kThreads) produce_values_kernel(Span sp, int64
   float v[kVec];
   src.template values<false>(sp, rr / sp.M, rr % sp.M, col0, v);
   const int n = valid8<false>(sp, rr % sp.M, col0);
-  T* out = y + rr * sp.K + col0;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    if (e >= n) break;
-    if constexpr (std::is_same_v<T, float>) out[e] = canonical_f32(v[e]);
-    else if constexpr (std::is_same_v<T, __half>) out[e] = __ushort_as_half(f16_from_float(v[e]));
-    else out[e] = __ushort_as_bfloat16(bf16_from_float(v[e]));
-  }
+  store_n(y + rr * sp.K + col0, v, n);
 }
 
 // A norm's statistics into p.stats (nothing for the other producers).
