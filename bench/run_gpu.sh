@@ -6,7 +6,8 @@
 # stage), logs.tgz (each stage's full log), gemm_table.json (TUNE=1), ncu_*.txt (NCU=1).
 # Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
 # TUNE_ARGS (bench_gemm_tune.py), NCU_ARGS (ncu), NCU_MNK (M,N,K of the profiled fprop GEMM, 8192,8192,8192),
-# NCU_KERNEL (ncu's kernel-name regex), NCU_PAIRS (1D2D and/or 1D1D), NCU_BACKENDS (each a backend, or
+# NCU_KERNEL (ncu's kernel-name regex), NCU_SOURCE=1 (also each kernel's section details and its stall
+# samples per SASS line: ncu_*_source.csv.gz), NCU_PAIRS (1D2D and/or 1D1D), NCU_BACKENDS (each a backend, or
 # backend:options for ncu_gemm.py --options, e.g. cutlass:config=4,raster=1,swizzle=4), TABLE (a gemm_table.json from an earlier call: copied to $OUT, so that
 # TUNE_ARGS=--resume continues it and GEMM / NCU use it), KB=1 (kernel_bench), KB_PREBUILT;
 # stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build; CUTLASS=1 builds the CUTLASS
@@ -101,12 +102,20 @@ if [ "${NCU:-0}" != 0 ]; then
     for spec in ${NCU_BACKENDS:-cublaslt cutlass}; do
       b=${spec%%:*}; opts=(); [ "$spec" != "$b" ] && opts=(--options "${spec#*:}")
       name=ncu_${spec//[:,=]/_}_$pair.txt
-      # --clock-control none: the clocks as they run (H200.md), not ncu's base clocks
+      # --clock-control none: the clocks as they run (H200.md), not ncu's base clocks. NCU_SOURCE=1: a report
+      # too, whose details (every section's tables: the stall reasons) and source page (stall samples per SASS
+      # line, CSV) come back beside the summary
+      rep=(); [ "${NCU_SOURCE:-0}" != 0 ] && rep=(--section SourceCounters --import-source no -o "$L/${name%.txt}")
       ${ncu_bin:-ncu} --profile-from-start off --clock-control none --kernel-name-base demangled \
         --kernel-name "regex:${NCU_KERNEL:-nvjet|xmma|gemm|Gemm|cutlass}" --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --print-summary per-kernel \
-        ${NCU_ARGS:-} python3 bench/ncu_gemm.py --backend $b ${opts[@]+"${opts[@]}"} --pair $pair \
+        ${rep[@]+"${rep[@]}"} ${NCU_ARGS:-} python3 bench/ncu_gemm.py --backend $b ${opts[@]+"${opts[@]}"} --pair $pair \
         --mnk "${NCU_MNK:-8192,8192,8192}" --runs 2 ${table[@]+"${table[@]}"} > "$OUT/$name" 2>&1
+      if [ -n "${rep[*]}" ] && [ -f "$L/${name%.txt}.ncu-rep" ]; then
+        ${ncu_bin:-ncu} --import "$L/${name%.txt}.ncu-rep" --print-details all >> "$OUT/$name" 2>&1
+        ${ncu_bin:-ncu} --import "$L/${name%.txt}.ncu-rep" --page source --csv --print-source sass 2>&1 \
+          | gzip > "$OUT/${name%.txt}_source.csv.gz"
+      fi
       cp "$OUT/$name" "$L/"; tee -a "$OUT/run.log" < "$OUT/$name"
     done
   done
