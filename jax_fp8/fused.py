@@ -35,7 +35,7 @@ from .gemm.plan import plan_dot_general
 from .gemm.recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
 from .gemm.backends.cudnn import warn_emulated
 from .primitives.partitioning import explicit_sharding, rows_view
-from .quantization import norm_grad, produce, produce_quantize, quantize
+from .quantization import produce, produce_quantize, quantize
 from .warn import Fp8GemmFallbackWarning, warn
 
 _F32 = np.float32
@@ -44,10 +44,26 @@ _F32 = np.float32
 # ---- the unfused ops: exact numbers, their VJPs ------------------------------------------------------
 def _norm_grad(norm: str, x, gamma, stats, dy):
     """(dx, dgamma, dbeta) of a norm given the output gradient ``dy`` and the forward's statistics (RMSNorm:
-    rstd (...,); LayerNorm: (..., 2) = (mean, rstd)), on the jf_norm_grad kernels (the same bits on every
-    platform and run); dgamma in gamma's dtype, dbeta float32, None for RMSNorm."""
-    dx, dgamma, *dbeta = norm_grad(norm, x, gamma, stats, dy)
-    return dx, dgamma.astype(gamma.dtype), (dbeta or [None])[0]
+    rstd (...,); LayerNorm: (..., 2) = (mean, rstd)), fp32 math in XLA; dbeta float32, None for RMSNorm.
+    (:func:`jax_fp8.quantization.norm_grad`, our kernel, gives the same quantities with the same bits on
+    every platform and run, but took 1.5-2.7x XLA's time on an H100: bench/RESULTS.md, "Issue 48, fifth
+    session".)"""
+    K = x.shape[-1]
+    if norm == "rmsnorm":
+        rstd = stats[..., None]
+        xhat = x.astype(_F32) * rstd
+    else:
+        mean, rstd = stats[..., 0:1], stats[..., 1:2]
+        xhat = (x.astype(_F32) - mean) * rstd
+    dyf = dy.astype(_F32)
+    dxhat = dyf * gamma.astype(_F32)
+    dgamma = jnp.sum((dyf * xhat).reshape(-1, K), axis=0).astype(gamma.dtype)
+    c2 = jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    if norm == "rmsnorm":
+        return (rstd * (dxhat - xhat * c2)).astype(x.dtype), dgamma, None
+    c1 = jnp.mean(dxhat, axis=-1, keepdims=True)
+    dbeta = jnp.sum(dyf.reshape(-1, K), axis=0)
+    return (rstd * (dxhat - c1 - xhat * c2)).astype(x.dtype), dgamma, dbeta
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
