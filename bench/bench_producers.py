@@ -124,15 +124,18 @@ def norm_inputs(norm, key, M, d):
 
 def exact_on_rows(name, producer, fused, args, rows: int = 256) -> bool:
     """The fused kernel's outputs on the first ``rows`` rows against the NumPy contract."""
-    cut = [a[:rows] if a.ndim >= 1 and a.shape[0] == args[0].shape[0] else a for a in args]
-    if producer.endswith("_grad") and producer[:-5] in producers.NORMS:  # dx, then the column sums
-        norm = producer[:-5]
-        want = producers.norm_grad(norm, *[np.asarray(a)[None] if a.shape[0] == rows else np.asarray(a) for a in cut])
-        got = jax.jit(lambda *a: norm_grad(norm, *a))(*cut)
+    norm_grad_of = producer[:-5] if producer.endswith("_grad") and producer[:-5] in producers.NORMS else None
+    # the (K,) parameters are not rows: a norm's gamma and beta, its backward's gamma
+    params = {1, 2} if producer in producers.NORMS else {1} if norm_grad_of else set()
+    cut = [a if i in params else a[:rows] for i, a in enumerate(args)]
+    if norm_grad_of:  # dx, then the column sums
+        want = producers.norm_grad(norm_grad_of, *[np.asarray(a) if i in params else np.asarray(a)[None]
+                                                   for i, a in enumerate(cut)])
+        got = jax.jit(lambda *a: norm_grad(norm_grad_of, *a))(*cut)
         return leaves_equal([np.ascontiguousarray(np.asarray(g)).reshape(np.shape(w)) for g, w in zip(got, want)],
                             [np.ascontiguousarray(w) for w in want])
     scheme = RHS if producer == "cast" else GRAD if producer in ("swiglu_grad", "gelu_grad") else LHS
-    want = producers.produce_quantize(*[np.asarray(a)[None] if a.ndim == 2 else np.asarray(a) for a in cut],
+    want = producers.produce_quantize(*[np.asarray(a) if i in params else np.asarray(a)[None] for i, a in enumerate(cut)],
                                       producer=producer, scheme=scheme, eps=1e-6,
                                       out_dtype=BF16 if producer == "cast" else None)
     got = jax.jit(lambda *a: jf.primitives.produce_quantize_p.bind(
