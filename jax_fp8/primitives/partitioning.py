@@ -289,9 +289,12 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
     def side(layouts):
         return ", ".join(" ".join(name(d) for d in layout) for layout in layouts)
 
+    def factors(side_text):
+        return set(side_text.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split())
+
     ops, res = side(operands), side(results)
     text = f"{ops} -> {res}"
-    used = set(text.replace("(", " ").replace(")", " ").replace(",", " ").split())
+    used = factors(text)
     whole = set(text.replace(",", " ").split())  # factors that name a whole dim somewhere
     for label, c in coarse.items():
         # Shardy needs the size of every factor that names no whole dim: ``Lr`` always, ``Lb`` where
@@ -300,7 +303,7 @@ def sdy_rule(rule: Rule, params: dict, shapes, mesh_sizes) -> tuple[str, dict]:
             factor_sizes[f"{label}b"] = sizes[label] // c
     # Shardy's reduction factors name no result's dim: a contracted label that one result keeps (a norm's
     # dx beside its column sums) is left to the rule's local function to reduce
-    in_results = set(res.replace("(", " ").replace(")", " ").replace(",", " ").split())
+    in_results = factors(res)
     reduction = tuple(f for label in rule.contracted for f in (label, f"{label}b", f"{label}r")
                       if f in used and f not in in_results)
     return text, dict(factor_sizes, reduction_factors=reduction)
