@@ -237,7 +237,7 @@ def _norm_inputs(norm, seed):
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("split", ["rows", "rows-explicit", "last dim"])
+@pytest.mark.parametrize("split", ["rows", "rows-plain-mesh", "rows-explicit", "last dim"])
 def test_sharded_jit(norm, split):
     """Under jit on x, dy and the statistics split along their first dim, the rows stay split: dx bit for
     bit as unsharded, one all-reduce of the column sums, no gather; a split last dim is gathered with a
@@ -248,6 +248,8 @@ def test_sharded_jit(norm, split):
     devices = jax.devices("cpu")[:8]
     if split == "rows":
         mesh, spec = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices), P("data")
+    elif split == "rows-plain-mesh":  # jax.sharding.Mesh as users build it
+        mesh, spec = jax.sharding.Mesh(np.array(devices), ("data",)), P("data")
     elif split == "rows-explicit":
         mesh, spec = jax.make_mesh((2, 4), ("b", "data"), devices=devices), P(("b", "data"))
     else:
