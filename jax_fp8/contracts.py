@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
+from . import groups
 from .arrays import bitcast, cdiv, xp_of
 from .formats import (FP8_MAX, block_scale_from_amax, e8m0_from_amax, e8m0_reciprocal, e8m0_to_float,
                       quiet as _quiet)
-from .scheme import Scheme, unpack_grids
+from .scheme import GEMM_SCALE_PAD, Scheme, unpack_grids
 
 _F32 = jnp.float32
 _CANONICAL_FP8_NAN = 0x7F
@@ -25,7 +26,8 @@ _CANONICAL_FP8_NAN = 0x7F
 # the formats' scale math (defined in jax_fp8.formats) is part of this contract, so it is named here too
 __all__ = ["block_amax", "block_scale_from_amax", "cast_to_fp8", "dequantize_blocks", "e8m0_from_amax",
            "e8m0_reciprocal", "e8m0_to_float", "expand_blocks", "partial_amax", "partial_amax_group",
-           "partial_cast", "partial_cast_group", "quantize_blocks", "quantize_usages", "unshard"]
+           "partial_cast", "partial_cast_group", "quantize_blocks", "quantize_grouped_usages", "quantize_usages",
+           "unshard"]
 
 
 # ---- per-block math (mirrors jax_fp8/csrc/fp8_math.h) ---------------------------------------
@@ -97,6 +99,57 @@ def dequantize_blocks(data, scale, *, scheme: Scheme, out_dtype):
     s = scheme.format.dequantize_scale(scale)
     with _quiet():
         return _canonical_nan((values * expand_blocks(s, bm, bk, M, K)).astype(out_dtype))
+
+
+# ---- rows in groups (jax_fp8.groups: lax.ragged_dot's groups) ------------------------------------
+def _slot_amax(a, slot, n: int):
+    """Max of the (M, K) |values| ``a`` over the rows of each of ``n`` slots (``slot``: each row's), (n, K);
+    0 for a slot without rows."""
+    if xp_of(a, slot) is np:
+        out = np.zeros((n, a.shape[1]), np.float32)
+        np.maximum.at(out, slot, a)
+        return out
+    import jax  # the jax.numpy path only
+    return jnp.maximum(jax.ops.segment_max(a, slot, num_segments=n), np.float32(0))
+
+
+def quantize_grouped_usages(x, group_sizes, *, scheme: Scheme):
+    """``jf_quantize_grouped``: the (M, K) ``x``, its rows in the groups of ``group_sizes`` (G,) int32,
+    quantized with GEMM-ready Float8 blockwise 1x128 ``scheme`` (in ``scheme.kernel_usages`` order):
+
+    - rowwise (blocks along K, which never mix groups): :func:`quantize_usages`'s output, data (M, K)
+      and scales (ceil(K/128), roundup(M, 4)), but rows in no group get data 0 and ``GEMM_SCALE_PAD``;
+    - columnwise: blocks of 128 rows restarting at every group start (:mod:`jax_fp8.groups`), data
+      (K, M) transposed, 0 in the columns of rows in no group; scales (S, roundup(K, 4)), one row per
+      block slot (S = ``groups.block_slots(M, G, 128)``), ``GEMM_SCALE_PAD`` in unused slots and in
+      the padding.
+    """
+    xp = xp_of(x, group_sizes)
+    M, K = x.shape
+    outs = []
+    for usage in scheme.output_usages:
+        if usage == "rowwise":
+            data, scale = (o[0] for o in quantize_usages(x[None], scheme=scheme.only("rowwise")))
+            grouped = groups.row_groups(group_sizes, M) < group_sizes.shape[0]
+            in_group = xp.pad(grouped, [(0, scale.shape[1] - M)])  # scales (ceil(K/128), roundup(M, 4))
+            outs += [xp.where(grouped[:, None], data, np.uint8(0)),
+                     xp.where(in_group[None, :], scale, np.float32(GEMM_SCALE_PAD))]
+            continue
+        bm = scheme.usage_block(usage)[0]
+        S = groups.block_slots(M, group_sizes.shape[0], bm)
+        slot = groups.row_blocks(group_sizes, M, bm)  # S for a row in no group
+        a = xp.abs(x.astype(_F32))
+        amax = _slot_amax(xp.where(xp.isnan(a), np.float32(0), a), slot, S + 1)
+        stored, mult = scheme.format.scale_rule(scheme, x.dtype)(amax)
+        with _quiet():
+            data = cast_to_fp8(x.astype(_F32) * mult[slot], scheme.dtype)
+        data = xp.where((slot < S)[:, None], data, np.uint8(0))
+        used = groups.slot_blocks(group_sizes, M, bm)[2] > 0
+        scale = xp.where(used[:, None], stored[:S], np.float32(GEMM_SCALE_PAD))
+        width = cdiv(K, scheme.scale_row_align) * scheme.scale_row_align
+        scale = xp.pad(scale, [(0, 0), (0, width - K)], constant_values=np.float32(GEMM_SCALE_PAD))
+        outs += [xp.swapaxes(data, 0, 1), scale]
+    return outs
 
 
 # ---- master-weight shards (jax_fp8.distributed) ----------------------------------------------

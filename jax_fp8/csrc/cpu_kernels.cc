@@ -12,6 +12,7 @@
 #include "ffi_bindings.h"
 #include "ffi_common.h"
 #include "fp8_math.h"
+#include "groups.h"
 #include "producers.h"
 
 namespace jf {
@@ -89,23 +90,31 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
   }
 }
 
+// The block rows of a dense (M, K) matrix: every bm rows from row 0, block row i in scale row i.
+struct EvenBlocks {
+  int64_t M, bm;
+  int64_t size() const { return cdiv(M, bm); }
+  RowBlock operator[](int64_t i) const { return {i * bm, std::min(M, i * bm + bm), i}; }
+};
+
 // Quantize one output: blocks of o.bm rows x o.bk cols of every (M, K) matrix in the batch, its data
 // and scales where the output's layout puts them (OutLayout: data (M, K) or transposed (K, M); scales
 // in the grid's order or transposed, each stored row padded to the scale buffer's row length).
-// rows(b, r, row) writes row r of matrix b as fp32 (an input's row, or a producer's). Walks one
+// rows(b, r, row) writes row r of matrix b as fp32 (an input's row, or a producer's); blocks: the block
+// rows (EvenBlocks, or a list of RowBlock: rows in groups, whose scales go to their slots). Walks one
 // block-row at a time (block-rows spread over the cores); the inner loops are plain contiguous loops
 // (no per-element division) that the compiler can vectorize.
-template <class Rows, class Rule>
-void quantize_blocks(const Rows& rows, int64_t B, int64_t M, int64_t K, const OutLayout& o, const Rule& rule,
-                     int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
-  const int bm = o.bm, bk = o.bk;
-  const int64_t sm = cdiv(M, bm), sk = cdiv(K, bk);
+template <class Rows, class Rule, class Blocks>
+void quantize_blocks(const Rows& rows, const Blocks& blocks, int64_t B, int64_t M, int64_t K, const OutLayout& o,
+                     const Rule& rule, int fp8, uint8_t* data, typename Rule::ScaleT* scale) {
+  const int bk = o.bk;
+  const int64_t sm = blocks.size(), sk = cdiv(K, bk);
   parallel_for(B * sm, B * M * K, [&](int64_t t0, int64_t t1) {
     std::vector<float> amax(sk), mult(sk), row(K), mult_k(bk == 1 ? 0 : K);
     std::vector<uint8_t> bytes(o.data_transposed ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / sm, i = t % sm;
-      const int64_t r0 = i * bm, r1 = std::min(M, r0 + bm);
+      const int64_t b = t / sm;
+      const auto [r0, r1, i] = blocks[t % sm];
       std::fill(amax.begin(), amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) {
         rows(b, r, row.data());
@@ -156,7 +165,8 @@ void quantize_all(const QuantizeArgs& a, const Rows& rows, const Rule& rule, uin
                   void* const* scale) {
   using S = typename Rule::ScaleT;
   for (int k = 0; k < a.n_out; ++k)
-    quantize_blocks(rows, a.B, a.M, a.K, a.out[k], rule, a.fp8, data[k], static_cast<S*>(scale[k]));
+    quantize_blocks(rows, EvenBlocks{a.M, a.out[k].bm}, a.B, a.M, a.K, a.out[k], rule, a.fp8, data[k],
+                    static_cast<S*>(scale[k]));
 }
 
 // Calls f(loader) for the input type.
@@ -186,6 +196,41 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data0, ffi:
     with_loader(a.in, [&](auto ld) {
       using L = decltype(ld);
       quantize_all(a, InputRows<L>{static_cast<const typename L::T*>(x.untyped_data()), a.M, a.K}, rule, data, scale);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+// x (B, M, K), its rows in the groups of sizes (B, G) int32 (groups.h): every output as jf_quantize's,
+// but columnwise blocks of 128 rows restart at every group start and store their scales in their slots
+// (scale rows); rows in no group get data 0, and unused scale entries the padding value.
+ffi::Error QuantizeGroupedCpu(ffi::AnyBuffer x, ffi::AnyBuffer sizes, ffi::Result<ffi::AnyBuffer> data0,
+                              ffi::Result<ffi::AnyBuffer> scale0, ffi::Result<ffi::AnyBuffer> data1,
+                              ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
+  QuantizeArgs a;
+  int64_t G;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_grouped_quantize_args(x, sizes, res, scheme, &a, &G); e.failure()) return e;
+  IeeeFpEnv env;
+  ffi::AnyBuffer* const outs[2][2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  for (int k = 0; k < a.n_out; ++k) {  // what no block writes: data 0, scales the padding
+    std::fill_n(static_cast<uint8_t*>(outs[k][0]->untyped_data()), outs[k][0]->element_count(), uint8_t(0));
+    std::fill_n(static_cast<float*>(outs[k][1]->untyped_data()), outs[k][1]->element_count(), kGemmScalePad);
+  }
+  const int32_t* group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
+  with_rule(a, [&](auto rule) {
+    with_loader(a.in, [&](auto ld) {
+      using L = decltype(ld);
+      const auto* xs = static_cast<const typename L::T*>(x.untyped_data());
+      for (int64_t b = 0; b < a.B; ++b)
+        for (int k = 0; k < a.n_out; ++k) {
+          const OutLayout& o = a.out[k];
+          const std::vector<RowBlock> blocks = group_blocks(group_sizes + b * G, G, a.M, o.bm);
+          using S = typename decltype(rule)::ScaleT;  // fp32 (make_grouped_quantize_args takes Float8 alone)
+          auto* scale = static_cast<S*>(outs[k][1]->untyped_data()) + b * o.s_batch;
+          quantize_blocks(InputRows<L>{xs + b * a.M * a.K, a.M, a.K}, blocks, 1, a.M, a.K, o, rule, a.fp8,
+                          static_cast<uint8_t*>(outs[k][0]->untyped_data()) + b * a.M * a.K, scale);
+        }
     });
   });
   return ffi::Error::Success();

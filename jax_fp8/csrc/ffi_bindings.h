@@ -29,6 +29,20 @@ auto bind_quantize(Binding b) {
       .template Attr<Scheme>("scheme");
 }
 
+// jf_quantize_grouped: x's rows in groups (groups.h), quantized as jf_quantize's outputs but for the
+// columnwise blocks, which restart at every group start (one scale row per block slot).
+template <class Binding>
+auto bind_quantize_grouped(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // x (B, M, K) float32 / bfloat16 / float16
+      .template Arg<ffi::AnyBuffer>()  // group sizes (B, G) int32
+      .template Ret<ffi::AnyBuffer>()  // first output: data (rowwise (B, M, K); columnwise (B, K, M))
+      .template Ret<ffi::AnyBuffer>()  // first output: fp32 scales (columnwise: (B, slots, ld))
+      .template Ret<ffi::AnyBuffer>()  // second output: data (empty if none)
+      .template Ret<ffi::AnyBuffer>()  // second output: scales (empty if none)
+      .template Attr<Scheme>("scheme");
+}
+
 // jf_produce_quantize: a producer's (B, M, K) tensor (producers.h; produce_args.h has the inputs'
 // shapes) quantized as jf_quantize quantizes an input of that shape and dtype, never stored in high
 // precision; then the producer's extra output.
@@ -133,6 +147,7 @@ auto bind_cublaslt_gemm(Binding b) {
 // jf::bind(...); the trailing arguments pass through to X.
 #define JF_FFI_HANDLERS(X, ...)                                    \
   X(jf_quantize, Quantize, bind_quantize, __VA_ARGS__)             \
+  X(jf_quantize_grouped, QuantizeGrouped, bind_quantize_grouped, __VA_ARGS__) \
   X(jf_dequantize, Dequantize, bind_dequantize, __VA_ARGS__)       \
   X(jf_produce, Produce, bind_produce, __VA_ARGS__)                \
   X(jf_produce_quantize, ProduceQuantize, bind_produce_quantize, __VA_ARGS__) \

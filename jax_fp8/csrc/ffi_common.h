@@ -54,9 +54,10 @@ struct OutLayout : Output {
   int64_t s_batch, s_row, s_col;
   int64_t pad_rows, pad_from, ld;
 };
-// The layout of output o of an (M, K) matrix whose scale buffer has stored rows of ld entries.
-inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld) {
-  const int64_t sm = cdiv(M, o.bm), sk = cdiv(K, o.bk);
+// The layout of output o of an (M, K) matrix whose scale buffer has stored rows of ld entries;
+// row_blocks: its block rows where they are not the cdiv(M, bm) of even blocks (rows in groups, groups.h).
+inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld, int64_t row_blocks = -1) {
+  const int64_t sm = row_blocks >= 0 ? row_blocks : cdiv(M, o.bm), sk = cdiv(K, o.bk);
   const int64_t rows = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
   OutLayout l;
   static_cast<Output&>(l) = o;
@@ -187,9 +188,9 @@ constexpr int64_t kMaxScalePad = 256;
 
 // Output o of a quantize call against its buffers: uint8 data (B, M, K), or (B, K, M) transposed;
 // scales (B, rows, ld), one stored row per block row (per block column when transposed), each at least
-// as long as the grid's row (MXFP8: exactly). Returns the output's layout.
+// as long as the grid's row (MXFP8: exactly); row_blocks as out_layout's. Returns the output's layout.
 inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi::AnyBuffer& data,
-                               const ffi::AnyBuffer& scale, OutLayout* l) {
+                               const ffi::AnyBuffer& scale, OutLayout* l, int64_t row_blocks = -1) {
   const auto d = data.dimensions(), s = scale.dimensions();
   const int64_t rows = o.data_transposed ? a.K : a.M, cols = o.data_transposed ? a.M : a.K;
   const auto shape = [](int64_t b, int64_t r, int64_t c) {
@@ -198,7 +199,7 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
   if (data.element_type() != ffi::DataType::U8 || d.size() != 3 || d[0] != a.B || d[1] != rows || d[2] != cols)
     return bad("quantize: the data output of " + std::to_string(o.bm) + "x" + std::to_string(o.bk) +
                " blocks must be uint8 " + shape(a.B, rows, cols) + (o.data_transposed ? " (transposed)" : ""));
-  const int64_t sm = cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
+  const int64_t sm = row_blocks >= 0 ? row_blocks : cdiv(a.M, o.bm), sk = cdiv(a.K, o.bk);
   const int64_t stored = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
   const FormatTraits f = traits(a.format);  // compact scales (MXFP8) are never padded
   if (scale.element_type() != f.scale_type || s.size() != 3 || s[0] != a.B || s[1] != stored || s[2] < row_len ||
@@ -209,7 +210,7 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
                (f.gemm_ready_scales ? ", each stored row padded by at most " + std::to_string(kMaxScalePad - 1) +
                                           " entries"
                                     : ""));
-  *l = out_layout(o, a.M, a.K, s[2]);
+  *l = out_layout(o, a.M, a.K, s[2], row_blocks);
   return ffi::Error::Success();
 }
 
@@ -220,10 +221,13 @@ struct QuantizeResult {
 };
 
 // The result buffers of every output of a quantize-style call (res[k]) against its filled arguments:
-// each output's layout read from its buffers.
-inline ffi::Error check_quantize_outputs(const QuantizeResult* res, QuantizeArgs* a) {
+// each output's layout read from its buffers; col_blocks: the block rows of columnwise (bm x 1) blocks
+// where they are not even (rows in groups, groups.h).
+inline ffi::Error check_quantize_outputs(const QuantizeResult* res, QuantizeArgs* a, int64_t col_blocks = -1) {
   for (int k = 0; k < a->n_out; ++k) {
-    if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k]); e.failure()) return e;
+    const int64_t row_blocks = a->out[k].bk == 1 ? col_blocks : -1;
+    if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k], row_blocks); e.failure())
+      return e;
     const OutLayout& o = a->out[k];
     a->gemm_scales |= gemm_ready_scales(a->format) && (o.data_transposed || o.scales_transposed || o.pad_rows > 0);
   }

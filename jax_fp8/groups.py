@@ -1,0 +1,78 @@
+"""Groups of rows, as ``lax.ragged_dot`` takes them: the one definition of which rows belong to which
+group and of the row blocks that restart at every group start (what a mixture-of-experts layer's
+weight gradient quantizes its operands in: a block of 128 rows along the contraction must not mix two
+experts' rows).
+
+``group_sizes`` (G,) int32 lives on the device and changes every step, so every shape here is static
+(a bound) and every position is computed from the sizes by array ops, on NumPy or ``jax.numpy``.
+
+- Group g holds rows ``[start_g, end_g)``: ``end_g = min(size_0 + ... + size_g, M)``, a negative size
+  counting as 0 (``lax.ragged_dot`` leaves negative sizes undefined). Rows past the last end belong to
+  no group.
+- Group g's rows split into ``cdiv(end_g - start_g, bm)`` blocks of ``bm`` rows from ``start_g`` (the
+  last one partial); the blocks of all groups are numbered in order, group by group, and a tensor
+  stores each block's scales in its slot. There are at most :func:`block_slots` of them: slots past
+  the last block are unused (they hold the scale of an all-zero block).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arrays import cdiv, xp_of
+
+
+def block_slots(M: int, G: int, bm: int) -> int:
+    """The number of block slots of M rows in G groups, ``bm`` rows a block: a bound on the blocks any
+    group sizes give, ``cdiv(M, bm) + G - 1`` (each non-empty group adds at most one partial block to
+    the ``cdiv(M, bm)`` blocks of one group; 0 for no rows or no groups)."""
+    return cdiv(M, bm) + G - 1 if M > 0 and G > 0 else 0
+
+
+def group_bounds(group_sizes, M: int):
+    """``(starts, ends)`` (G,) of the groups' rows, clamped to ``[0, M]`` (module doc)."""
+    xp = xp_of(group_sizes)
+    sizes = xp.clip(group_sizes.astype(np.int32), 0, M)
+    ends = xp.minimum(xp.cumsum(sizes), M).astype(np.int32)  # clipped sizes: the sum stays below G * M
+    starts = xp.concatenate([xp.zeros((1,), np.int32), ends[:-1]])
+    return starts, ends
+
+
+def row_groups(group_sizes, M: int):
+    """The group of each of the M rows, (M,) int32; G for a row past the last group's end."""
+    xp = xp_of(group_sizes)
+    _, ends = group_bounds(group_sizes, M)
+    return xp.searchsorted(ends, xp.arange(M, dtype=np.int32), side="right").astype(np.int32)
+
+
+def row_blocks(group_sizes, M: int, bm: int):
+    """The block slot of each of the M rows, (M,) int32, ``bm`` rows a block restarting at every group
+    start; :func:`block_slots` for a row in no group."""
+    xp = xp_of(group_sizes)
+    G = group_sizes.shape[0]
+    if G == 0:
+        return xp.zeros((M,), np.int32)
+    starts, ends = group_bounds(group_sizes, M)
+    first = xp.cumsum((ends - starts + bm - 1) // bm) - (ends - starts + bm - 1) // bm  # each group's first slot
+    g = row_groups(group_sizes, M)
+    inside = g < G
+    gc = xp.minimum(g, G - 1)
+    rows = xp.arange(M, dtype=np.int32)
+    slot = first[gc] + (rows - starts[gc]) // bm
+    return xp.where(inside, slot, block_slots(M, G, bm)).astype(np.int32)
+
+
+def slot_blocks(group_sizes, M: int, bm: int):
+    """Each block slot's ``(group, first row, rows)``, (S,) int32 each (S = :func:`block_slots`); an
+    unused slot has 0 rows (and group G - 1, first row M)."""
+    xp = xp_of(group_sizes)
+    G = group_sizes.shape[0]
+    S = block_slots(M, G, bm)
+    starts, ends = group_bounds(group_sizes, M)
+    counts = (ends - starts + bm - 1) // bm
+    last = xp.cumsum(counts)  # one past each group's last slot
+    slots = xp.arange(S, dtype=np.int32)
+    g = xp.minimum(xp.searchsorted(last, slots, side="right"), G - 1).astype(np.int32)
+    used = slots < last[-1] if G else slots < 0
+    row0 = starts[g] + (slots - (last[g] - counts[g])) * bm
+    rows = xp.where(used, xp.minimum(ends[g] - row0, bm), 0).astype(np.int32)
+    return g, xp.where(used, row0, M).astype(np.int32), rows
