@@ -3,13 +3,13 @@ import importlib as _importlib
 import warnings as _warnings
 
 from . import _ffi  # registers the FFI targets before any primitive lowers
-from . import distributed, flax_utils, formats, fused, gemm, reference  # flax_utils imports flax only when called
+from . import distributed, flax_utils, formats, fused, gemm, groups, reference  # flax_utils imports flax only when called
 from .api import (QuantizedTensor, dequantize, quantize, quantize_blockwise, quantize_dequantize, quantize_mxfp8,
                   to_layout)
 from .fused import gelu, layer_norm, norm_dense, norm_mlp, rms_norm, swiglu
 from .scheme import Scheme
 from .tensors import BlockwiseTensor, MXFP8Tensor
-from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, mxfp8_scaled_matmul_operands
+from .gemm import Float8BlockScaling, MXFP8BlockScaling, fp8_dot_general, fp8_ragged_dot, mxfp8_scaled_matmul_operands
 from .warn import (CrossoverWarning, Fp8GemmFallbackWarning, Fp8Warning, GatherWarning, MXFP8GemmFallbackWarning,
                    PartitioningRuleWarning, ShardingWarning)
 
@@ -48,11 +48,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jax_fp8' has no attribute {name!r}")
 
 
-__all__ = ["distributed", "formats", "gemm", "reference", "quantize", "quantize_mxfp8", "quantize_blockwise",
+__all__ = ["distributed", "formats", "gemm", "groups", "reference", "quantize", "quantize_mxfp8", "quantize_blockwise",
            "dequantize", "quantize_dequantize", "to_layout", "Scheme", "MXFP8Tensor", "BlockwiseTensor",
            "QuantizedTensor", "kernels_available"]
 __all__ += ["fused", "gelu", "layer_norm", "norm_dense", "norm_mlp", "rms_norm", "swiglu"]
-__all__ += ["fp8_dot_general", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands"]
+__all__ += ["fp8_dot_general", "fp8_ragged_dot", "Float8BlockScaling", "MXFP8BlockScaling", "mxfp8_scaled_matmul_operands"]
 __all__ += ["Fp8Warning", "ShardingWarning", "PartitioningRuleWarning", "Fp8GemmFallbackWarning",
             "MXFP8GemmFallbackWarning", "CrossoverWarning", "GatherWarning"]
 __version__ = "0.1.0"

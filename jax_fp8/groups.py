@@ -22,10 +22,12 @@ from .arrays import cdiv, xp_of
 
 
 def block_slots(M: int, G: int, bm: int) -> int:
-    """The number of block slots of M rows in G groups, ``bm`` rows a block: a bound on the blocks any
-    group sizes give, ``cdiv(M, bm) + G - 1`` (each non-empty group adds at most one partial block to
-    the ``cdiv(M, bm)`` blocks of one group; 0 for no rows or no groups)."""
-    return cdiv(M, bm) + G - 1 if M > 0 and G > 0 else 0
+    """The number of block slots of M rows in G groups, ``bm`` rows a block: the most blocks any group
+    sizes give. With n = min(G, M) non-empty groups, at most ``n + (M - n) // bm``: each group's last
+    block takes at least one row, its other blocks ``bm`` each (reached by n - 1 groups of one row and one
+    group of the rest); 0 for no rows or no groups."""
+    n = min(G, M)
+    return n + (M - n) // bm if n > 0 else 0
 
 
 def group_bounds(group_sizes, M: int):

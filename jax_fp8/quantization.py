@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import contracts, producers, vma
 from .arrays import bitcast, view_2d, xp_of
 from .formats import check_input, high_dtype
-from .primitives import dequantize_p, norm_grad_p, produce_p, produce_quantize_p, quantize_p
+from .primitives import dequantize_p, norm_grad_p, produce_p, produce_quantize_p, quantize_grouped_p, quantize_p
 from .primitives.produce import produced_shape
 from .primitives.partitioning import rows_view
 from .scheme import LAYOUTS, Scheme
@@ -124,6 +124,23 @@ def produce_quantize(producer: str, *args, scheme: Scheme, eps: float = 0.0, out
     pairs = [(rows_view(data[0], d), scale[0]) for (data, scale), (d, _) in zip(_kernel_pairs(scheme, outs[:n]), shapes)]
     extras = [e[0].reshape(producers.stats_shape(producer, lead)) for e in outs[n:]]
     return assemble(scheme, pairs, (*lead, K), dtype), extras
+
+
+def quantize_grouped(x, group_sizes, scheme: Scheme) -> dict:
+    """Each usage's (FP8 data, scale) of the (M, K) array ``x`` whose rows lie in the groups of
+    ``group_sizes`` (G,) int32 (:mod:`jax_fp8.groups`), quantized with the GEMM-ready 1x128 ``scheme``
+    (``jf_quantize_grouped``): rowwise data (M, K) and scales (ceil(K/128), roundup(M, 4)); columnwise
+    data (K, M) and scales (slots, roundup(K, 4)), its 128-row blocks restarting at every group start.
+    Rows in no group: data 0."""
+    outs = quantize_grouped_p.bind(x[None], group_sizes[None], scheme=scheme)
+    return dict(zip(scheme.kernel_usages, [(d[0], sc[0]) for d, sc in _kernel_pairs(scheme, outs)]))
+
+
+def quantize_each(x3, scheme: Scheme) -> dict:
+    """Each usage's (FP8 data, scale) of every (M, K) matrix of the (B, M, K) array ``x3`` quantized on its
+    own (a mixture of experts' weights: no 128x128 tile spans two experts), with a leading B: the
+    layouts of :meth:`Scheme.kernel_outputs` for one matrix."""
+    return dict(zip(scheme.kernel_usages, _kernel_pairs(scheme, quantize_p.bind(x3, scheme=scheme))))
 
 
 def quantize_stacked(x3, scheme: Scheme) -> dict:

@@ -1,6 +1,6 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
 // registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
-// shards), both over the tile of quantize_tile.cuh, and dequantize.cuh; produce_tile.cuh (producers fused
+// shards), both over the tile of quantize_tile.cuh, quantize_grouped.cuh (rows in groups) and dequantize.cuh; produce_tile.cuh (producers fused
 // with quantization) and norm_grad.cuh (the norms' backward); the FP8 GEMM is cuBLASLt's
 // (cublaslt_gemm.h, loaded at run time through cublaslt.h).
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include "produce_tile.cuh"
 #include "norm_grad.cuh"
 #include "quantize_dense.cuh"
+#include "quantize_grouped.cuh"
 #include "quantize_shards.cuh"
 
 namespace jf {
@@ -38,6 +39,22 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
   void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
   if (auto e = quantize_tiles(stream, a, x.untyped_data(), d, s); e.failure()) return e;
+  return check_launch();
+}
+
+// x (B, M, K), its rows in the groups of sizes (B, G) int32: as QuantizeGroupedCpu (quantize_grouped.cuh).
+ffi::Error QuantizeGroupedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sizes,
+                               ffi::Result<ffi::AnyBuffer> data0, ffi::Result<ffi::AnyBuffer> scale0,
+                               ffi::Result<ffi::AnyBuffer> data1, ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {
+  QuantizeArgs a;
+  int64_t G;
+  const QuantizeResult res[2] = {{&*data0, &*scale0}, {&*data1, &*scale1}};
+  if (auto e = make_grouped_quantize_args(x, sizes, res, scheme, &a, &G); e.failure()) return e;
+  uint8_t* d[2] = {static_cast<uint8_t*>(data0->untyped_data()), static_cast<uint8_t*>(data1->untyped_data())};
+  void* s[2] = {scale0->untyped_data(), scale1->untyped_data()};
+  if (auto e = quantize_grouped(stream, a, G, x.untyped_data(), static_cast<const int32_t*>(sizes.untyped_data()), d, s);
+      e.failure())
+    return e;
   return check_launch();
 }
 

@@ -16,8 +16,11 @@ struct RowBlock {
   int64_t r0, r1, slot;
 };
 
-// groups.py's block_slots: a bound on the slots any sizes give.
-inline int64_t block_slots(int64_t M, int64_t G, int64_t bm) { return M > 0 && G > 0 ? cdiv(M, bm) + G - 1 : 0; }
+// groups.py's block_slots: the most slots any sizes give (n = min(G, M) groups of which n - 1 hold one row).
+inline int64_t block_slots(int64_t M, int64_t G, int64_t bm) {
+  const int64_t n = std::min(G, M);
+  return n > 0 ? n + (M - n) / bm : 0;
+}
 
 // The blocks of bm rows of every group, in slot order (bm = 1: every row in a group, slot = row).
 inline std::vector<RowBlock> group_blocks(const int32_t* sizes, int64_t G, int64_t M, int64_t bm) {

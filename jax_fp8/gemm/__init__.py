@@ -21,6 +21,8 @@ The parts, from the user's call down:
 - :mod:`.primitive`: ``jf_fp8_gemm``, the primitive a kernel backend lowers under: abstract eval,
   batching, partitioning under ``jit``, stacked sequences.
 - :mod:`.reference`: the reference math, the one definition of the numbers.
+- :mod:`.ragged`: :func:`fp8_ragged_dot`, a drop-in ``lax.ragged_dot`` (mixture-of-experts grouped
+  GEMMs) with an FP8 VJP, its rows' groups read on the device (:mod:`jax_fp8.groups`).
 
 A product flows: ``fp8_dot_general`` -> plan (fold, three GEMMs, a backend each) -> quantize x, W (and
 dy in the backward) -> operands -> ``run_gemm`` -> the backend's kernel under ``jf_fp8_gemm`` (or its
@@ -38,8 +40,9 @@ from .contract import GemmBackend
 from .dot_general import fp8_dot_general
 from .operands import GemmOperand, fp8_gemm, gemm_operand, mxfp8_scaled_matmul_operands
 from .plan import GemmPlan, plan_gemm
+from .ragged import fp8_ragged_dot
 from .recipes import RECIPES, Float8BlockScaling, MXFP8BlockScaling
 
-__all__ = ["fp8_dot_general", "fp8_gemm", "gemm_operand", "plan_gemm", "GemmOperand", "GemmPlan", "GemmBackend",
+__all__ = ["fp8_dot_general", "fp8_ragged_dot", "fp8_gemm", "gemm_operand", "plan_gemm", "GemmOperand", "GemmPlan", "GemmBackend",
            "Float8BlockScaling", "MXFP8BlockScaling", "RECIPES", "Fp8GemmFallbackWarning", "MXFP8GemmFallbackWarning",
            "mxfp8_scaled_matmul_operands"]

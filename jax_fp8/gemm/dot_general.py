@@ -155,7 +155,7 @@ def _dtype_of(v):
 
 def _linear_bwd(cfg: Linear, res, dy):
     saved, x_dtype, w_dtype = res
-    with _reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
+    with reverse_mode_only():  # under jax.hessian this runs under forward mode: say why it cannot
         dyq = _quantized(dy, cfg.recipe.scheme("grad"))  # rowwise (dgrad) and columnwise (wgrad) in one pass
     return linear_backward(cfg, saved, dyq, *(None if d is None else d.dtype for d in (x_dtype, w_dtype)))
 
@@ -204,17 +204,18 @@ def _retyped(v, sharding):
 
 
 @contextlib.contextmanager
-def _reverse_mode_only():
-    """Turn jax's forward-mode error inside fp8_dot_general's GEMM path into one that names it."""
+def reverse_mode_only(where: str = "fp8_dot_general"):
+    """Turn jax's forward-mode error inside ``where``'s FP8 GEMM path into one that names it."""
     try:
         yield
     except TypeError as e:
         if "forward-mode" in str(e) or "is not differentiable" in str(e):
             raise TypeError(
-                "fp8_dot_general: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not "
+                f"{where}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not "
                 "supported on the FP8 GEMM path: its derivative is a custom VJP whose backward "
                 "GEMMs run in FP8 on the operands quantized in the forward, a rule for reverse mode only. Use "
-                "reverse mode (jax.grad, jax.vjp, jax.jacrev), or lax.dot_general where forward mode is needed."
+                f"reverse mode (jax.grad, jax.vjp, jax.jacrev), or the lax function it replaces where forward mode "
+                "is needed."
             ) from e
         raise
 
@@ -414,7 +415,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         # one varying-axes type for both operands, as lax.dot_general casts them: the cast of a
         # replicated operand transposes to the psum its gradient needs under shard_map
         x, w = vma.match(x, w)
-        with _reverse_mode_only():
+        with reverse_mode_only():
             y = fold.unfold_out(_linear(x, w, cfg))
         # typed as lax.dot_general's result (out_sharding, or what an Explicit mesh infers for it): a
         # dim the GEMM had to gather (misaligned shards, padding) is split again

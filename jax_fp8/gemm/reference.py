@@ -18,16 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import contracts
+from .. import contracts, groups, vma
 from ..arrays import bitcast, cdiv, xp_of
 from ..formats import FLOAT8_BLOCK
 from ..scheme import Scheme
-from .contract import operand_scheme
+from .contract import BLOCK_1D, BLOCK_2D, operand_scheme
 
 
 def _compact_scales(data, scale, block):
-    """An operand's GEMM-ready ``scale`` as its compact grid (ceil(rows/bm), ceil(K/128))."""
-    rows, k = data.shape
+    """An operand's GEMM-ready ``scale`` as its compact grid (ceil(rows/bm), ceil(K/128)) (a stack of
+    operands (..., rows, K): each one's)."""
+    rows, k = data.shape[-2:]
     return operand_scheme(block, data.dtype).scales_to_layout(xp_of(data, scale), scale, rows, k, "rowwise",
                                                                "compact")
 
@@ -79,6 +80,73 @@ def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype)
                       tuple(x[1:] for x in xs))
     if c is not None:
         acc = acc + c.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
+# ---- grouped (lax.ragged_dot's groups, jax_fp8.groups) --------------------------------------------------
+def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
+    """The M-grouped GEMM ``out[r] = a[r] · b[g]ᵀ`` for each row r of group g (rows in no group: 0), of
+    FP8 ``a`` (M, K) with GEMM-ready 1x128 scales and ``b`` (G, N, K) with each group's GEMM-ready 128x128
+    tile scales (G, ceil(N/128), roundup(ceil(K/128), 4)): per 128-wide K block, the fp32 product of the
+    unscaled data (``lax.ragged_dot`` at ``Precision.HIGHEST``) times the two blocks' scales, summed in
+    fp32 in K-block order, as :func:`blocked_gemm` for each group's rows."""
+    M, K = a.shape
+    G, N = b.shape[:2]
+    nk = cdiv(K, FLOAT8_BLOCK)
+    starts, ends = groups.group_bounds(group_sizes, M)
+    sizes = ends - starts  # clamped: what lax.ragged_dot is given
+    g = groups.row_groups(group_sizes, M)
+    inside = (g < G)[:, None]
+    sa = jnp.asarray(_compact_scales(a, a_scale, BLOCK_1D), jnp.float32)  # (M, nk)
+    # each row's group's tile scales
+    sb = jnp.asarray(_compact_scales(b, b_scale, BLOCK_2D), jnp.float32)[jnp.minimum(g, G - 1)]  # (M, ceil(N/128), nk)
+    if nk == 0:
+        return jnp.zeros((M, N), out_dtype)
+    pad = nk * FLOAT8_BLOCK - K
+    a_k = jnp.swapaxes(jnp.pad(a, ((0, 0), (0, pad))).reshape(M, nk, FLOAT8_BLOCK), 0, 1)  # (nk, M, 128)
+    b_k = jnp.moveaxis(jnp.pad(b, ((0, 0), (0, 0), (0, pad))).reshape(G, N, nk, FLOAT8_BLOCK), 2, 0)  # (nk, G, N, 128)
+
+    def scaled_partial(ak, bk, sak, sbk):
+        part = lax.ragged_dot(ak.astype(jnp.float32), jnp.swapaxes(bk, 1, 2).astype(jnp.float32), sizes,
+                              precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        scale = sak[:, None] * jnp.repeat(sbk, FLOAT8_BLOCK, axis=1)[:, :N]
+        return jnp.where(inside, part * scale, np.float32(0))
+
+    xs = (a_k, b_k, sa.T, jnp.moveaxis(sb, 2, 0))
+    acc, _ = lax.scan(lambda acc, blk: (acc + scaled_partial(*blk), None), scaled_partial(*(x[0] for x in xs)),
+                      tuple(x[1:] for x in xs))
+    return acc.astype(out_dtype)
+
+
+def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
+    """The K-grouped GEMM ``out[g] = a[:, rows of g] · b[:, rows of g]ᵀ`` (G, R, N) of FP8 ``a`` (R, M)
+    and ``b`` (N, M), contracted over each group's rows (a weight gradient: xᵀ · dy per expert), both in
+    blocks of 128 rows restarting at every group start with one scale row per block slot (S, roundup(R
+    or N, 4)) (:func:`jax_fp8.quantization.quantize_grouped`'s columnwise usage): per block, the fp32
+    product of the unscaled data at ``Precision.HIGHEST`` times the two blocks' scales, summed in fp32
+    in block order from 0 (an empty group: 0)."""
+    R, M = a.shape
+    N = b.shape[0]
+    G = group_sizes.shape[0]
+    slot_group, row0, rows = groups.slot_blocks(group_sizes, M, FLOAT8_BLOCK)
+    S = slot_group.shape[0]
+    acc = vma.match(jnp.zeros((G, R, N), jnp.float32), a, a_scale, b, b_scale, group_sizes)[0]
+    if S == 0:
+        return acc.astype(out_dtype)
+    a_p, b_p = (jnp.pad(v, ((0, 0), (0, FLOAT8_BLOCK))) for v in (a, b))  # a block's slice never clamps
+    lane = jnp.arange(FLOAT8_BLOCK)
+
+    def block(acc, s):
+        g, r0, n, sa, sb = s
+        ak, bk = (jnp.where(lane < n, lax.dynamic_slice_in_dim(v, r0, FLOAT8_BLOCK, axis=1).astype(jnp.float32),
+                            np.float32(0)) for v in (a_p, b_p))
+        part = lax.dot_general(ak, bk, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+        scaled = jnp.where(n > 0, part * (sa[:, None] * sb[None, :]), np.float32(0))
+        return lax.dynamic_update_index_in_dim(acc, acc[g] + scaled, g, axis=0), None
+
+    scales = (jnp.asarray(a_scale, jnp.float32)[:, :R], jnp.asarray(b_scale, jnp.float32)[:, :N])
+    acc, _ = lax.scan(block, acc, (slot_group, row0, rows, *scales))
     return acc.astype(out_dtype)
 
 

@@ -1,0 +1,213 @@
+// jf_quantize_grouped on CUDA: rows in groups (groups.h) quantized as GEMM-ready Float8 1x128 operands,
+// rowwise and columnwise from one read of x, the columnwise blocks restarting at every group start.
+//
+// One CTA of 256 threads per (block row, 128 columns, matrix). Block rows x < S are the slots: warp 0
+// finds its slot's rows from the group sizes (a warp scan over the groups, on the device: no host
+// sync); rows x >= S are chunks of 128 of the rows past the last group, which get data 0 and the
+// padding scale. Each thread holds 16 rows x 4 columns in registers: a row's 1x128 amax is a warp
+// reduction, a column's 128x1 amax a shared-memory one, and the columnwise bytes go out transposed
+// through shared memory, 32 consecutive bytes of one column per warp store.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "cuda_common.cuh"
+#include "groups.h"
+
+namespace jf {
+namespace {
+
+constexpr int kGroupTile = 128;  // rows and columns of a CTA's tile: one 1x128 block per row, one 128x1 per column
+constexpr int kGroupRowsPerWarp = kGroupTile / (kThreads / 32);
+
+template <class L>
+__device__ __forceinline__ float load_elem(const typename L::T* p) {
+  if constexpr (std::is_same_v<typename L::T, float>) return *p;
+  else return L::get(*p);
+}
+
+// Where the outputs of one matrix go (null data: the usage is not asked for).
+struct GroupedOut {
+  uint8_t* row_data;   // (M, K)
+  float* row_scale;    // (ceil(K/128), row_ld): entry [kb][r]
+  int64_t row_ld;
+  uint8_t* col_data;   // (K, M)
+  float* col_scale;    // (S, col_ld): entry [slot][k]
+  int64_t col_ld;
+};
+
+// Warp 0: the rows [r0, r1) of block row x (a slot, or past the groups' rows: a tail chunk), from the
+// group sizes as groups.h's group_blocks numbers the slots (a group's end: the prefix sum of the clipped
+// sizes, clipped to M). Lanes take 32 groups at a time; prefix sums by shuffles.
+__device__ __forceinline__ void find_rows(const int32_t* sizes, int64_t G, int64_t M, int64_t S, int64_t x,
+                                          int64_t* r0, int64_t* r1) {
+  const int lane = threadIdx.x % 32;
+  int64_t rows_before = 0, slots_before = 0;
+  bool found = false;
+  for (int64_t g0 = 0; g0 < G; g0 += 32) {
+    const int64_t g = g0 + lane;
+    const int64_t size = g < G ? min(max(int64_t(sizes[g]), int64_t(0)), M) : 0;
+    int64_t incl = size;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int64_t v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    incl += rows_before;
+    const int64_t end = min(M, incl), beg = min(M, incl - size);
+    const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
+    int64_t nincl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int64_t v = __shfl_up_sync(0xFFFFFFFFu, nincl, off);
+      if (lane >= off) nincl += v;
+    }
+    nincl += slots_before;
+    if (x < S && x >= nincl - n && x < nincl) {  // one lane at most: the slot's group
+      *r0 = beg + (x - (nincl - n)) * kGroupTile;
+      *r1 = min(end, *r0 + kGroupTile);
+      found = true;
+    }
+    rows_before = __shfl_sync(0xFFFFFFFFu, incl, 31);
+    slots_before = __shfl_sync(0xFFFFFFFFu, nincl, 31);
+  }
+  found = __any_sync(0xFFFFFFFFu, found);
+  if (lane == 0 && !found) {
+    if (x < S) {
+      *r0 = *r1 = M;  // an unused slot
+    } else {  // a chunk of the rows past the groups'
+      const int64_t total = min(M, rows_before);
+      *r0 = min(M, total + (x - S) * kGroupTile);
+      *r1 = min(M, *r0 + kGroupTile);
+    }
+  }
+}
+
+template <class L, class Rule>
+__global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L::T* __restrict__ x,
+                                                                const int32_t* __restrict__ sizes, int64_t M,
+                                                                int64_t K, int64_t G, int64_t S, Rule rule, int fp8,
+                                                                GroupedOut o) {
+  __shared__ int64_t rows[2];
+  __shared__ float red[kThreads / 32][kGroupTile];
+  __shared__ float col_mult[kGroupTile];
+  __shared__ uint8_t tile[kGroupTile][kGroupTile + 4];  // [column][row]: the columnwise bytes, transposed
+  const int64_t b = blockIdx.z, bx = blockIdx.x, kb = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  x += b * M * K;
+  sizes += b * G;
+  const bool slot = bx < S;
+  if (warp == 0) find_rows(sizes, G, M, S, bx, &rows[0], &rows[1]);
+  __syncthreads();
+  const int64_t r0 = rows[0], r1 = rows[1], c0 = kb * kGroupTile;
+  const bool in_groups = slot && r1 > r0;
+  uint8_t* row_data = o.row_data ? o.row_data + b * M * K : nullptr;
+  float* row_scale = o.row_data ? o.row_scale + b * cdiv(K, kGroupTile) * o.row_ld : nullptr;
+  uint8_t* col_data = o.col_data ? o.col_data + b * K * M : nullptr;
+  float* col_scale = o.col_data ? o.col_scale + b * S * o.col_ld : nullptr;
+
+  // Padding: a slot's scale row past K (tile column 0), the rowwise scales past M (the first tail chunk)
+  if (col_scale && slot && kb == 0)
+    for (int64_t c = K + threadIdx.x; c < o.col_ld; c += kThreads) col_scale[bx * o.col_ld + c] = kGemmScalePad;
+  if (row_scale && bx == S)
+    for (int64_t r = M + threadIdx.x; r < o.row_ld; r += kThreads) row_scale[kb * o.row_ld + r] = kGemmScalePad;
+
+  // This thread's 16 rows x 4 columns: rows r0 + warp + 8 i, columns c0 + 4 lane + e
+  float v[kGroupRowsPerWarp][4];
+#pragma unroll
+  for (int i = 0; i < kGroupRowsPerWarp; ++i) {
+    const int64_t r = r0 + warp + 8 * i;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t c = c0 + 4 * lane + e;
+      v[i][e] = in_groups && r < r1 && c < K ? load_elem<L>(x + r * K + c) : 0.0f;
+    }
+  }
+
+  // Rowwise: each row's 1x128 block (rows in no group: data 0, the padding scale)
+  if (row_data) {
+#pragma unroll
+    for (int i = 0; i < kGroupRowsPerWarp; ++i) {
+      const int64_t r = r0 + warp + 8 * i;
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) amax = amax_step(amax, v[i][e]);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+      if (r >= r1) continue;  // warp-uniform
+      float s = kGemmScalePad, m = 0.0f;
+      if (in_groups) rule(amax, s, m);
+      if (lane == 0) row_scale[kb * o.row_ld + r] = s;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t c = c0 + 4 * lane + e;
+        if (c < K) row_data[r * K + c] = in_groups ? fp8_from_float_sw(v[i][e] * m, fp8) : uint8_t(0);
+      }
+    }
+  }
+  if (!col_data) return;
+
+  // Columnwise: each column's 128x1 block of the slot's rows
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGroupRowsPerWarp; ++i) amax = amax_step(amax, v[i][e]);
+    red[warp][4 * lane + e] = amax;
+  }
+  __syncthreads();
+  if (threadIdx.x < kGroupTile) {
+    const int64_t c = c0 + threadIdx.x;
+    float amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, red[w][threadIdx.x]);
+    float s = kGemmScalePad, m = 0.0f;
+    if (in_groups) rule(amax, s, m);
+    if (slot && c < K) col_scale[bx * o.col_ld + c] = s;  // an unused slot: the padding scale
+    col_mult[threadIdx.x] = m;
+  }
+  __syncthreads();
+  if (r1 <= r0) return;  // an unused slot, or no rows past the groups' here
+#pragma unroll
+  for (int i = 0; i < kGroupRowsPerWarp; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int cl = 4 * lane + e;
+      tile[cl][warp + 8 * i] = in_groups ? fp8_from_float_sw(v[i][e] * col_mult[cl], fp8) : uint8_t(0);
+    }
+  __syncthreads();
+  const int64_t n_rows = r1 - r0;
+  for (int cl = warp; cl < kGroupTile && c0 + cl < K; cl += kThreads / 32)
+    for (int rl = lane; rl < n_rows; rl += 32) col_data[(c0 + cl) * M + r0 + rl] = tile[cl][rl];
+}
+
+// The grouped quantize of a call (a: make_grouped_quantize_args'; d / s: each output's data and scales).
+inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, int64_t G, const void* x,
+                                   const int32_t* sizes, uint8_t* const* d, void* const* s) {
+  const int64_t S = block_slots(a.M, G, kGroupTile);
+  GroupedOut o{};
+  for (int k = 0; k < a.n_out; ++k) {
+    if (a.out[k].colwise()) o.col_data = d[k], o.col_scale = static_cast<float*>(s[k]), o.col_ld = a.out[k].ld;
+    else o.row_data = d[k], o.row_scale = static_cast<float*>(s[k]), o.row_ld = a.out[k].ld;
+  }
+  const int64_t bx = S + cdiv(a.M, kGroupTile), by = cdiv(a.K, kGroupTile);
+  if (a.B == 0 || bx == 0 || by == 0) return ffi::Error::Success();
+  if (bx > 0x7FFFFFFF || by > 65535 || a.B > 65535) return bad("quantize_grouped: tensor too large for one launch");
+  const dim3 grid(unsigned(bx), unsigned(by), unsigned(a.B));
+  return with_loader(a.in, [&](auto ld) {
+    using L = decltype(ld);
+    const auto* xs = static_cast<const typename L::T*>(x);
+    if (!a.saturate_inf)
+      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(xs, sizes, a.M, a.K, G, S,
+                                                            BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value}, a.fp8, o);
+    else
+      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(xs, sizes, a.M, a.K, G, S,
+                                                            BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}, a.fp8, o);
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jf

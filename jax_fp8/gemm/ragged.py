@@ -1,0 +1,157 @@
+"""``fp8_ragged_dot``: a drop-in ``lax.ragged_dot`` (a mixture-of-experts layer's grouped GEMM) in Float8
+blockwise FP8, with a training VJP whose three grouped GEMMs all take FP8 operands.
+
+For ``y = ragged_dot(x, W, group_sizes)``, x (M, K) with its rows sorted by group and W (G, K, N), the
+rows of group g (:mod:`jax_fp8.groups`) times expert g's weight:
+
+- fprop ``y_g = x_g · W_g``: x rowwise (1x128 blocks along K) times each W_g in 128x128 tiles, an
+  M-grouped GEMM;
+- dgrad ``dx_g = dy_g · W_gᵀ``: dy rowwise (1x128 along N) times the same tiles in the other
+  orientation (one quantization of W gives both), M-grouped;
+- wgrad ``dW_g = x_gᵀ · dy_g``: x and dy columnwise, in blocks of 128 rows that restart at every group
+  start (``jf_quantize_grouped``), so no block's scale mixes two experts' rows; a K-grouped GEMM whose
+  contraction is each group's rows.
+
+``group_sizes`` is read on the device everywhere: one compile serves every routing, with no host sync.
+The GEMMs compute the reference math (:func:`~jax_fp8.gemm.reference.ragged_blocked_gemm`,
+:func:`~jax_fp8.gemm.reference.ragged_wgrad_gemm`) on every platform for now: the grouped FP8 GEMM
+kernels for Hopper are the next step (issue 49).
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import vma
+from ..formats import HIGH_DTYPES
+from ..quantization import dequantize, quantize_dequantize, quantize_each, quantize_grouped
+from ..tensors import QUANTIZED_TENSORS
+from ..warn import Fp8GemmFallbackWarning, warn
+from .dot_general import reverse_mode_only
+from .recipes import RECIPES, Float8BlockScaling
+from .reference import ragged_blocked_gemm, ragged_wgrad_gemm
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grouped:
+    """Static description of one ``ragged_dot``: the recipe and the output dtype."""
+
+    recipe: Float8BlockScaling
+    out_dtype: np.dtype
+
+
+def _weights(w, recipe, rowwise: bool = True) -> dict:
+    """Each expert's (K, N) weight in 128x128 tiles, both orientations from one pass (``rowwise`` False:
+    fprop's alone): "rowwise" (G, K, N) data and tile scales (dgrad's operand, rows K), "colwise" (G, N, K)
+    and scales (fprop's, rows N)."""
+    return quantize_each(w, recipe.scheme("rhs", rowwise=rowwise))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged(x, w, group_sizes, cfg: _Grouped):
+    xq = quantize_grouped(x, group_sizes, cfg.recipe.scheme("lhs", colwise=False))
+    wq = _weights(w, cfg.recipe, rowwise=False)
+    return ragged_blocked_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, out_dtype=cfg.out_dtype)
+
+
+def _ragged_fwd(x, w, group_sizes, cfg: _Grouped):
+    xq = quantize_grouped(x, group_sizes, cfg.recipe.scheme("lhs"))
+    wq = _weights(w, cfg.recipe)
+    y = ragged_blocked_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, out_dtype=cfg.out_dtype)
+    return y, (xq["colwise"], wq["rowwise"], group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _ragged_bwd(cfg: _Grouped, res, dy):
+    x_cols, w_rows, group_sizes, x_dtype, w_dtype = res
+    with reverse_mode_only("fp8_ragged_dot"):
+        dyq = quantize_grouped(dy, group_sizes, cfg.recipe.scheme("grad"))  # rowwise (dgrad), columnwise (wgrad)
+    dx = ragged_blocked_gemm(*dyq["rowwise"], *w_rows, group_sizes, out_dtype=x_dtype.dtype)
+    dw = ragged_wgrad_gemm(*x_cols, *dyq["colwise"], group_sizes, out_dtype=w_dtype.dtype)
+    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset) -> Optional[str]:
+    """Why a call does not run on the FP8 grouped GEMM (None: it does)."""
+    if not isinstance(recipe, Float8BlockScaling):
+        return f"the grouped FP8 GEMM takes the Float8BlockScaling recipe, not {type(recipe).__name__}"
+    if group_offset is not None:
+        return "group_offset is given"
+    if isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
+        return "an operand is a quantized tensor (fp8_ragged_dot quantizes its high-precision operands itself)"
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        return f"it takes lhs (M, K) and rhs (G, K, N), got ranks {lhs.ndim} and {rhs.ndim}"
+    bad = [n for n, v in (("lhs", lhs), ("rhs", rhs)) if jnp.dtype(v.dtype) not in HIGH_DTYPES]
+    if bad:
+        return f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not float32, bfloat16 or float16"
+    if jnp.dtype(group_sizes.dtype) != np.int32:
+        return f"group_sizes is {jnp.dtype(group_sizes.dtype).name}, not int32"
+    return None
+
+
+def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why: str):
+    """``lax.ragged_dot`` of the quantize-dequantized operands (straight-through), with one warning."""
+    warn(f"fp8_ragged_dot (lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs "
+         f"{jnp.dtype(rhs.dtype).name}{list(rhs.shape)}): not on the FP8 grouped GEMM: {why}; computing "
+         "lax.ragged_dot of the quantize-dequantized operands instead", Fp8GemmFallbackWarning)
+
+    def qdq(v, role):
+        if isinstance(v, QUANTIZED_TENSORS):
+            return dequantize(v)
+        if jnp.dtype(v.dtype) not in HIGH_DTYPES or v.size == 0:
+            return v
+        scheme = dataclasses.replace(recipe.scheme(role).only("rowwise"), layout="compact", saturate_inf=True)
+        return jnp.where(jnp.isfinite(v), quantize_dequantize(v, scheme, "rowwise"), v)
+
+    return lax.ragged_dot(qdq(lhs, "lhs"), qdq(rhs, "rhs"), group_sizes, precision, preferred_element_type,
+                          group_offset)
+
+
+def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+                   recipe: Optional[Float8BlockScaling] = None):
+    """``lax.ragged_dot`` in Float8 blockwise FP8, with ``lax.ragged_dot``'s signature and semantics: a
+    drop-in for a mixture-of-experts layer's grouped GEMM.
+
+    ``lhs`` (M, K): rows sorted by group; ``rhs`` (G, K, N): one weight per group (expert);
+    ``group_sizes`` (G,) int32, read on the device (no host sync: one compile serves every routing, and
+    the call captures into CUDA graphs). Group g holds the next ``group_sizes[g]`` rows; rows past the
+    total give zeros, as in ``lax.ragged_dot``; a negative size counts as 0 and sizes past M are cut at M
+    (``lax.ragged_dot`` leaves both undefined). The result (M, N) has ``preferred_element_type`` (default:
+    the operands' promoted dtype); ``precision`` is ignored on the FP8 path (it accumulates in fp32).
+
+    Quantized with ``recipe`` (default :class:`Float8BlockScaling`, the only one taken): lhs in 1x128
+    blocks, each rhs[g] in 128x128 tiles. Differentiable (reverse mode) through a custom VJP whose dgrad
+    and weight gradient take FP8 operands too: the output gradient in 1x128 blocks, and for the weight
+    gradient x and dy in blocks of 128 rows that restart at every group start (see the module doc).
+    Gradients come back in the operands' dtypes; ``group_sizes`` gets none.
+
+    Other calls (another recipe, ``group_offset``, other ranks or dtypes) compute ``lax.ragged_dot`` of
+    quantize-dequantized operands with one :class:`~jax_fp8.Fp8GemmFallbackWarning` saying why.
+    Arguments ``lax.ragged_dot`` rejects raise what it raises.
+    """
+    recipe = Float8BlockScaling() if recipe is None else recipe
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"fp8_ragged_dot: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
+    lhs, rhs, group_sizes = (v if isinstance(v, QUANTIZED_TENSORS) or hasattr(v, "shape") else jnp.asarray(v)
+                             for v in (lhs, rhs, group_sizes))
+    out = jax.eval_shape(  # lax.ragged_dot's checks and result type
+        lambda a, b, g: lax.ragged_dot(a, b, g, precision, preferred_element_type, group_offset),
+        *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (lhs, rhs, group_sizes)))
+    why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset)
+    if why is not None:
+        return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
+    if lhs.size == 0 or rhs.size == 0:
+        return jnp.zeros(out.shape, out.dtype)
+    lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes)
+    with reverse_mode_only("fp8_ragged_dot"):
+        return _ragged(lhs, rhs, group_sizes, _Grouped(recipe, jnp.dtype(out.dtype)))
