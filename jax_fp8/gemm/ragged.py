@@ -94,8 +94,6 @@ def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset) -> Optional[st
     bad = [n for n, v in (("lhs", lhs), ("rhs", rhs)) if jnp.dtype(v.dtype) not in HIGH_DTYPES]
     if bad:
         return f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not float32, bfloat16 or float16"
-    if jnp.dtype(group_sizes.dtype) != np.int32:
-        return f"group_sizes is {jnp.dtype(group_sizes.dtype).name}, not int32"
     return None
 
 
@@ -123,7 +121,7 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     drop-in for a mixture-of-experts layer's grouped GEMM.
 
     ``lhs`` (M, K): rows sorted by group; ``rhs`` (G, K, N): one weight per group (expert);
-    ``group_sizes`` (G,) int32, read on the device (no host sync: one compile serves every routing, and
+    ``group_sizes`` (G,) of an integer dtype (used as int32), read on the device (no host sync: one compile serves every routing, and
     the call captures into CUDA graphs). Group g holds the next ``group_sizes[g]`` rows; rows past the
     total give zeros, as in ``lax.ragged_dot``; a negative size counts as 0 and sizes past M are cut at M
     (``lax.ragged_dot`` leaves both undefined). The result (M, N) has ``preferred_element_type`` (default:
@@ -152,6 +150,7 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
         return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
     if lhs.size == 0 or rhs.size == 0:
         return jnp.zeros(out.shape, out.dtype)
-    lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes)
+    # any integer dtype, as lax takes it (sizes count rows of one array: they fit int32)
+    lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):
         return _ragged(lhs, rhs, group_sizes, _Grouped(recipe, jnp.dtype(out.dtype)))

@@ -1,0 +1,245 @@
+"""``fp8_ragged_dot`` (a drop-in ``lax.ragged_dot`` with an FP8 VJP).
+
+Numbers: forward, dgrad and wgrad against fp64 products of operands quantized independently here, per
+group, by the dense quantize (``jf.quantize``, compact layout, the recipe's options) and dequantized in
+NumPy (``helpers.deq``): x rowwise (1x128), each expert's weight in 128x128 tiles, dy rowwise, and for
+the weight gradient each group's rows of x and dy alone in 128x1 blocks (blocks that restart at the
+group's start). Each within the accumulation and output-rounding bound of its own GEMM
+(``test_gemm.gemm_bound``, module doc there); rows in no group exactly 0, as ``lax.ragged_dot`` gives.
+
+The sweep is generated: row counts against the 128-row blocks, widths K and N against the 1x128 blocks
+and 128x128 tiles, and group patterns (one group, empty groups, sizes off the blocks, rows past the
+total, negative sizes and sums past M, G up to 256), the dtypes cycled. Then ``jit`` (one compile for
+every routing), ``vmap``, the default ``jax.shard_map`` (expert weights replicated: their gradient
+psummed), sharded ``jax.jit``, the fallback and bad arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_fp8 as jf
+from helpers import deq, stable_seed
+from test_gemm import assert_within, data, gemm_bound
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
+MS = (1, 127, 129, 300)
+KNS = ((64, 100), (128, 128), (200, 256), (512, 130))
+#: group patterns; those of 5 groups share one compile per shape (the sizes are arguments)
+PATTERNS = ("single", "one", "zeros", "off_blocks", "invalid", "many")
+
+
+def _sizes(pattern: str, M: int, rng) -> list:
+    if pattern == "single":  # G = 1
+        return [M]
+    if pattern == "one":  # one of 5 groups holds every row
+        return [0, 0, M, 0, 0]
+    if pattern == "zeros":  # empty groups, rows past the total
+        return [0, M // 2, 0, M // 3, 0]
+    if pattern == "off_blocks":
+        return [M // 5 + 1, 3 * M // 10, 1, 0, M - (M // 5 + 1) - 3 * M // 10 - 1]
+    if pattern == "invalid":  # a negative size, then sizes past M
+        return [M // 3, -5, M, M, 1]
+    if pattern == "many":  # G = 256, most of them empty
+        sizes = np.zeros(256, np.int64)
+        sizes[rng.choice(256, min(M, 20), replace=False)] = rng.integers(1, 20, min(M, 20))
+        return list(sizes)
+    raise ValueError(pattern)
+
+
+def _sweep():
+    """Every (M, (K, N), pattern); the dtypes cycled over the shapes (the patterns of a shape share them)."""
+    cases = []
+    for i, M in enumerate(MS):
+        for j, (K, N) in enumerate(KNS):
+            n = i * len(KNS) + j
+            cases += [(M, K, N, p, (F32, BF16)[n % 2], (F32, BF16)[(n // 2) % 2]) for p in PATTERNS]
+    return cases
+
+
+CASES = _sweep()
+
+
+def _id(c):
+    M, K, N, pattern, xt, wt = c
+    return f"{M}x{K}x{N}-{pattern}-x{jnp.dtype(xt).name}-w{jnp.dtype(wt).name}"
+
+
+def _bounds(sizes, M):
+    start = 0
+    for s in sizes:
+        end = min(M, start + min(max(int(s), 0), M))
+        yield start, end
+        start = end
+
+
+def _q(v, recipe, role, usage):
+    """fp64 values of ``v`` quantized alone by the dense contract (in NumPy) with the recipe's role scheme,
+    compact, one usage."""
+    scheme = dataclasses.replace(recipe.scheme(role), layout="compact")
+    return deq(jf.reference.quantize(np.asarray(v), scheme), usage)
+
+
+@jax.jit
+def _run(x, w, sizes, dy):
+    y, vjp = jax.vjp(lambda x, w: jf.fp8_ragged_dot(x, w, sizes), x, w)
+    return y, *vjp(dy)
+
+
+def test_sweep_covers_every_combination():
+    assert {(c[0], c[1], c[2], c[3]) for c in CASES} == {(m, k, n, p) for m in MS for k, n in KNS for p in PATTERNS}
+
+
+@pytest.mark.parametrize("c", CASES, ids=_id)
+def test_forward_and_gradients_within_the_bound(c):
+    M, K, N, pattern, xt, wt = c
+    rng = np.random.default_rng(stable_seed("ragged", c))
+    sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
+    G = len(sizes)
+    x, w, dy = data(rng, (M, K), xt), data(rng, (G, K, N), wt), data(rng, (M, N), F32)
+    recipe = jf.Float8BlockScaling()
+    out = jnp.result_type(xt, wt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
+        y, dx, dw = _run(x, w, sizes, dy.astype(out))
+    assert y.dtype == out and dx.dtype == xt and dw.dtype == wt
+    x_rows, dy_rows = _q(x, recipe, "lhs", "rowwise"), _q(dy.astype(out), recipe, "grad", "rowwise")
+    y, dx, dw = (np.asarray(v.astype(F32), np.float64) for v in (y, dx, dw))
+    end = 0
+    for g, (start, end) in enumerate(_bounds(sizes, M)):
+        if end > start:
+            wg = _q(w[g], recipe, "rhs", "rowwise")  # (K, N), 128x128 tiles
+            exact, bound = gemm_bound(x_rows[start:end], wg.T, out)
+            assert_within(y[start:end], exact, bound, f"fprop group {g}")
+            exact, bound = gemm_bound(dy_rows[start:end], wg, xt)
+            assert_within(dx[start:end], exact, bound, f"dgrad group {g}")
+            xc = _q(x[start:end], recipe, "lhs", "colwise")  # the group's rows alone: blocks from its start
+            dyc = _q(dy.astype(out)[start:end], recipe, "grad", "colwise")
+            exact, bound = gemm_bound(xc.T, dyc.T, wt)
+            assert_within(dw[g], exact, bound, f"wgrad group {g}")
+        else:
+            assert (dw[g] == 0).all(), f"empty group {g}: no gradient"
+    assert (y[end:] == 0).all() and (dx[end:] == 0).all(), "rows in no group"
+
+
+def test_close_to_lax_ragged_dot():
+    """Against lax.ragged_dot of the unquantized operands: the FP8 error, a few percent of the scale."""
+    rng = np.random.default_rng(stable_seed("ragged vs lax"))
+    x, w = data(rng, (512, 256), F32, spread=1), data(rng, (4, 256, 384), F32, spread=1)
+    sizes = jnp.asarray([100, 0, 300, 80], jnp.int32)
+    y, yr = jf.fp8_ragged_dot(x, w, sizes), lax.ragged_dot(x, w, sizes, precision=lax.Precision.HIGHEST)
+    assert float(jnp.abs(y - yr).max()) < 0.15 * float(jnp.abs(yr).max())
+    assert float(jnp.abs(y - yr).mean()) < 0.05 * float(jnp.abs(yr).mean())  # E4M3: 3.7% measured
+
+
+def test_one_compile_serves_every_routing():
+    traces = []
+
+    @jax.jit
+    def step(x, w, sizes):
+        traces.append(1)
+        return jax.grad(lambda x, w: jf.fp8_ragged_dot(x, w, sizes).sum(), (0, 1))(x, w)
+
+    rng = np.random.default_rng(0)
+    x, w = data(rng, (256, 128), F32), data(rng, (3, 128, 128), F32)
+    for sizes in ([256, 0, 0], [100, 100, 56], [0, 0, 10], [1, 2, 3]):
+        dx, dw = step(x, w, jnp.asarray(sizes, jnp.int32))
+        assert (np.asarray(dx)[sum(sizes):] == 0).all()
+        assert all((np.asarray(dw[g]) == 0).all() == (s == 0) for g, s in enumerate(sizes))
+    assert len(traces) == 1
+
+
+def test_vmap_gives_each_entry_its_own_product():
+    rng = np.random.default_rng(1)
+    x, w = data(rng, (3, 130, 128), F32), data(rng, (3, 2, 128, 64), F32)
+    sizes = jnp.asarray([[130, 0], [60, 70], [0, 5]], jnp.int32)
+    grad = jax.grad(lambda x, w, s: jf.fp8_ragged_dot(x, w, s).sum(), (0, 1))
+    got = jax.jit(jax.vmap(jf.fp8_ragged_dot))(x, w, sizes)
+    grads = jax.jit(jax.vmap(grad))(x, w, sizes)
+    one, one_grad = jax.jit(jf.fp8_ragged_dot), jax.jit(grad)
+    for b in range(3):
+        np.testing.assert_array_equal(got[b], one(x[b], w[b], sizes[b]))
+        for g, h in zip(grads, one_grad(x[b], w[b], sizes[b])):
+            np.testing.assert_array_equal(g[b], h)
+
+
+def test_default_shard_map_expert_weights_replicated():
+    """Each device its own tokens and routing, the experts' weights replicated: the weight gradient is
+    the psum of the devices' (typed so by the default shard_map, no 8x), the rest per device."""
+    mesh = jax.make_mesh((8,), ("d",))
+    rng = np.random.default_rng(2)
+    x, w = data(rng, (8 * 64, 128), F32), data(rng, (4, 128, 128), F32)
+    sizes = rng.integers(0, 20, (8, 4)).astype(np.int32)
+
+    def loss(x, w, s):
+        return (jf.fp8_ragged_dot(x, w, s) ** 2).sum()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=(P("d"), P()))
+    def grads(x, w, s):
+        return jax.grad(loss, (0, 1))(x, w, s[0])  # w's cast to varying transposes to the psum
+
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    dx, dw = grads(put(x, P("d")), put(w, P()), put(sizes, P("d")))
+    want_dx, want_dw = [], 0
+    for d in range(8):
+        gx, gw = jax.grad(loss, (0, 1))(x[64 * d:64 * (d + 1)], w, sizes[d])
+        want_dx.append(gx)
+        want_dw = want_dw + gw
+    np.testing.assert_array_equal(np.asarray(dx), np.concatenate(want_dx))
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["rows", "experts"])
+def test_sharded_jit_gives_the_unsharded_result(spec):
+    """On an Auto mesh (on an Explicit one lax.ragged_dot wants an out_sharding, which is still to come)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(stable_seed("ragged sharded", spec))
+    x, w = data(rng, (256, 128), F32), data(rng, (8, 128, 256), F32)
+    sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
+    f = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
+    want = f(x, w, sizes)
+    x_spec, w_spec = (P("d"), P()) if spec == "rows" else (P(), P("d"))
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jf.ShardingWarning)  # the grouped quantize gathers split rows
+        got = f(put(x, x_spec), put(w, w_spec), put(sizes, P()))
+    for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6)
+
+
+def test_fallback_warns_once_and_says_why():
+    rng = np.random.default_rng(3)
+    x, w = data(rng, (64, 128), F32), data(rng, (2, 128, 32), F32)
+    sizes = jnp.asarray([30, 34], jnp.int32)
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="MXFP8BlockScaling") as rec:
+        y = jf.fp8_ragged_dot(x, w, sizes, recipe=jf.MXFP8BlockScaling())
+    assert len(rec) == 1 and y.shape == (64, 32)
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="not float32"):
+        jf.fp8_ragged_dot(x.astype(jnp.int8), w, sizes)
+
+
+@pytest.mark.parametrize("bad", ["lhs_rank", "rhs_groups", "sizes_rank", "sizes_float"])
+def test_bad_arguments_raise_what_lax_raises(bad):
+    x, w, s = jnp.ones((10, 4)), jnp.ones((3, 4, 5)), jnp.asarray([3, 3, 4], jnp.int32)
+    args = dict(lhs_rank=(x[0], w, s), rhs_groups=(x, w[:2], s), sizes_rank=(x, w, s[None]),
+                sizes_float=(x, w, s.astype(F32)))[bad]
+    with pytest.raises(Exception) as want:
+        lax.ragged_dot(*args)
+    with pytest.raises(type(want.value), match=str(want.value)[:30].replace("(", r"\(").replace(")", r"\)")):
+        jf.fp8_ragged_dot(*args)
+
+
+def test_any_integer_group_sizes_as_lax():
+    x, w = jnp.ones((10, 128)), jnp.ones((3, 128, 16))
+    got = jf.fp8_ragged_dot(x, w, np.asarray([3, 3, 4], np.int64))
+    np.testing.assert_array_equal(got, jf.fp8_ragged_dot(x, w, jnp.asarray([3, 3, 4], jnp.int32)))
