@@ -16,9 +16,15 @@ experts' rows).
 """
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .arrays import cdiv, xp_of
+from .arrays import xp_of
 
 
 def block_slots(M: int, G: int, bm: int) -> int:
@@ -78,3 +84,62 @@ def slot_blocks(group_sizes, M: int, bm: int):
     row0 = starts[g] + (slots - (last[g] - counts[g])) * bm
     rows = xp.where(used, xp.minimum(ends[g] - row0, bm), 0).astype(np.int32)
     return g, xp.where(used, row0, M).astype(np.int32), rows
+
+
+# ---- the grouped layout from a router's choices --------------------------------------------------------
+@partial(jax.tree_util.register_dataclass, data_fields=["rows", "dest", "group_sizes"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Where a mixture-of-experts layer's token copies go in the grouped layout (:func:`route`).
+
+    - ``rows`` (R,) int32: for each row of the grouped layout, the assignment it holds (an index into
+      the flattened (T * k) choices; token ``rows // k``), or -1 for a padding row or a row past the groups;
+    - ``dest`` (T * k,) int32: each assignment's row in the layout (``rows[dest] == arange(T * k)``);
+    - ``group_sizes`` (G,) int32: the groups' sizes, padding rows included (what ``ragged_dot`` takes).
+    """
+
+    rows: Any
+    dest: Any
+    group_sizes: Any
+
+    def permute(self, x, k: int):
+        """The (R, ...) grouped rows of the tokens ``x`` (T, ...) (each token's k copies in its experts'
+        groups; padding rows 0)."""
+        src = jnp.maximum(self.rows, 0) // k
+        return jnp.where((self.rows >= 0).reshape(-1, *([1] * (x.ndim - 1))), x[src], 0).astype(x.dtype)
+
+    def unpermute(self, y, weights):
+        """The tokens' outputs (T, ...): each token's k rows of the grouped ``y`` (R, ...) summed with the
+        router ``weights`` (T, k)."""
+        T, k = weights.shape
+        picked = y[self.dest].reshape(T, k, *y.shape[1:])
+        w = weights.reshape(T, k, *([1] * (y.ndim - 1))).astype(y.dtype)
+        return (picked * w).sum(axis=1)
+
+
+def layout_rows(T: int, k: int, G: int, pad_to: int) -> int:
+    """Rows of the grouped layout of T tokens, k experts each, G experts, groups padded to ``pad_to``: the
+    T * k copies and, per group, fewer than ``pad_to`` padding rows (a static bound)."""
+    return T * k + G * (pad_to - 1)
+
+
+def route(expert_ids, num_groups: int, pad_to: int = 1) -> Routing:
+    """The grouped layout of a router's top-k choices ``expert_ids`` (T, k) int (each token's experts):
+    the token copies sorted by expert, in token order within an expert, each expert's rows padded with
+    rows of zeros to a multiple of ``pad_to``. ``pad_to=128`` is the layout the blockwise FP8 grouped
+    GEMMs prefer: every group starts on a 128-row block, so the weight gradient's blocks, which
+    restart at each group start, are the dense tensor's (DeepGEMM's "contiguous" layout). Static shapes:
+    :func:`layout_rows` rows, read from ``group_sizes`` on the device (no host sync)."""
+    T, k = expert_ids.shape
+    G = int(num_groups)
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    A = T * k
+    counts = jnp.zeros((G,), jnp.int32).at[ids].add(1, mode="drop")
+    sizes = (counts + pad_to - 1) // pad_to * pad_to
+    first = jnp.cumsum(sizes) - sizes  # each group's first row
+    order = jnp.argsort(ids, stable=True)  # assignments by expert, in token order within one
+    seen = jnp.cumsum(counts) - counts  # assignments of the experts before
+    rank = jnp.arange(A, dtype=jnp.int32) - seen[ids[order]]
+    dest = jnp.zeros((A,), jnp.int32).at[order].set(first[ids[order]] + rank)
+    rows = jnp.full((layout_rows(T, k, G, pad_to),), -1, jnp.int32).at[dest].set(jnp.arange(A, dtype=jnp.int32))
+    return Routing(rows, dest, sizes.astype(jnp.int32))
