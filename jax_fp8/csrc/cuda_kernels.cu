@@ -1,6 +1,6 @@
 // The XLA FFI handlers of the CUDA module (built for sm_90 where nvcc exists) and its nanobind
 // registrations. The kernels: quantize_dense.cuh (dense tensors), quantize_shards.cuh (master-weight
-// shards), both over the tile of quantize_tile.cuh, quantize_grouped.cuh (rows in groups) and dequantize.cuh; produce_tile.cuh (producers fused
+// shards), both over the tile of quantize_tile.cuh, grouped_tile.cuh (rows in groups) and dequantize.cuh; produce_tile.cuh (producers fused
 // with quantization) and norm_grad.cuh (the norms' backward); the FP8 GEMM is cuBLASLt's
 // (cublaslt_gemm.h, loaded at run time through cublaslt.h).
 #include <cuda_runtime.h>
@@ -18,7 +18,7 @@
 #include "produce_tile.cuh"
 #include "norm_grad.cuh"
 #include "quantize_dense.cuh"
-#include "quantize_grouped.cuh"
+#include "grouped_tile.cuh"
 #include "quantize_shards.cuh"
 
 namespace jf {
@@ -42,7 +42,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::
   return check_launch();
 }
 
-// x (B, M, K), its rows in the groups of sizes (B, G) int32: as QuantizeGroupedCpu (quantize_grouped.cuh).
+// x (B, M, K), its rows in the groups of sizes (B, G) int32: as QuantizeGroupedCpu (grouped_tile.cuh).
 ffi::Error QuantizeGroupedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sizes,
                                ffi::Result<ffi::AnyBuffer> data0, ffi::Result<ffi::AnyBuffer> scale0,
                                ffi::Result<ffi::AnyBuffer> data1, ffi::Result<ffi::AnyBuffer> scale1, Scheme scheme) {

@@ -118,7 +118,7 @@ def _why_not(label, local, sizes, params):
 
 quantize_grouped_p = define_primitive(
     "jf_quantize_grouped", abstract=_abstract, reference=_reference,
-    # cuda: once the CUDA kernel (quantize_grouped.cuh, compile-checked) has run bit-exact on a GPU
+    # cuda: once the CUDA kernel (grouped_tile.cuh, compile-checked) has run bit-exact on a GPU
     ffi_rules=dict(cpu=_ffi_lowering), batch=_batch,
     rule=Rule(tuple(_NAMES), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
     multiple_results=True,

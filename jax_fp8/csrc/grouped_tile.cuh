@@ -38,6 +38,17 @@ struct GroupedOut {
   int64_t col_ld;
 };
 
+// The sum of v over lanes 0..lane of the warp.
+__device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int64_t u = __shfl_up_sync(0xFFFFFFFFu, v, off);
+    if (lane >= off) v += u;
+  }
+  return v;
+}
+
 // Warp 0: the rows [r0, r1) of block row x (a slot, or past the groups' rows: a tail chunk), from the
 // group sizes as groups.h's group_blocks numbers the slots (a group's end: the prefix sum of the clipped
 // sizes, clipped to M). Lanes take 32 groups at a time; prefix sums by shuffles.
@@ -49,22 +60,10 @@ __device__ __forceinline__ void find_rows(const int32_t* sizes, int64_t G, int64
   for (int64_t g0 = 0; g0 < G; g0 += 32) {
     const int64_t g = g0 + lane;
     const int64_t size = g < G ? min(max(int64_t(sizes[g]), int64_t(0)), M) : 0;
-    int64_t incl = size;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int64_t v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    incl += rows_before;
+    const int64_t incl = warp_inclusive_sum(size) + rows_before;
     const int64_t end = min(M, incl), beg = min(M, incl - size);
     const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
-    int64_t nincl = n;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int64_t v = __shfl_up_sync(0xFFFFFFFFu, nincl, off);
-      if (lane >= off) nincl += v;
-    }
-    nincl += slots_before;
+    const int64_t nincl = warp_inclusive_sum(n) + slots_before;
     if (x < S && x >= nincl - n && x < nincl) {  // one lane at most: the slot's group
       *r0 = beg + (x - (nincl - n)) * kGroupTile;
       *r1 = min(end, *r0 + kGroupTile);
