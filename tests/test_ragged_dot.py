@@ -16,6 +16,8 @@ psummed), sharded ``jax.jit``, the fallback and bad arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import warnings
 
 import jax
@@ -215,6 +217,11 @@ def test_sharded_jit_gives_the_unsharded_result(spec):
         got = f(put(x, x_spec), put(w, w_spec), put(sizes, P()))
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6)
+    if spec == "experts":  # expert parallel: no device gathers another's expert weights (or their FP8 forms)
+        hlo = f.lower(put(x, x_spec), put(w, w_spec), put(sizes, P())).compile().as_text()
+        gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
+                    re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
+        assert gathered and max(gathered) < 128 * 256, gathered  # one expert's (K, N) weight: 128 x 256
 
 
 def test_fallback_warns_once_and_says_why():
