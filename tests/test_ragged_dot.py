@@ -250,3 +250,11 @@ def test_any_integer_group_sizes_as_lax():
     x, w = jnp.ones((10, 128)), jnp.ones((3, 128, 16))
     got = jf.fp8_ragged_dot(x, w, np.asarray([3, 3, 4], np.int64))
     np.testing.assert_array_equal(got, jf.fp8_ragged_dot(x, w, jnp.asarray([3, 3, 4], jnp.int32)))
+
+
+def test_a_gpu_is_told_that_the_grouped_gemms_run_as_the_reference(monkeypatch):
+    """Until the grouped kernels land, a GPU computes the reference math: one warning says so."""
+    x, w, s = jnp.ones((10, 128)), jnp.ones((2, 128, 16)), jnp.asarray([4, 6], jnp.int32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="reference math"):
+        jf.fp8_ragged_dot(x, w, s)

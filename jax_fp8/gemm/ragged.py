@@ -150,6 +150,11 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
         return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
     if lhs.size == 0 or rhs.size == 0:
         return jnp.zeros(out.shape, out.dtype)
+    if jax.default_backend() != "cpu":  # the same numbers, at an fp32 GEMM's speed: say so, as fp8_dot_general does
+        warn(f"fp8_ragged_dot (lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs {jnp.dtype(rhs.dtype).name}"
+             f"{list(rhs.shape)}): computing the grouped GEMMs by the reference math (fp32 products of the FP8 data "
+             f"per 128-wide block, scaled) on {jax.default_backend()}: no grouped FP8 GEMM kernel is built yet",
+             Fp8GemmFallbackWarning)
     # any integer dtype, as lax takes it (sizes count rows of one array: they fit int32)
     lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):
