@@ -16,6 +16,7 @@
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
 # (NCU_PAIRS) and backend (each at the table's best options when there is one); MODEL=1 bench_model.py;
 # PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS);
+# RAGGED=1 the mixture-of-experts tests on the GPU, then bench_ragged.py (RAGGED_ARGS);
 # NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
@@ -120,6 +121,10 @@ if [ "${NCU:-0}" != 0 ]; then
     done
   done
 fi
+# mixture of experts: the grouped quantize and fp8_ragged_dot against bf16 lax.ragged_dot (RAGGED_ARGS)
+[ "${RAGGED:-0}" != 0 ] && { stage ragged; python3 -m pytest tests/test_quantize_grouped.py tests/test_ragged_dot.py \
+  -q -n 0 -p no:cacheprovider 2>&1 | log ragged_tests.log | tail -4;
+  (cd bench && python3 bench_ragged.py ${RAGGED_ARGS:-}) 2>&1 | log bench_ragged.log; }
 # the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8
 [ "${MODEL:-0}" != 0 ] && { stage model; python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | log bench_model.log; }
 true

@@ -1,0 +1,107 @@
+"""Mixture-of-experts pieces, side by side in one run: the grouped quantize (``jf_quantize_grouped``: both
+usages, columnwise blocks restarting at every group start) against the dense quantize of the same rows
+(``jf_quantize``, both usages) and a device-to-device copy of the input; and one MoE projection's
+forward + backward on ``fp8_ragged_dot`` against bf16 ``lax.ragged_dot`` and a dense layer of the same
+total rows (bf16 ``lax.dot_general`` and ``fp8_dot_general``). Shapes: DeepSeek-V3-like experts
+(hidden 7168, expert FFN 2048), balanced or skewed routing, each expert's rows padded to 128.
+
+GB/s counts what the quantize must move: the input read once, the FP8 data and fp32 scales written once.
+
+  python bench/bench_ragged.py [--experts 8,32,256] [--rows 4096,16384] [--k 7168] [--n 2048] [--iters 20]
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_fp8 as jf
+from _timing import jax_time
+from bench_kernels import device_copy, leaves_equal, register_device_copy
+from jax_fp8 import contracts, groups
+from jax_fp8.quantization import quantize, quantize_grouped
+
+RECIPE = jf.Float8BlockScaling()
+LHS = RECIPE.scheme("lhs")
+BF16 = jnp.bfloat16
+
+
+def routing_sizes(rows: int, experts: int, skewed: bool, rng) -> np.ndarray:
+    """Group sizes summing to about ``rows``, each padded to 128: even, or Zipf-like (a few experts take
+    most rows)."""
+    w = 1.0 / np.arange(1, experts + 1) ** 1.2 if skewed else np.ones(experts)
+    sizes = np.floor(rows * w / w.sum()).astype(np.int64)
+    return (-(-sizes // 128) * 128).astype(np.int32)
+
+
+def bench_quantize(M: int, K: int, sizes, iters: int, copy: bool) -> None:
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.standard_normal((M, K)), BF16) for _ in range(3)]
+    s = jnp.asarray(sizes)
+    moved = M * K * 2 + 2 * M * K + 4 * (2 * M * K // 128)
+    grouped = jax_time(lambda x: quantize_grouped(x, s, LHS), [(x,) for x in xs], iters)
+    dense = jax_time(lambda x: quantize(x, LHS), [(x,) for x in xs], iters)
+    line = (f"  QUANTIZE {M}x{K} G={len(sizes)}: grouped {grouped * 1e6:8.1f} us ({moved / grouped / 1e9:6.0f} GB/s)  "
+            f"dense {dense * 1e6:8.1f} us ({moved / dense / 1e9:6.0f} GB/s)")
+    if copy:
+        t = jax_time(device_copy, [(x,) for x in xs], iters)
+        line += f"  memcpy {t * 1e6:8.1f} us ({2 * M * K * 2 / t / 1e9:6.0f} GB/s)"
+    print(line, flush=True)
+    got = jax.jit(lambda x: quantize_grouped(x, s, LHS))(xs[0])
+    want = contracts.quantize_grouped_usages(np.asarray(xs[0][:, :256]), np.asarray(sizes), scheme=LHS)
+    print(f"    bits of the first 256 columns' columnwise data equal the contract's: "
+          f"{leaves_equal(np.asarray(got['colwise'][0])[:256].view(np.uint8), want[2])}", flush=True)
+
+
+def bench_layer(M: int, K: int, N: int, sizes, iters: int) -> None:
+    rng = np.random.default_rng(1)
+    G = len(sizes)
+    s = jnp.asarray(sizes)
+    x = jnp.asarray(rng.standard_normal((M, K)), BF16)
+    w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), BF16)
+    wd = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), BF16)
+
+    def step(f):
+        return lambda x, w: jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+
+    times = {
+        "bf16 ragged_dot": jax_time(step(lambda x, w: lax.ragged_dot(x, w, s)), [(x, w)], iters),
+        "fp8_ragged_dot": jax_time(step(lambda x, w: jf.fp8_ragged_dot(x, w, s)), [(x, w)], iters),
+        "dense bf16": jax_time(step(lambda x, w: x @ w), [(x, wd)], iters),
+        "dense fp8_dot_general": jax_time(step(lambda x, w: jf.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))),
+                                          [(x, wd)], iters),
+    }
+    base = times["bf16 ragged_dot"]
+    print(f"  LAYER {M}x{K}x{N} G={G} (fwd+bwd): " + "  ".join(f"{k} {v * 1e3:7.2f} ms ({base / v:4.2f}x)"
+                                                               for k, v in times.items()), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", default="8,32,256")
+    ap.add_argument("--rows", default="4096,16384")
+    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-layer", action="store_true", help="the quantize alone")
+    args = ap.parse_args()
+    copy = jax.default_backend() == "gpu" and register_device_copy()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; routed rows padded to 128 per expert")
+    rng = np.random.default_rng(2)
+    for rows in (int(r) for r in args.rows.split(",")):
+        for experts in (int(e) for e in args.experts.split(",")):
+            for skewed in (False, True):
+                sizes = routing_sizes(rows, experts, skewed, rng)
+                M = int(sizes.sum())
+                print(f"rows {M} ({'skewed' if skewed else 'balanced'}, {experts} experts, largest group "
+                      f"{sizes.max()}; layout bound {groups.layout_rows(rows, 1, experts, 128)})", flush=True)
+                bench_quantize(M, args.k, sizes, args.iters, copy)
+                if not args.no_layer:
+                    bench_layer(M, args.k, args.n, sizes, args.iters)
+
+
+if __name__ == "__main__":
+    main()
