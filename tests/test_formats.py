@@ -12,7 +12,7 @@ import pytest
 import jax_fp8 as jf
 from jax_fp8 import Scheme, formats
 from jax_fp8.primitives import (dequantize_p, norm_grad_p, partial_amax_p, partial_cast_p, produce_p, produce_quantize_p,
-                                quantize_p)
+                                quantize_grouped_p, quantize_p)
 from helpers import assert_bits_equal, random_input, stable_seed
 
 
@@ -89,10 +89,11 @@ def test_e8m0_from_amax_moved_with_a_deprecation():
 
 def test_primitives_exports_every_primitive():
     assert set(jf.primitives.__all__) == {"quantize_p", "dequantize_p", "partial_amax_p", "partial_cast_p",
-                                          "produce_p", "produce_quantize_p", "norm_grad_p"}
-    prims = (quantize_p, dequantize_p, partial_amax_p, partial_cast_p, produce_p, produce_quantize_p, norm_grad_p)
+                                          "produce_p", "produce_quantize_p", "norm_grad_p", "quantize_grouped_p"}
+    prims = (quantize_p, dequantize_p, partial_amax_p, partial_cast_p, produce_p, produce_quantize_p, norm_grad_p,
+             quantize_grouped_p)
     assert {p.name for p in prims} == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast",
-                                       "jf_produce", "jf_produce_quantize", "jf_norm_grad"}
+                                       "jf_produce", "jf_produce_quantize", "jf_norm_grad", "jf_quantize_grouped"}
 
 
 def test_one_handler_list_for_both_modules():
@@ -104,7 +105,7 @@ def test_one_handler_list_for_both_modules():
         pytest.skip("the CPU module is not built")
     cpu = set(jf._jax_fp8_cpu.registrations())
     assert cpu == {"jf_quantize", "jf_dequantize", "jf_partial_amax", "jf_partial_cast", "jf_produce",
-                   "jf_produce_quantize", "jf_norm_grad"}
+                   "jf_produce_quantize", "jf_norm_grad", "jf_quantize_grouped"}
     if _ffi.AVAILABLE["cuda"]:
         cuda = set(jf._jax_fp8_cuda.registrations())
         assert cpu < cuda and len(cuda - cpu) == 1  # the GEMM
