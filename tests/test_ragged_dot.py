@@ -213,7 +213,7 @@ def test_sharded_jit_gives_the_unsharded_result(spec):
     """On an Auto mesh (on an Explicit one lax.ragged_dot wants an out_sharding, which is still to come)."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(stable_seed("ragged sharded", spec))
-    x, w = data(rng, (256, 128), F32), data(rng, (8, 128, 256), F32)
+    x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
     f = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
     want = f(x, w, sizes)
@@ -222,8 +222,10 @@ def test_sharded_jit_gives_the_unsharded_result(spec):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jf.ShardingWarning)  # the grouped quantize gathers split rows
         got = f(put(x, x_spec), put(w, w_spec), put(sizes, P()))
+    # the same products; XLA may split a partitioned fp32 sum differently (a few ulps of the largest terms)
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6)
+        h = np.asarray(h)
+        np.testing.assert_allclose(np.asarray(g), h, rtol=1e-5, atol=1e-5 * float(np.abs(h).max()))
     if spec == "experts":  # expert parallel: no device gathers another's expert weights (or their FP8 forms)
         hlo = f.lower(put(x, x_spec), put(w, w_spec), put(sizes, P())).compile().as_text()
         gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
