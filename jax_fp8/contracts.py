@@ -11,8 +11,9 @@ runs the public API on them.
 """
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import groups
 from .arrays import bitcast, cdiv, xp_of
@@ -109,7 +110,6 @@ def _slot_amax(a, slot, n: int):
         out = np.zeros((n, a.shape[1]), np.float32)
         np.maximum.at(out, slot, a)
         return out
-    import jax  # the jax.numpy path only
     return jnp.maximum(jax.ops.segment_max(a, slot, num_segments=n), np.float32(0))
 
 
