@@ -45,6 +45,15 @@ def group_bounds(group_sizes, M: int):
     return starts, ends
 
 
+def _block_counts(group_sizes, M: int, bm: int):
+    """``(starts, ends, counts, first)`` (G,): the groups' rows, their blocks of ``bm`` rows and each
+    group's first slot."""
+    xp = xp_of(group_sizes)
+    starts, ends = group_bounds(group_sizes, M)
+    counts = (ends - starts + bm - 1) // bm
+    return starts, ends, counts, xp.cumsum(counts) - counts
+
+
 def row_groups(group_sizes, M: int):
     """The group of each of the M rows, (M,) int32; G for a row past the last group's end."""
     xp = xp_of(group_sizes)
@@ -59,8 +68,7 @@ def row_blocks(group_sizes, M: int, bm: int):
     G = group_sizes.shape[0]
     if G == 0:
         return xp.zeros((M,), np.int32)
-    starts, ends = group_bounds(group_sizes, M)
-    first = xp.cumsum((ends - starts + bm - 1) // bm) - (ends - starts + bm - 1) // bm  # each group's first slot
+    starts, _, _, first = _block_counts(group_sizes, M, bm)
     g = row_groups(group_sizes, M)
     inside = g < G
     gc = xp.minimum(g, G - 1)
@@ -75,13 +83,12 @@ def slot_blocks(group_sizes, M: int, bm: int):
     xp = xp_of(group_sizes)
     G = group_sizes.shape[0]
     S = block_slots(M, G, bm)
-    starts, ends = group_bounds(group_sizes, M)
-    counts = (ends - starts + bm - 1) // bm
-    last = xp.cumsum(counts)  # one past each group's last slot
+    starts, ends, counts, first = _block_counts(group_sizes, M, bm)
+    last = first + counts  # one past each group's last slot
     slots = xp.arange(S, dtype=np.int32)
     g = xp.minimum(xp.searchsorted(last, slots, side="right"), G - 1).astype(np.int32)
     used = slots < last[-1] if G else slots < 0
-    row0 = starts[g] + (slots - (last[g] - counts[g])) * bm
+    row0 = starts[g] + (slots - first[g]) * bm
     rows = xp.where(used, xp.minimum(ends[g] - row0, bm), 0).astype(np.int32)
     return g, xp.where(used, row0, M).astype(np.int32), rows
 

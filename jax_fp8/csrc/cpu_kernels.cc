@@ -218,7 +218,7 @@ ffi::Error QuantizeGroupedCpu(ffi::AnyBuffer x, ffi::AnyBuffer sizes, ffi::Resul
     std::fill_n(static_cast<float*>(outs[k][1]->untyped_data()), outs[k][1]->element_count(), kGemmScalePad);
   }
   const int32_t* group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
-  with_rule(a, [&](auto rule) {
+  with_block_rule(a, [&](auto rule) {  // make_grouped_quantize_args takes Float8 blockwise alone
     with_loader(a.in, [&](auto ld) {
       using L = decltype(ld);
       const auto* xs = static_cast<const typename L::T*>(x.untyped_data());
@@ -226,8 +226,7 @@ ffi::Error QuantizeGroupedCpu(ffi::AnyBuffer x, ffi::AnyBuffer sizes, ffi::Resul
         for (int k = 0; k < a.n_out; ++k) {
           const OutLayout& o = a.out[k];
           const std::vector<RowBlock> blocks = group_blocks(group_sizes + b * G, G, a.M, o.bm);
-          using S = typename decltype(rule)::ScaleT;  // fp32 (make_grouped_quantize_args takes Float8 alone)
-          auto* scale = static_cast<S*>(outs[k][1]->untyped_data()) + b * o.s_batch;
+          auto* scale = static_cast<float*>(outs[k][1]->untyped_data()) + b * o.s_batch;
           quantize_blocks(InputRows<L>{xs + b * a.M * a.K, a.M, a.K}, blocks, 1, a.M, a.K, o, rule, a.fp8,
                           static_cast<uint8_t*>(outs[k][0]->untyped_data()) + b * a.M * a.K, scale);
         }

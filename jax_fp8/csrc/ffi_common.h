@@ -252,15 +252,19 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
 // SATURATE_ONLY: for callers that take TE's rule alone and checked saturate_inf (the master-weight
 // shards), which then build no kernels for the other rule.
 template <bool SATURATE_ONLY = false, class F>
+auto with_block_rule(const QuantizeArgs& a, F&& f) {  // Float8 blockwise alone (with_rule's other half)
+  if constexpr (!SATURATE_ONLY) {
+    if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
+  }
+  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
+}
+template <bool SATURATE_ONLY = false, class F>
 auto with_rule(const QuantizeArgs& a, F&& f) {
   switch (a.format) {
     case Format::kMxfp8: return f(MxRule{a.fp8});
     case Format::kBlockwise: break;
   }
-  if constexpr (!SATURATE_ONLY) {
-    if (!a.saturate_inf) return f(BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value});
-  }
-  return f(BlockRule{a.fp8, a.pow2, a.eps, a.inf_value});
+  return with_block_rule<SATURATE_ONLY>(a, f);
 }
 
 // Calls f(rule) with a default rule of the scheme's format: for code that needs only the rule's type

@@ -197,14 +197,11 @@ inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, i
   const dim3 grid(unsigned(bx), unsigned(by), unsigned(a.B));
   return with_loader(a.in, [&](auto ld) {
     using L = decltype(ld);
-    const auto* xs = static_cast<const typename L::T*>(x);
-    if (!a.saturate_inf)
-      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(xs, sizes, a.M, a.K, G, S,
-                                                            BlockRuleT<true>{a.fp8, a.pow2, a.eps, a.inf_value}, a.fp8, o);
-    else
-      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(xs, sizes, a.M, a.K, G, S,
-                                                            BlockRule{a.fp8, a.pow2, a.eps, a.inf_value}, a.fp8, o);
-    return ffi::Error::Success();
+    return with_block_rule(a, [&](auto rule) {
+      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(static_cast<const typename L::T*>(x), sizes, a.M, a.K, G,
+                                                            S, rule, a.fp8, o);
+      return ffi::Error::Success();
+    });
   });
 }
 

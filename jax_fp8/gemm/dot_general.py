@@ -224,7 +224,7 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 # ---- dot_general ----------------------------------------------------------------------------------------
-def _fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
+def fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
     """The fallback's operand, and what was done to it (for the warning): quantize-dequantize with the
     recipe's ``scheme`` for its role (rowwise blocks, TE's rule for infinities; a straight-through
     gradient), dequantized values of a quantized tensor, or the operand as it is where there is
@@ -421,8 +421,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         # dim the GEMM had to gather (misaligned shards, padding) is split again
         return _retyped(y, out_sharding if out_sharding is not None else _lax_sharding(lhs, rhs, dimension_numbers))
     # the fallback, and empty products (nothing to quantize, no warning)
-    (a, a_done), (b, b_done) = (_fallback_operand(lhs, recipe.scheme("lhs")),
-                                _fallback_operand(rhs, recipe.scheme("rhs")))
+    (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")),
+                                fallback_operand(rhs, recipe.scheme("rhs")))
     if plan.fallback is not None:
         _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): not on the FP8 GEMM: {plan.fallback}; "
               f"computing {_what_is_computed(a_done, b_done)} instead")

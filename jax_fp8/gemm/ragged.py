@@ -30,10 +30,10 @@ from jax import lax
 
 from .. import vma
 from ..formats import HIGH_DTYPES
-from ..quantization import dequantize, quantize_dequantize, quantize_each, quantize_grouped
+from ..quantization import quantize_each, quantize_grouped
 from ..tensors import QUANTIZED_TENSORS
 from ..warn import Fp8GemmFallbackWarning, warn
-from .dot_general import reverse_mode_only
+from .dot_general import fallback_operand, reverse_mode_only
 from .recipes import RECIPES, Float8BlockScaling
 from .reference import ragged_blocked_gemm, ragged_wgrad_gemm
 
@@ -97,22 +97,18 @@ def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset) -> Optional[st
     return None
 
 
+def _call_str(lhs, rhs) -> str:
+    """``lhs float32[4, 8], rhs float32[2, 8, 16]``: the call's operands, for a warning."""
+    return f"lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs {jnp.dtype(rhs.dtype).name}{list(rhs.shape)}"
+
+
 def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why: str):
-    """``lax.ragged_dot`` of the quantize-dequantized operands (straight-through), with one warning."""
-    warn(f"fp8_ragged_dot (lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs "
-         f"{jnp.dtype(rhs.dtype).name}{list(rhs.shape)}): not on the FP8 grouped GEMM: {why}; computing "
+    """``lax.ragged_dot`` of the operands as ``fp8_dot_general``'s fallback takes them (quantize-dequantized,
+    straight-through), with one warning."""
+    warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): not on the FP8 grouped GEMM: {why}; computing "
          "lax.ragged_dot of the quantize-dequantized operands instead", Fp8GemmFallbackWarning)
-
-    def qdq(v, role):
-        if isinstance(v, QUANTIZED_TENSORS):
-            return dequantize(v)
-        if jnp.dtype(v.dtype) not in HIGH_DTYPES or v.size == 0:
-            return v
-        scheme = dataclasses.replace(recipe.scheme(role).only("rowwise"), layout="compact", saturate_inf=True)
-        return jnp.where(jnp.isfinite(v), quantize_dequantize(v, scheme, "rowwise"), v)
-
-    return lax.ragged_dot(qdq(lhs, "lhs"), qdq(rhs, "rhs"), group_sizes, precision, preferred_element_type,
-                          group_offset)
+    (a, _), (b, _) = (fallback_operand(lhs, recipe.scheme("lhs")), fallback_operand(rhs, recipe.scheme("rhs")))
+    return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset)
 
 
 def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
@@ -151,10 +147,9 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     if lhs.size == 0 or rhs.size == 0:
         return jnp.zeros(out.shape, out.dtype)
     if jax.default_backend() != "cpu":  # the same numbers, at an fp32 GEMM's speed: say so, as fp8_dot_general does
-        warn(f"fp8_ragged_dot (lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs {jnp.dtype(rhs.dtype).name}"
-             f"{list(rhs.shape)}): computing the grouped GEMMs by the reference math (fp32 products of the FP8 data "
-             f"per 128-wide block, scaled) on {jax.default_backend()}: no grouped FP8 GEMM kernel is built yet",
-             Fp8GemmFallbackWarning)
+        warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): computing the grouped GEMMs by the reference math (fp32 "
+             f"products of the FP8 data per 128-wide block, scaled) on {jax.default_backend()}: no grouped FP8 GEMM "
+             "kernel is built yet", Fp8GemmFallbackWarning)
     # any integer dtype, as lax takes it (sizes count rows of one array: they fit int32)
     lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):

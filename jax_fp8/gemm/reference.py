@@ -93,6 +93,8 @@ def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
     M, K = a.shape
     G, N = b.shape[:2]
     nk = cdiv(K, FLOAT8_BLOCK)
+    if nk == 0:
+        return jnp.zeros((M, N), out_dtype)
     starts, ends = groups.group_bounds(group_sizes, M)
     sizes = ends - starts  # clamped: what lax.ragged_dot is given
     g = groups.row_groups(group_sizes, M)
@@ -100,8 +102,6 @@ def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
     sa = jnp.asarray(_compact_scales(a, a_scale, BLOCK_1D), jnp.float32)  # (M, nk)
     # each row's group's tile scales
     sb = jnp.asarray(_compact_scales(b, b_scale, BLOCK_2D), jnp.float32)[jnp.minimum(g, G - 1)]  # (M, ceil(N/128), nk)
-    if nk == 0:
-        return jnp.zeros((M, N), out_dtype)
     pad = nk * FLOAT8_BLOCK - K
     a_k = jnp.swapaxes(jnp.pad(a, ((0, 0), (0, pad))).reshape(M, nk, FLOAT8_BLOCK), 0, 1)  # (nk, M, 128)
     b_k = jnp.moveaxis(jnp.pad(b, ((0, 0), (0, 0), (0, pad))).reshape(G, N, nk, FLOAT8_BLOCK), 2, 0)  # (nk, G, N, 128)
