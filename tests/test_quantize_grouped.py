@@ -195,19 +195,24 @@ def test_default_shard_map_and_sharded_jit():
     for b in range(8):
         for g, w in zip(got, want[b]):
             assert_bits_equal(g[b], w)
-    # sharded jit (Explicit and Auto axes): the last dim split stays split, the rows are gathered with a warning
-    for mesh in (mesh, jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))):
-        s0 = jax.device_put(sizes[0], NamedSharding(mesh, P()))
-        xs = jax.device_put(x[0], NamedSharding(mesh, P(None, "d")))
+    # sharded jit (Explicit and Auto axes, and a plain Mesh): the last dim split stays split, the rows are
+    # gathered with a warning; each mesh its own row count (so its own compile, whose partitioner warns)
+    meshes = (mesh, jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,)),
+              jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",)))
+    for b, (mesh, rows) in enumerate(zip(meshes, (136, 128, 120))):
+        x_b = x[b, :rows]
+        want = contracts.quantize_grouped_usages(np.asarray(x_b), sizes[b], scheme=scheme)
+        s_b = jax.device_put(sizes[b], NamedSharding(mesh, P()))
+        xs = jax.device_put(x_b, NamedSharding(mesh, P(None, "d")))
         with warnings.catch_warnings():
             warnings.simplefilter("error", ShardingWarning)
-            got = jax.jit(flat)(xs, s0)
-        for g, w in zip(got, want[0]):
+            got = jax.jit(flat)(xs, s_b)
+        for g, w in zip(got, want):
             assert_bits_equal(g, w)
-        xs = jax.device_put(x[0], NamedSharding(mesh, P("d", None)))
+        xs = jax.device_put(x_b, NamedSharding(mesh, P("d", None)))
         with pytest.warns(ShardingWarning, match="rows"):
-            got = jax.jit(flat)(xs, s0)
-        for g, w in zip(got, want[0]):
+            got = jax.jit(flat)(xs, s_b)
+        for g, w in zip(got, want):
             assert_bits_equal(g, w)
 
 

@@ -208,11 +208,13 @@ def test_default_shard_map_expert_weights_replicated():
     np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("construction", ["make_mesh", "Mesh"])
 @pytest.mark.parametrize("spec", ["rows", "experts"])
-def test_sharded_jit_gives_the_unsharded_result(spec):
-    """On an Auto mesh (on an Explicit one lax.ragged_dot wants an out_sharding, which is still to come)."""
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
-    rng = np.random.default_rng(stable_seed("ragged sharded", spec))
+def test_sharded_jit_gives_the_unsharded_result(spec, construction):
+    """On Auto axes: jax.make_mesh's, or a plain Mesh (on an Explicit mesh lax.ragged_dot itself fails)."""
+    mesh = (jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,)) if construction == "make_mesh"
+            else jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",)))
+    rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
     f = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
