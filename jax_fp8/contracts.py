@@ -120,9 +120,9 @@ def quantize_grouped_usages(x, group_sizes, *, scheme: Scheme):
     - rowwise (blocks along K, which never mix groups): :func:`quantize_usages`'s output, data (M, K)
       and scales (ceil(K/128), roundup(M, 4)), but rows in no group get data 0 and ``GEMM_SCALE_PAD``;
     - columnwise: blocks of 128 rows restarting at every group start (:mod:`jax_fp8.groups`), data
-      (K, M) transposed, 0 in the columns of rows in no group; scales (S, roundup(K, 4)), one row per
-      block slot (S = ``groups.block_slots(M, G, 128)``), ``GEMM_SCALE_PAD`` in unused slots and in
-      the padding.
+      (K, Mc) transposed, group g's rows in the columns from ``groups.col_starts``, 0 in every other
+      column (Mc = ``groups.col_count(M, G)``); scales (S, roundup(K, 4)), one row per block slot
+      (S = ``groups.block_slots(M, G, 128)``), ``GEMM_SCALE_PAD`` in unused slots and in the padding.
     """
     xp = xp_of(x, group_sizes)
     M, K = x.shape
@@ -143,7 +143,14 @@ def quantize_grouped_usages(x, group_sizes, *, scheme: Scheme):
         stored, mult = scheme.format.scale_rule(scheme, x.dtype)(amax)
         with _quiet():
             data = cast_to_fp8(x.astype(_F32) * mult[slot], scheme.dtype)
-        data = xp.where((slot < S)[:, None], data, np.uint8(0))
+        cols = groups.row_cols(group_sizes, M)  # col_count for a row in no group: dropped
+        Mc = groups.col_count(M, group_sizes.shape[0])
+        if xp is np:
+            placed = np.zeros((Mc + 1, K), np.uint8)
+            placed[cols] = data
+            data = placed[:Mc]
+        else:
+            data = jnp.zeros((Mc, K), np.uint8).at[cols].set(data, mode="drop")
         used = groups.slot_blocks(group_sizes, M, bm)[2] > 0
         scale = xp.where(used[:, None], stored[:S], np.float32(GEMM_SCALE_PAD))
         width = cdiv(K, scheme.scale_row_align) * scheme.scale_row_align

@@ -13,6 +13,9 @@ experts' rows).
   last one partial); the blocks of all groups are numbered in order, group by group, and a tensor
   stores each block's scales in its slot. There are at most :func:`block_slots` of them: slots past
   the last block are unused (they hold the scale of an all-zero block).
+- A columnwise (transposed) operand holds group g's rows as the columns from ``col_starts[g]``, a
+  multiple of :data:`COL_ALIGN` (the grouped GEMM's TMA loads start each group on a 16-byte address),
+  the columns between groups and past the last one 0: :func:`col_count` columns in all.
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ import numpy as np
 
 from .arrays import xp_of
 
+#: Each group's first column in a columnwise operand is a multiple of this (16 FP8 bytes: TMA's rule).
+COL_ALIGN = 16
+
 
 def block_slots(M: int, G: int, bm: int) -> int:
     """The number of block slots of M rows in G groups, ``bm`` rows a block: the most blocks any group
@@ -34,6 +40,34 @@ def block_slots(M: int, G: int, bm: int) -> int:
     group of the rest); 0 for no rows or no groups."""
     n = min(G, M)
     return n + (M - n) // bm if n > 0 else 0
+
+
+def col_count(M: int, G: int) -> int:
+    """The columns of a columnwise operand of M rows in G groups: the most any sizes take, each group
+    rounded up to :data:`COL_ALIGN` columns: :func:`block_slots` of blocks of :data:`COL_ALIGN` rows."""
+    return COL_ALIGN * block_slots(M, G, COL_ALIGN)
+
+
+def col_starts(group_sizes, M: int):
+    """Each group's first column, (G,) int32: the groups before it, each rounded up to :data:`COL_ALIGN`."""
+    xp = xp_of(group_sizes)
+    starts, ends = group_bounds(group_sizes, M)
+    cols = (ends - starts + COL_ALIGN - 1) // COL_ALIGN * COL_ALIGN
+    return (xp.cumsum(cols) - cols).astype(np.int32)
+
+
+def row_cols(group_sizes, M: int):
+    """The column of each of the M rows in a columnwise operand, (M,) int32; :func:`col_count` for a row
+    in no group."""
+    xp = xp_of(group_sizes)
+    G = group_sizes.shape[0]
+    if G == 0:
+        return xp.zeros((M,), np.int32)
+    starts, _ = group_bounds(group_sizes, M)
+    g = row_groups(group_sizes, M)
+    gc = xp.minimum(g, G - 1)
+    col = col_starts(group_sizes, M)[gc] + xp.arange(M, dtype=np.int32) - starts[gc]
+    return xp.where(g < G, col, col_count(M, G)).astype(np.int32)
 
 
 def group_bounds(group_sizes, M: int):

@@ -106,14 +106,17 @@ def _dense(x, scheme):
 @pytest.mark.parametrize("c", CASES[::4], ids=_id)
 def test_contract_is_the_dense_contract_per_group(c):
     """Each group's rows quantized alone by the dense contract give the same bytes and scales, at the
-    places the layout doc names: rows [start, end) of the data, scale rows from the group's first slot."""
+    places the layout doc names: rows [start, end) of the rowwise data, columnwise columns from the
+    group's start column (the groups before it, each rounded up to 16 columns), scale rows from the
+    group's first slot; every other byte 0."""
     x, sizes = _case_data(c)
     x = np.asarray(x)
     M, K = x.shape
     scheme = _scheme(c[4], c[5])
     data_r, s_r, data_c, s_c = contracts.quantize_grouped_usages(x, sizes, scheme=scheme)
-    data_c = data_c.T
-    start, slot = 0, 0
+    data_c = data_c.T.copy()
+    assert data_c.shape == (groups.col_count(M, len(sizes)), K)
+    start, slot, col = 0, 0, 0
     for size in sizes:
         end = min(M, start + min(max(int(size), 0), M))
         if end > start:
@@ -121,11 +124,13 @@ def test_contract_is_the_dense_contract_per_group(c):
             n = -(-(end - start) // 128)
             assert_bits_equal(data_r[start:end], dr, "rowwise data")
             assert_bits_equal(s_r[:, start:end].T, sr, "rowwise scales")
-            assert_bits_equal(data_c[start:end], dc, "columnwise data")
+            assert_bits_equal(data_c[col:col + end - start], dc, "columnwise data")
+            data_c[col:col + end - start] = 0  # checked: what is left must be 0
             assert_bits_equal(s_c[slot:slot + n, :K], sc, "columnwise scales")
             slot += n
+            col += -(-(end - start) // 16) * 16
         start = end
-    assert (data_r[start:] == 0).all() and (data_c[start:] == 0).all(), "rows in no group: data 0"
+    assert (data_r[start:] == 0).all() and (data_c == 0).all(), "rows in no group, columns of none: data 0"
     assert (s_r[:, start:] == GEMM_SCALE_PAD).all() and (s_c[slot:] == GEMM_SCALE_PAD).all()
     assert (s_c[:, K:] == GEMM_SCALE_PAD).all()
     assert s_c.shape[0] == groups.block_slots(M, len(sizes), 128) >= slot
@@ -133,9 +138,10 @@ def test_contract_is_the_dense_contract_per_group(c):
 
 @pytest.mark.parametrize("M,G", [(1, 1), (127, 1), (128, 2), (129, 3), (300, 40), (513, 7)])
 def test_block_slots_bound_every_routing(M, G):
-    """No group sizes need more slots than block_slots(M, G), and the worst routing (G - 1 groups of one
-    row, one of the rest) needs them all."""
-    S = groups.block_slots(M, G, 128)
+    """No group sizes need more slots than block_slots(M, G) or more columns than col_count(M, G) (each
+    group's columns rounded up to 16), and the worst routing (G - 1 groups of one row, one of the rest)
+    needs them all."""
+    S, Mc = groups.block_slots(M, G, 128), groups.col_count(M, G)
     rng = np.random.default_rng(stable_seed("slots", M, G))
     worst = [1] * (G - 1) + [M - (G - 1)] if M >= G else [1] * M + [0] * (G - M)
     for sizes in [worst] + [list(rng.integers(-3, M + 1, G)) for _ in range(50)]:
@@ -143,6 +149,10 @@ def test_block_slots_bound_every_routing(M, G):
         starts, ends = groups.group_bounds(np.asarray(sizes, np.int32), M)
         assert rows.sum() == ends[-1] and (rows > 0).sum() == sum(-(-(e - s) // 128) for s, e in zip(starts, ends))
         assert len(rows) == S
+        cols = sum(-(-(e - s) // 16) * 16 for s, e in zip(starts, ends))
+        assert cols <= Mc and Mc % 16 == 0
+        if sizes is worst:
+            assert Mc == cols, (Mc, cols)
     _, _, rows = groups.slot_blocks(np.asarray(worst, np.int32), M, 128)
     assert (rows > 0).sum() == S
 

@@ -94,7 +94,7 @@ inline void for_blocks_in(int64_t c0, int64_t c1, int bk, F f) {
 struct EvenBlocks {
   int64_t M, bm;
   int64_t size() const { return cdiv(M, bm); }
-  RowBlock operator[](int64_t i) const { return {i * bm, std::min(M, i * bm + bm), i}; }
+  RowBlock operator[](int64_t i) const { return {i * bm, std::min(M, i * bm + bm), i, i * bm}; }
 };
 
 // Quantize one output: blocks of o.bm rows x o.bk cols of every (M, K) matrix in the batch, its data
@@ -114,7 +114,7 @@ void quantize_blocks(const Rows& rows, const Blocks& blocks, int64_t B, int64_t 
     std::vector<uint8_t> bytes(o.data_transposed ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / sm;
-      const auto [r0, r1, i] = blocks[t % sm];
+      const auto [r0, r1, i, c0] = blocks[t % sm];
       std::fill(amax.begin(), amax.end(), 0.0f);
       for (int64_t r = r0; r < r1; ++r) {
         rows(b, r, row.data());
@@ -135,10 +135,10 @@ void quantize_blocks(const Rows& rows, const Blocks& blocks, int64_t B, int64_t 
         rows(b, r, row.data());
         if (!o.data_transposed) {
           cast_span<1>(row.data(), mk, data + (b * M + r) * K, K, fp8);
-        } else {  // (B, K, M): the row's bytes go down column r of the transpose
+        } else {  // (B, K, data_cols): the row's bytes go down its column of the transpose
           cast_span<1>(row.data(), mk, bytes.data(), K, fp8);
-          uint8_t* col = data + b * K * M + r;
-          for (int64_t k = 0; k < K; ++k) col[k * M] = bytes[k];
+          uint8_t* col = data + b * K * o.data_cols + c0 + (r - r0);
+          for (int64_t k = 0; k < K; ++k) col[k * o.data_cols] = bytes[k];
         }
       }
     }
@@ -228,7 +228,7 @@ ffi::Error QuantizeGroupedCpu(ffi::AnyBuffer x, ffi::AnyBuffer sizes, ffi::Resul
           const std::vector<RowBlock> blocks = group_blocks(group_sizes + b * G, G, a.M, o.bm);
           auto* scale = static_cast<float*>(outs[k][1]->untyped_data()) + b * o.s_batch;
           quantize_blocks(InputRows<L>{xs + b * a.M * a.K, a.M, a.K}, blocks, 1, a.M, a.K, o, rule, a.fp8,
-                          static_cast<uint8_t*>(outs[k][0]->untyped_data()) + b * a.M * a.K, scale);
+                          static_cast<uint8_t*>(outs[k][0]->untyped_data()) + b * (outs[k][0]->element_count() / a.B), scale);
         }
     });
   });

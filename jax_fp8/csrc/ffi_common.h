@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fp8_math.h"
+#include "groups.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jf {
@@ -53,10 +54,12 @@ constexpr float kGemmScalePad = 1.0f;  // the scale_inv of an all-zero block (sc
 struct OutLayout : Output {
   int64_t s_batch, s_row, s_col;
   int64_t pad_rows, pad_from, ld;
+  int64_t data_cols;  // the data's row length: K, or for transposed data M (col_count(M, G) in groups)
 };
 // The layout of output o of an (M, K) matrix whose scale buffer has stored rows of ld entries;
 // row_blocks: its block rows where they are not the cdiv(M, bm) of even blocks (rows in groups, groups.h).
-inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld, int64_t row_blocks = -1) {
+inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld, int64_t row_blocks = -1,
+                            int64_t transposed_cols = -1) {
   const int64_t sm = row_blocks >= 0 ? row_blocks : cdiv(M, o.bm), sk = cdiv(K, o.bk);
   const int64_t rows = o.scales_transposed ? sk : sm, row_len = o.scales_transposed ? sm : sk;
   OutLayout l;
@@ -67,6 +70,7 @@ inline OutLayout out_layout(const Output& o, int64_t M, int64_t K, int64_t ld, i
   l.pad_rows = ld > row_len ? rows : 0;
   l.pad_from = row_len;
   l.ld = ld;
+  l.data_cols = o.data_transposed ? (transposed_cols >= 0 ? transposed_cols : M) : K;
   return l;
 }
 
@@ -190,9 +194,11 @@ constexpr int64_t kMaxScalePad = 256;
 // scales (B, rows, ld), one stored row per block row (per block column when transposed), each at least
 // as long as the grid's row (MXFP8: exactly); row_blocks as out_layout's. Returns the output's layout.
 inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi::AnyBuffer& data,
-                               const ffi::AnyBuffer& scale, OutLayout* l, int64_t row_blocks = -1) {
+                               const ffi::AnyBuffer& scale, OutLayout* l, int64_t row_blocks = -1,
+                               int64_t transposed_cols = -1) {
   const auto d = data.dimensions(), s = scale.dimensions();
-  const int64_t rows = o.data_transposed ? a.K : a.M, cols = o.data_transposed ? a.M : a.K;
+  const int64_t rows = o.data_transposed ? a.K : a.M;
+  const int64_t cols = o.data_transposed ? (transposed_cols >= 0 ? transposed_cols : a.M) : a.K;
   const auto shape = [](int64_t b, int64_t r, int64_t c) {
     return "(" + std::to_string(b) + ", " + std::to_string(r) + ", " + std::to_string(c) + ")";
   };
@@ -210,7 +216,7 @@ inline ffi::Error check_output(const QuantizeArgs& a, const Output& o, const ffi
                (f.gemm_ready_scales ? ", each stored row padded by at most " + std::to_string(kMaxScalePad - 1) +
                                           " entries"
                                     : ""));
-  *l = out_layout(o, a.M, a.K, s[2], row_blocks);
+  *l = out_layout(o, a.M, a.K, s[2], row_blocks, transposed_cols);
   return ffi::Error::Success();
 }
 
@@ -222,11 +228,13 @@ struct QuantizeResult {
 
 // The result buffers of every output of a quantize-style call (res[k]) against its filled arguments:
 // each output's layout read from its buffers; col_blocks: the block rows of columnwise (bm x 1) blocks
-// where they are not even (rows in groups, groups.h).
-inline ffi::Error check_quantize_outputs(const QuantizeResult* res, QuantizeArgs* a, int64_t col_blocks = -1) {
+// where they are not even, and transposed_cols the columns of its transposed data (rows in groups, groups.h).
+inline ffi::Error check_quantize_outputs(const QuantizeResult* res, QuantizeArgs* a, int64_t col_blocks = -1,
+                                         int64_t transposed_cols = -1) {
   for (int k = 0; k < a->n_out; ++k) {
     const int64_t row_blocks = a->out[k].bk == 1 ? col_blocks : -1;
-    if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k], row_blocks); e.failure())
+    if (auto e = check_output(*a, a->out[k], *res[k].data, *res[k].scale, &a->out[k], row_blocks, transposed_cols);
+        e.failure())
       return e;
     const OutLayout& o = a->out[k];
     a->gemm_scales |= gemm_ready_scales(a->format) && (o.data_transposed || o.scales_transposed || o.pad_rows > 0);
@@ -246,6 +254,27 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const QuantizeResu
   if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
   if (auto e = fill_quantize_args(x.element_type(), B, M, K, s, a); e.failure()) return e;
   return check_quantize_outputs(res, a);
+}
+
+// jf_quantize_grouped: x (B, M, K), group sizes (B, G) int32 (one set per matrix), and the result buffers
+// of the scheme's outputs (Float8 blockwise, GEMM-ready 1x128 blocks): rowwise as jf_quantize's;
+// columnwise data (B, K, col_count(M, G)) and scales (B, S, ld) of block_slots(M, G, 128) slots. Sets *G.
+inline ffi::Error make_grouped_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& sizes,
+                                             const QuantizeResult* res, const Scheme& s, QuantizeArgs* a,
+                                             int64_t* G) {
+  int64_t B, M, K;
+  if (auto e = dims3(x, &B, &M, &K); e.failure()) return e;
+  const auto d = sizes.dimensions();
+  if (sizes.element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != B)
+    return bad("quantize_grouped: the group sizes must be int32 (batch, groups), one set per matrix");
+  *G = d[1];
+  if (auto e = fill_quantize_args(x.element_type(), B, M, K, s, a); e.failure()) return e;
+  for (int k = 0; k < a->n_out; ++k) {
+    const Output& o = a->out[k];
+    if (a->format != Format::kBlockwise || o.bm * o.bk != traits(a->format).block || o.data_transposed != (o.bk == 1))
+      return bad("quantize_grouped takes Float8 blockwise 1x128 blocks, GEMM-ready");
+  }
+  return check_quantize_outputs(res, a, block_slots(M, *G, traits(a->format).block), col_count(M, *G));
 }
 
 // Calls f(rule) with the scheme's scale rule (fp8_math.h): the one place that dispatches on it.

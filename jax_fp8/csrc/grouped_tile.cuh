@@ -2,9 +2,9 @@
 // rowwise and columnwise from one read of x, the columnwise blocks restarting at every group start.
 //
 // One CTA of 256 threads per (block row, 128 columns, matrix). Block rows x < S are the slots: warp 0
-// finds its slot's rows from the group sizes (a warp scan over the groups, on the device: no host
-// sync); rows x >= S are chunks of 128 of the rows past the last group, which get data 0 and the
-// padding scale. Each thread holds 16 rows x 4 columns in registers: a row's 1x128 amax is a warp
+// finds its slot's rows and columns from the group sizes (a warp scan over the groups, on the device: no
+// host sync); rows x >= S are chunks of 128 of the rows past the last group, which get data 0 and the
+// padding scale, and of the columnwise columns past the groups', which get 0. Each thread holds 16 rows x 4 columns in registers: a row's 1x128 amax is a warp
 // reduction, a column's 128x1 amax a shared-memory one, and the columnwise bytes go out transposed
 // through shared memory, 32 consecutive bytes of one column per warp store.
 #pragma once
@@ -33,9 +33,9 @@ struct GroupedOut {
   uint8_t* row_data;   // (M, K)
   float* row_scale;    // (ceil(K/128), row_ld): entry [kb][r]
   int64_t row_ld;
-  uint8_t* col_data;   // (K, M)
+  uint8_t* col_data;   // (K, col_cols): group g's rows in the columns from groups.h's column starts
   float* col_scale;    // (S, col_ld): entry [slot][k]
-  int64_t col_ld;
+  int64_t col_ld, col_cols;
 };
 
 // The sum of v over lanes 0..lane of the warp.
@@ -49,13 +49,16 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
   return v;
 }
 
-// Warp 0: the rows [r0, r1) of block row x (a slot, or past the groups' rows: a tail chunk), from the
-// group sizes as groups.h's group_blocks numbers the slots (a group's end: the prefix sum of the clipped
-// sizes, clipped to M). Lanes take 32 groups at a time; prefix sums by shuffles.
-__device__ __forceinline__ void find_rows(const int32_t* sizes, int64_t G, int64_t M, int64_t S, int64_t x,
-                                          int64_t* r0, int64_t* r1) {
+// Warp 0: block row x's rows [span[0], span[1]) and the columns [span[2], span[3]) its columnwise bytes
+// fill, from the group sizes as groups.h's group_blocks numbers the slots (a group's end: the prefix sum
+// of the clipped sizes, clipped to M; its first column: the groups before it, each rounded up to
+// kColAlign). A slot's columns are its rows' and the padding to kColAlign after a group's last block; a
+// tail chunk x - S has 128 of the rows past the groups' (rowwise: data 0) and 128 of the columns past the
+// groups' (columnwise: 0); an unused slot has none. Lanes take 32 groups at a time; prefix sums by shuffles.
+__device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64_t M, int64_t Mc, int64_t S,
+                                          int64_t x, int64_t* span) {
   const int lane = threadIdx.x % 32;
-  int64_t rows_before = 0, slots_before = 0;
+  int64_t rows_before = 0, slots_before = 0, cols_before = 0;
   bool found = false;
   for (int64_t g0 = 0; g0 < G; g0 += 32) {
     const int64_t g = g0 + lane;
@@ -64,22 +67,31 @@ __device__ __forceinline__ void find_rows(const int32_t* sizes, int64_t G, int64
     const int64_t end = min(M, incl), beg = min(M, incl - size);
     const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
     const int64_t nincl = warp_inclusive_sum(n) + slots_before;
+    const int64_t width = (end - beg + kColAlign - 1) / kColAlign * kColAlign;
+    const int64_t cincl = warp_inclusive_sum(width) + cols_before;
     if (x < S && x >= nincl - n && x < nincl) {  // one lane at most: the slot's group
-      *r0 = beg + (x - (nincl - n)) * kGroupTile;
-      *r1 = min(end, *r0 + kGroupTile);
+      const int64_t off = (x - (nincl - n)) * kGroupTile;
+      span[0] = beg + off;
+      span[1] = min(end, span[0] + kGroupTile);
+      span[2] = cincl - width + off;
+      span[3] = min(cincl, span[2] + kGroupTile);
       found = true;
     }
     rows_before = __shfl_sync(0xFFFFFFFFu, incl, 31);
     slots_before = __shfl_sync(0xFFFFFFFFu, nincl, 31);
+    cols_before = __shfl_sync(0xFFFFFFFFu, cincl, 31);
   }
   found = __any_sync(0xFFFFFFFFu, found);
   if (lane == 0 && !found) {
-    if (x < S) {
-      *r0 = *r1 = M;  // an unused slot
-    } else {  // a chunk of the rows past the groups'
-      const int64_t total = min(M, rows_before);
-      *r0 = min(M, total + (x - S) * kGroupTile);
-      *r1 = min(M, *r0 + kGroupTile);
+    if (x < S) {  // an unused slot
+      span[0] = span[1] = M;
+      span[2] = span[3] = Mc;
+    } else {  // a chunk of the rows and of the columns past the groups'
+      const int64_t off = (x - S) * kGroupTile;
+      span[0] = min(M, min(M, rows_before) + off);
+      span[1] = min(M, span[0] + kGroupTile);
+      span[2] = min(Mc, cols_before + off);
+      span[3] = min(Mc, span[2] + kGroupTile);
     }
   }
 }
@@ -89,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
                                                                 const int32_t* __restrict__ sizes, int64_t M,
                                                                 int64_t K, int64_t G, int64_t S, Rule rule, int fp8,
                                                                 GroupedOut o) {
-  __shared__ int64_t rows[2];
+  __shared__ int64_t span[4];
   __shared__ float red[kThreads / 32][kGroupTile];
   __shared__ float col_mult[kGroupTile];
   __shared__ uint8_t tile[kGroupTile][kGroupTile + 4];  // [column][row]: the columnwise bytes, transposed
@@ -98,13 +110,13 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
   x += b * M * K;
   sizes += b * G;
   const bool slot = bx < S;
-  if (warp == 0) find_rows(sizes, G, M, S, bx, &rows[0], &rows[1]);
+  if (warp == 0) find_span(sizes, G, M, o.col_cols, S, bx, span);
   __syncthreads();
-  const int64_t r0 = rows[0], r1 = rows[1], c0 = kb * kGroupTile;
+  const int64_t r0 = span[0], r1 = span[1], gc0 = span[2], gc1 = span[3], c0 = kb * kGroupTile;
   const bool in_groups = slot && r1 > r0;
   uint8_t* row_data = o.row_data ? o.row_data + b * M * K : nullptr;
   float* row_scale = o.row_data ? o.row_scale + b * cdiv(K, kGroupTile) * o.row_ld : nullptr;
-  uint8_t* col_data = o.col_data ? o.col_data + b * K * M : nullptr;
+  uint8_t* col_data = o.col_data ? o.col_data + b * K * o.col_cols : nullptr;
   float* col_scale = o.col_data ? o.col_scale + b * S * o.col_ld : nullptr;
 
   // Padding: a slot's scale row past K (tile column 0), the rowwise scales past M (the first tail chunk)
@@ -168,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
     col_mult[threadIdx.x] = m;
   }
   __syncthreads();
-  if (r1 <= r0) return;  // an unused slot, or no rows past the groups' here
+  if (gc1 <= gc0) return;  // an unused slot, or no columns past the groups' here
 #pragma unroll
   for (int i = 0; i < kGroupRowsPerWarp; ++i)
 #pragma unroll
@@ -177,9 +189,10 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
       tile[cl][warp + 8 * i] = in_groups ? fp8_from_float_sw(v[i][e] * col_mult[cl], fp8) : uint8_t(0);
     }
   __syncthreads();
-  const int64_t n_rows = r1 - r0;
+  // the slot's rows, then 0 to its columns' end (tile rows past r1 hold v = 0, cast to 0)
+  const int64_t n_cols = gc1 - gc0;
   for (int cl = warp; cl < kGroupTile && c0 + cl < K; cl += kThreads / 32)
-    for (int rl = lane; rl < n_rows; rl += 32) col_data[(c0 + cl) * M + r0 + rl] = tile[cl][rl];
+    for (int rl = lane; rl < n_cols; rl += 32) col_data[(c0 + cl) * o.col_cols + gc0 + rl] = tile[cl][rl];
 }
 
 // The grouped quantize of a call (a: make_grouped_quantize_args'; d / s: each output's data and scales).
@@ -188,10 +201,12 @@ inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, i
   const int64_t S = block_slots(a.M, G, kGroupTile);
   GroupedOut o{};
   for (int k = 0; k < a.n_out; ++k) {
-    if (a.out[k].colwise()) o.col_data = d[k], o.col_scale = static_cast<float*>(s[k]), o.col_ld = a.out[k].ld;
+    if (a.out[k].colwise())
+      o.col_data = d[k], o.col_scale = static_cast<float*>(s[k]), o.col_ld = a.out[k].ld, o.col_cols = col_count(a.M, G);
     else o.row_data = d[k], o.row_scale = static_cast<float*>(s[k]), o.row_ld = a.out[k].ld;
   }
-  const int64_t bx = S + cdiv(a.M, kGroupTile), by = cdiv(a.K, kGroupTile);
+  // the slots, then tail chunks over the rows past the groups' and the columns past theirs (col_count >= M)
+  const int64_t bx = S + cdiv(col_count(a.M, G), kGroupTile), by = cdiv(a.K, kGroupTile);
   if (a.B == 0 || bx == 0 || by == 0) return ffi::Error::Success();
   if (bx > 0x7FFFFFFF || by > 65535 || a.B > 65535) return bad("quantize_grouped: tensor too large for one launch");
   const dim3 grid(unsigned(bx), unsigned(by), unsigned(a.B));

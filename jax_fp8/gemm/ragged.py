@@ -74,7 +74,7 @@ def _ragged_bwd(cfg: _Grouped, res, dy):
     with reverse_mode_only("fp8_ragged_dot"):
         dyq = quantize_grouped(dy, group_sizes, cfg.recipe.scheme("grad"))  # rowwise (dgrad), columnwise (wgrad)
     dx = ragged_blocked_gemm(*dyq["rowwise"], *w_rows, group_sizes, out_dtype=x_dtype.dtype)
-    dw = ragged_wgrad_gemm(*x_cols, *dyq["colwise"], group_sizes, out_dtype=w_dtype.dtype)
+    dw = ragged_wgrad_gemm(*x_cols, *dyq["colwise"], group_sizes, rows=dy.shape[0], out_dtype=w_dtype.dtype)
     return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 

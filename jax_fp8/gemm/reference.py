@@ -118,27 +118,30 @@ def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
     return acc.astype(out_dtype)
 
 
-def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
-    """The K-grouped GEMM ``out[g] = a[:, rows of g] · b[:, rows of g]ᵀ`` (G, R, N) of FP8 ``a`` (R, M)
-    and ``b`` (N, M), contracted over each group's rows (a weight gradient: xᵀ · dy per expert), both in
-    blocks of 128 rows restarting at every group start with one scale row per block slot (S, roundup(R
-    or N, 4)) (:func:`jax_fp8.quantization.quantize_grouped`'s columnwise usage): per block, the fp32
-    product of the unscaled data at ``Precision.HIGHEST`` times the two blocks' scales, summed in fp32
-    in block order from 0 (an empty group: 0)."""
-    R, M = a.shape
+def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, *, rows: int, out_dtype):
+    """The K-grouped GEMM ``out[g] = a[:, cols of g] · b[:, cols of g]ᵀ`` (G, R, N) of FP8 ``a`` (R, Mc)
+    and ``b`` (N, Mc), contracted over each group's ``rows`` (of M = ``rows``; a weight gradient: xᵀ · dy
+    per expert), both in blocks of 128 rows restarting at every group start with one scale row per block
+    slot (S, roundup(R or N, 4)), group g's rows in the columns from ``groups.col_starts``
+    (:func:`jax_fp8.quantization.quantize_grouped`'s columnwise usage): per block, the fp32 product of
+    the unscaled data at ``Precision.HIGHEST`` times the two blocks' scales, summed in fp32 in block
+    order from 0 (an empty group: 0)."""
+    R = a.shape[0]
     N = b.shape[0]
     G = group_sizes.shape[0]
-    slot_group, row0, rows = groups.slot_blocks(group_sizes, M, FLOAT8_BLOCK)
+    slot_group, row0, n_rows = groups.slot_blocks(group_sizes, rows, FLOAT8_BLOCK)
     S = slot_group.shape[0]
     acc = vma.match(jnp.zeros((G, R, N), jnp.float32), a, a_scale, b, b_scale, group_sizes)[0]
     if S == 0:
         return acc.astype(out_dtype)
+    starts, _ = groups.group_bounds(group_sizes, rows)
+    col0 = jnp.where(n_rows > 0, groups.col_starts(group_sizes, rows)[slot_group] + row0 - starts[slot_group], 0)
     a_p, b_p = (jnp.pad(v, ((0, 0), (0, FLOAT8_BLOCK))) for v in (a, b))  # a block's slice never clamps
     lane = jnp.arange(FLOAT8_BLOCK)
 
     def block(acc, s):
-        g, r0, n, sa, sb = s
-        ak, bk = (jnp.where(lane < n, lax.dynamic_slice_in_dim(v, r0, FLOAT8_BLOCK, axis=1).astype(jnp.float32),
+        g, c0, n, sa, sb = s
+        ak, bk = (jnp.where(lane < n, lax.dynamic_slice_in_dim(v, c0, FLOAT8_BLOCK, axis=1).astype(jnp.float32),
                             np.float32(0)) for v in (a_p, b_p))
         part = lax.dot_general(ak, bk, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
@@ -146,7 +149,7 @@ def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
         return lax.dynamic_update_index_in_dim(acc, acc[g] + scaled, g, axis=0), None
 
     scales = (jnp.asarray(a_scale, jnp.float32)[:, :R], jnp.asarray(b_scale, jnp.float32)[:, :N])
-    acc, _ = lax.scan(block, acc, (slot_group, row0, rows, *scales))
+    acc, _ = lax.scan(block, acc, (slot_group, col0, n_rows, *scales))
     return acc.astype(out_dtype)
 
 

@@ -2,7 +2,8 @@
 ``lax.ragged_dot``) quantized into GEMM-ready Float8 blockwise 1x128 operands, both usages in one call:
 rowwise blocks as ``jf_quantize``'s, columnwise blocks of 128 rows that restart at every group start,
 so that no block's scale mixes two groups (a mixture-of-experts weight gradient contracts each
-expert's rows alone). The contract: :func:`jax_fp8.contracts.quantize_grouped_usages`, per matrix.
+expert's rows alone), each group's columns from a 16-aligned start (``groups.col_starts``: where the
+grouped GEMM's TMA loads can start). The contract: :func:`jax_fp8.contracts.quantize_grouped_usages`, per matrix.
 
 The group sizes (B, G) int32 are read on the device: one compiled call serves every routing. Under
 ``jax.jit`` on a mesh the batch and the last dim split; the rows and the groups are gathered, with a
@@ -49,6 +50,7 @@ def output_shapes(scheme: Scheme, M: int, K: int, G: int) -> list:
     outs = []
     for usage, (data, scale) in zip(scheme.output_usages, scheme.kernel_outputs((M, K))):
         if usage == "colwise":
+            data = (K, groups.col_count(M, G))
             scale = (groups.block_slots(M, G, FLOAT8_BLOCK), scale[1])
         outs.append((data, scale))
     return outs
@@ -104,7 +106,7 @@ def _arrays(sizes, params):
             outs += [(b, m, k), (b, *scale_dims(scheme, m.size, k.size, usage))]
         else:
             slots = Dim(None, groups.block_slots(m.size, g.size, FLOAT8_BLOCK))
-            outs += [(b, k, m), (b, slots, Dim("k", cdiv(k.size, 4) * 4, 1, 4))]
+            outs += [(b, k, Dim(None, groups.col_count(m.size, g.size))), (b, slots, Dim("k", cdiv(k.size, 4) * 4, 1, 4))]
     return [(b, m, k), (b, g)], outs
 
 
