@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
-from helpers import deq, stable_seed
+from helpers import assert_bits_equal, deq, stable_seed
 from test_gemm import assert_within, data, gemm_bound
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -232,7 +232,10 @@ def test_sharded_jit_gives_the_unsharded_result(spec, construction):
         hlo = f.lower(put(x, x_spec), put(w, w_spec), put(sizes, P())).compile().as_text()
         gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
                     re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
-        assert gathered and max(gathered) < 128 * 256, gathered  # one expert's (K, N) weight: 128 x 256
+        assert max(gathered, default=0) < 128 * 256, gathered  # one expert's (K, N) weight: 128 x 256
+        # each device its experts' rows: the forward's and dgrad's outputs summed over the devices
+        reduced = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-reduce\(", hlo)
+        assert {"256,256", "256,128"} <= set(reduced), reduced
 
 
 def test_fallback_warns_once_and_says_why():
@@ -263,9 +266,50 @@ def test_any_integer_group_sizes_as_lax():
     np.testing.assert_array_equal(got, jf.fp8_ragged_dot(x, w, jnp.asarray([3, 3, 4], jnp.int32)))
 
 
-def test_a_gpu_is_told_that_the_grouped_gemms_run_as_the_reference(monkeypatch):
-    """Until the grouped kernels land, a GPU computes the reference math: one warning says so."""
-    x, w, s = jnp.ones((10, 128)), jnp.ones((2, 128, 16)), jnp.asarray([4, 6], jnp.int32)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.warns(jf.Fp8GemmFallbackWarning, match="reference math"):
-        jf.fp8_ragged_dot(x, w, s)
+def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):
+    """Where CUTLASS's grouped kernels cannot run a call, the reason names the rule it breaks (the lowering
+    then runs the reference, with one Fp8GemmFallbackWarning saying so)."""
+    from jax_fp8.gemm.backends import cutlass
+
+    assert cutlass.ragged_unavailable("m", [], jnp.bfloat16, jax.devices("cpu")) is not None  # no GPU here
+    monkeypatch.setattr(cutlass, "unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(cutlass, "_MODULE", (type("M", (), {"ragged_workspace_bytes": None}), 0, ()))
+    f8 = lambda *shape, dt=jnp.float8_e4m3fn: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    f32 = jax.ShapeDtypeStruct((1,), jnp.float32)
+    cases = [("m", (f8(64, 128), f32, f8(2, 32, 128)), jnp.bfloat16, None),
+             ("m", (f8(64, 120), f32, f8(2, 32, 120)), jnp.bfloat16, "K = 120 is not a multiple of 16"),
+             ("m", (f8(64, 128), f32, f8(2, 36, 128)), jnp.bfloat16, "N = 36 is not a multiple of 8"),
+             ("m", (f8(64, 128), f32, f8(2, 36, 128)), jnp.float32, None),
+             ("k", (f8(130, 96), f32, f8(64, 96)), jnp.float32, "R = 130 is not a multiple of 4"),
+             ("m", (f8(64, 128, dt=jnp.float8_e5m2), f32, f8(2, 32, 128)), jnp.bfloat16, "float8_e4m3fn")]
+    for kind, avals, out, want in cases:
+        why = cutlass.ragged_unavailable(kind, avals, out)
+        assert why == want if want is None else want in why, (kind, avals, why)
+
+@pytest.mark.parametrize("offset,Gl", [(0, 5), (1, 3), (3, 2), (4, 3), (-1, 2), (5, 2)])
+def test_group_offset_takes_a_shards_groups(offset, Gl):
+    """``jf_fp8_ragged_gemm`` over the Gl groups from ``group_offset`` (an expert-parallel shard's experts)
+    gives the whole call's rows of those groups (the others 0) and the whole call's weight gradients of
+    those groups (groups past G: 0), bit for bit: each product reads the same operands either way."""
+    from jax_fp8.gemm.ragged_primitive import ragged_gemm
+    from jax_fp8.quantization import quantize_each, quantize_grouped
+
+    rng = np.random.default_rng(stable_seed("group offset", offset, Gl))
+    M, K, N, G = 300, 256, 128, 5
+    sizes = jnp.asarray([70, 0, 129, 1, 90], jnp.int32)
+    x, dy, w = (data(rng, shape, F32) for shape in ((M, K), (M, N), (G, K, N)))
+    recipe = jf.Float8BlockScaling()
+    xq, dyq = quantize_grouped(x, sizes, recipe.scheme("lhs")), quantize_grouped(dy, sizes, recipe.scheme("grad"))
+    wd, ws = quantize_each(w, recipe.scheme("rhs", rowwise=False))["colwise"]
+    picks = np.clip(offset + np.arange(Gl), 0, G - 1)  # a shard's experts (past G: any weight, never read)
+    local = np.arange(Gl) + offset
+    rows = np.repeat(np.arange(G), np.asarray(sizes))
+    mine = np.isin(np.pad(rows, (0, M - len(rows)), constant_values=G), local)[:, None]
+    fwd = lambda b, s, o, gl: ragged_gemm(*xq["rowwise"], b, s, sizes, o, kind="m", out_dtype=F32)  # noqa: E731
+    want = np.where(mine, np.asarray(fwd(wd, ws, 0, G)), 0)
+    assert_bits_equal(np.asarray(fwd(wd[picks], ws[picks], offset, Gl)), want, "M-grouped")
+    dw = lambda o, gl: ragged_gemm(*xq["colwise"], *dyq["colwise"], sizes, o, kind="k", rows=M,  # noqa: E731
+                                   groups_out=gl, out_dtype=F32)
+    whole = np.asarray(dw(0, G))
+    want = np.where(((local >= 0) & (local < G))[:, None, None], whole[np.clip(local, 0, G - 1)], 0)
+    assert_bits_equal(np.asarray(dw(offset, Gl)), want, "K-grouped")

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cutlass_gemm.cuh"
+#include "cutlass_ragged.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jf {
@@ -189,6 +190,98 @@ ffi::Error GemmCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
   return ffi::Error::Success();
 }
 
+ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& buf, ffi::DataType type, const char* type_name,
+                        const std::vector<int64_t>& want) {
+  const auto d = buf.dimensions();
+  if (buf.element_type() != type || std::vector<int64_t>(d.begin(), d.end()) != want)
+    return invalid(std::string(name) + " must be " + type_name + " " + shape_str(want) + ", got shape " + shape_str(d));
+  return ffi::Error::Success();
+}
+
+// The grouped GEMMs of fp8_ragged_dot (cutlass_ragged.cuh), E4M3 operands, over the Gl groups from
+// group_offset (a device scalar) of the G in group_sizes (G,) int32. kind 0 (M-grouped): a (M, K), a_scale
+// (ceil(K/128), roundup(M, 4)), b (Gl, N, K), b_scale (Gl, ceil(N/128), roundup(ceil(K/128), 4)), out (M, N).
+// kind 1 (K-grouped): a (R, Mc), a_scale (S, R), b (N, Mc), b_scale (S, N), out (Gl, R, N), with `rows` the
+// M the groups are clipped to and S = block_slots(rows, G, 128).
+ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                         ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer group_sizes,
+                         ffi::AnyBuffer group_offset, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> workspace, int64_t kind, int64_t rows) {
+  if (kind != kMGrouped && kind != kKGrouped) return invalid("kind must be 0 (M-grouped) or 1 (K-grouped)");
+  const auto ad = a.dimensions(), bd = b.dimensions(), gd = group_sizes.dimensions();
+  if (group_sizes.element_type() != ffi::DataType::S32 || gd.size() != 1)
+    return invalid("group_sizes must be int32 (G,), got shape " + shape_str(gd));
+  if (group_offset.element_type() != ffi::DataType::S32 || group_offset.element_count() != 1)
+    return invalid("group_offset must be one int32");
+  if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN)
+    return invalid("the grouped GEMM takes float8_e4m3fn operands");
+  int out_type;
+  if (out->element_type() == ffi::DataType::BF16) out_type = kOutBF16;
+  else if (out->element_type() == ffi::DataType::F32) out_type = kOutF32;
+  else return invalid("out must be bfloat16 or float32");
+  RaggedCall call;
+  call.kind = int(kind);
+  call.G = gd[0];
+  if (ad.size() != 2) return invalid("a must be 2-D, got " + shape_str(ad));
+  if (kind == kMGrouped) {
+    call.M = ad[0];
+    call.K = ad[1];
+    if (bd.size() != 3 || bd[2] != call.K) return invalid("b must be (Gl, N, K) with a's K, got " + shape_str(bd));
+    call.Gl = bd[0];
+    call.N = bd[1];
+    const int64_t nk = cdiv(call.K, 128);
+    if (auto e = check_buffer("a_scale", a_scale, ffi::DataType::F32, "float32", {nk, round_up(call.M, 4)}); e.failure())
+      return e;
+    if (auto e = check_buffer("b_scale", b_scale, ffi::DataType::F32, "float32",
+                              {call.Gl, cdiv(call.N, 128), round_up(nk, 4)}); e.failure())
+      return e;
+    if (auto e = check_buffer("out", *out, out->element_type(), "of the output type", {call.M, call.N}); e.failure())
+      return e;
+    if (call.K % 16) return invalid("K = " + std::to_string(call.K) + " is not a multiple of 16");
+  } else {
+    call.K = ad[0];  // R
+    call.Mc = ad[1];
+    call.M = rows;
+    if (bd.size() != 2 || bd[1] != call.Mc) return invalid("b must be (N, Mc) with a's Mc, got " + shape_str(bd));
+    call.N = bd[0];
+    if (rows < 0 || rows > call.Mc) return invalid("rows must be in [0, Mc], got " + std::to_string(rows));
+    const int64_t S = block_slots(rows, call.G, 128);
+    if (auto e = check_buffer("a_scale", a_scale, ffi::DataType::F32, "float32", {S, call.K}); e.failure()) return e;
+    if (auto e = check_buffer("b_scale", b_scale, ffi::DataType::F32, "float32", {S, call.N}); e.failure()) return e;
+    const auto od = out->dimensions();
+    if (od.size() != 3) return invalid("out must be (Gl, R, N), got " + shape_str(od));
+    call.Gl = od[0];
+    if (auto e = check_buffer("out", *out, out->element_type(), "of the output type", {call.Gl, call.K, call.N});
+        e.failure())
+      return e;
+    if (call.Mc % kColAlign) return invalid("Mc = " + std::to_string(call.Mc) + " is not a multiple of 16");
+  }
+  if (std::max({call.M, call.N, call.K, call.Mc}) > kMaxDim) return invalid("a GEMM dim over 2**31 - 1");
+  const int n_align = out_type == kOutBF16 ? 8 : 4;
+  if (call.N % n_align) return invalid("N = " + std::to_string(call.N) + " is not a multiple of " + std::to_string(n_align));
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1)
+    return invalid("the workspace result must be a 1-D uint8 buffer");
+  if (out->element_count() == 0) return ffi::Error::Success();
+  call.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  call.group_offset = static_cast<const int32_t*>(group_offset.untyped_data());
+  call.a = a.untyped_data();
+  call.b = b.untyped_data();
+  call.a_scale = static_cast<const float*>(a_scale.untyped_data());
+  call.b_scale = static_cast<const float*>(b_scale.untyped_data());
+  call.out = out->untyped_data();
+  call.workspace = workspace->untyped_data();
+  call.workspace_bytes = workspace->element_count();
+  call.device = device;
+  call.stream = stream;
+  for (auto [name, p] : {std::pair{"a", call.a}, {"b", call.b}, {"out", static_cast<const void*>(call.out)},
+                         {"workspace", static_cast<const void*>(call.workspace)}})
+    if (auto e = check_aligned(name, p); e.failure()) return e;
+  if (auto e = sm_count(device, &call.sm_count); e.failure()) return e;
+  const GemmResult r = run_ragged(out_type, call);
+  if (r.status != kOk) return status_error(r);
+  return ffi::Error::Success();
+}
+
 // The largest workspace any kernel asks for, over a few problem sizes (dry runs: no GPU needed).
 size_t workspace_bytes() {
   size_t ws = kMinWorkspaceBytes;
@@ -244,11 +337,31 @@ static auto gemm_cutlass_binding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfFp8GemmCutlass, jf::cutlass_gemm::GemmCutlass, gemm_cutlass_binding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+static auto ragged_cutlass_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()  // a: (M, K) rows (M-grouped) or (R, Mc) columns (K-grouped), float8_e4m3fn
+      .Arg<ffi::AnyBuffer>()  // a_scale
+      .Arg<ffi::AnyBuffer>()  // b: (G, N, K) (M-grouped) or (N, Mc) (K-grouped)
+      .Arg<ffi::AnyBuffer>()  // b_scale
+      .Arg<ffi::AnyBuffer>()  // group_sizes (G,) int32
+      .Arg<ffi::AnyBuffer>()  // group_offset, one int32: the first of the Gl groups of b (M) or out (K)
+      .Ret<ffi::AnyBuffer>()  // out: (M, N) or (Gl, R, N)
+      .Ret<ffi::AnyBuffer>()  // workspace, uint8 (ragged_workspace_bytes)
+      .Attr<int64_t>("kind")
+      .Attr<int64_t>("rows");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfRaggedCutlass, jf::cutlass_gemm::RaggedCutlass, ragged_cutlass_binding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 NB_MODULE(_jax_fp8_cutlass, m) {
   namespace cg = jf::cutlass_gemm;
   m.def("registrations", []() {
     nanobind::dict d;
     d["jf_cutlass_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfFp8GemmCutlass));
+    d["jf_cutlass_ragged_gemm"] = nanobind::capsule(reinterpret_cast<void*>(JfRaggedCutlass));
     return d;
   });
   std::vector<std::string> configs(cg::kConfigNames, cg::kConfigNames + cg::kNumConfigs);
@@ -288,4 +401,29 @@ NB_MODULE(_jax_fp8_cutlass, m) {
       nanobind::arg("M"), nanobind::arg("N"), nanobind::arg("K"), nanobind::arg("b_block_rows"),
       nanobind::arg("out_dtype"), nanobind::arg("a_dtype") = "float8_e4m3fn",
       nanobind::arg("b_dtype") = "float8_e4m3fn", nanobind::arg("config") = 0);
+  // The workspace bytes of a grouped GEMM (the lowering allocates them; the handler checks): kind 0
+  // (M-grouped: M, N, K as a (M, K), b (Gl, N, K)) or 1 (K-grouped: M the rows, N, K = R, Mc the columns),
+  // G groups in group_sizes, Gl of them local.
+  m.def(
+      "ragged_workspace_bytes",
+      [](int64_t kind, int64_t M, int64_t N, int64_t K, int64_t G, int64_t Gl, int64_t Mc,
+         const std::string& out_dtype) {
+        if (kind != cg::kMGrouped && kind != cg::kKGrouped) throw nanobind::value_error("kind must be 0 or 1");
+        cg::RaggedCall call;
+        call.kind = int(kind);
+        call.M = M;
+        call.N = N;
+        call.K = K;
+        call.G = G;
+        call.Gl = Gl;
+        call.Mc = Mc;
+        call.dry_run = true;
+        // the largest SM count a Hopper part has: the tensormaps' share grows with it
+        call.sm_count = 144;
+        const cg::GemmResult r = cg::run_ragged(cg::out_type_of(out_dtype), call);
+        if (r.status != cg::kOk) throw nanobind::value_error(r.message.c_str());
+        return r.workspace;
+      },
+      nanobind::arg("kind"), nanobind::arg("M"), nanobind::arg("N"), nanobind::arg("K"), nanobind::arg("G"),
+      nanobind::arg("Gl"), nanobind::arg("Mc"), nanobind::arg("out_dtype"));
 }

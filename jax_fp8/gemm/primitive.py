@@ -300,7 +300,7 @@ def _backend_lowering(platform: str):
     return lower
 
 
-def _backend_unavailable(platform: str, params, devices) -> Optional[str]:
+def _backend_unavailable(platform: str, params, devices, avals=None) -> Optional[str]:
     backend = params["backend"]
     if platform not in backend.lowerings:
         return f"{backend.name} has no {platform} kernel"

@@ -13,9 +13,8 @@ rows of group g (:mod:`jax_fp8.groups`) times expert g's weight:
   contraction is each group's rows.
 
 ``group_sizes`` is read on the device everywhere: one compile serves every routing, with no host sync.
-The GEMMs compute the reference math (:func:`~jax_fp8.gemm.reference.ragged_blocked_gemm`,
-:func:`~jax_fp8.gemm.reference.ragged_wgrad_gemm`) on every platform for now: the grouped FP8 GEMM
-kernels for Hopper are the next step (issue 49).
+The three GEMMs are ``jf_fp8_ragged_gemm`` (:mod:`jax_fp8.gemm.ragged_primitive`): CUTLASS's grouped
+kernels on an H100/H200, the reference math elsewhere.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from ..tensors import QUANTIZED_TENSORS
 from ..warn import Fp8GemmFallbackWarning, warn
 from .dot_general import fallback_operand, reverse_mode_only
 from .recipes import RECIPES, Float8BlockScaling
-from .reference import ragged_blocked_gemm, ragged_wgrad_gemm
+from .ragged_primitive import ragged_gemm
 
 Array = Any
 
@@ -59,13 +58,13 @@ def _weights(w, recipe, rowwise: bool = True) -> dict:
 def _ragged(x, w, group_sizes, cfg: _Grouped):
     xq = quantize_grouped(x, group_sizes, cfg.recipe.scheme("lhs", colwise=False))
     wq = _weights(w, cfg.recipe, rowwise=False)
-    return ragged_blocked_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, out_dtype=cfg.out_dtype)
+    return ragged_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, kind="m", out_dtype=cfg.out_dtype)
 
 
 def _ragged_fwd(x, w, group_sizes, cfg: _Grouped):
     xq = quantize_grouped(x, group_sizes, cfg.recipe.scheme("lhs"))
     wq = _weights(w, cfg.recipe)
-    y = ragged_blocked_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, out_dtype=cfg.out_dtype)
+    y = ragged_gemm(*xq["rowwise"], *wq["colwise"], group_sizes, kind="m", out_dtype=cfg.out_dtype)
     return y, (xq["colwise"], wq["rowwise"], group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
@@ -73,8 +72,8 @@ def _ragged_bwd(cfg: _Grouped, res, dy):
     x_cols, w_rows, group_sizes, x_dtype, w_dtype = res
     with reverse_mode_only("fp8_ragged_dot"):
         dyq = quantize_grouped(dy, group_sizes, cfg.recipe.scheme("grad"))  # rowwise (dgrad), columnwise (wgrad)
-    dx = ragged_blocked_gemm(*dyq["rowwise"], *w_rows, group_sizes, out_dtype=x_dtype.dtype)
-    dw = ragged_wgrad_gemm(*x_cols, *dyq["colwise"], group_sizes, rows=dy.shape[0], out_dtype=w_dtype.dtype)
+    dx = ragged_gemm(*dyq["rowwise"], *w_rows, group_sizes, kind="m", out_dtype=x_dtype.dtype)
+    dw = ragged_gemm(*x_cols, *dyq["colwise"], group_sizes, kind="k", rows=dy.shape[0], out_dtype=w_dtype.dtype)
     return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -146,10 +145,6 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
         return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
     if lhs.size == 0 or rhs.size == 0:
         return jnp.zeros(out.shape, out.dtype)
-    if jax.default_backend() != "cpu":  # the same numbers, at an fp32 GEMM's speed: say so, as fp8_dot_general does
-        warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): computing the grouped GEMMs by the reference math (fp32 "
-             f"products of the FP8 data per 128-wide block, scaled) on {jax.default_backend()}: no grouped FP8 GEMM "
-             "kernel is built yet", Fp8GemmFallbackWarning)
     # any integer dtype, as lax takes it (sizes count rows of one array: they fit int32)
     lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):

@@ -14,6 +14,8 @@ matches up to accumulation order and precision, and which computes a GEMM wherev
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -84,27 +86,36 @@ def blocked_gemm(a, a_scale, b, b_scale, c=None, *, a_block, b_block, out_dtype)
 
 
 # ---- grouped (lax.ragged_dot's groups, jax_fp8.groups) --------------------------------------------------
-def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
-    """The M-grouped GEMM ``out[r] = a[r] · b[g]ᵀ`` for each row r of group g (rows in no group: 0), of
-    FP8 ``a`` (M, K) with GEMM-ready 1x128 scales and ``b`` (G, N, K) with each group's GEMM-ready 128x128
-    tile scales (G, ceil(N/128), roundup(ceil(K/128), 4)): per 128-wide K block, the fp32 product of the
-    unscaled data (``lax.ragged_dot`` at ``Precision.HIGHEST``) times the two blocks' scales, summed in
-    fp32 in K-block order, as :func:`blocked_gemm` for each group's rows."""
+def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=0, *, out_dtype):
+    """The M-grouped GEMM ``out[r] = a[r] · b[g - group_offset]ᵀ`` for each row r of a group g among the
+    Gl from ``group_offset`` (every other row: 0), of FP8 ``a`` (M, K) with GEMM-ready 1x128 scales and
+    ``b`` (Gl, N, K) with each group's GEMM-ready 128x128 tile scales (Gl, ceil(N/128),
+    roundup(ceil(K/128), 4)): per 128-wide K block, the fp32 product of the unscaled data
+    (``lax.ragged_dot`` at ``Precision.HIGHEST``) times the two blocks' scales, summed in fp32 in K-block
+    order, as :func:`blocked_gemm` for each group's rows."""
     M, K = a.shape
-    G, N = b.shape[:2]
+    Gl, N = b.shape[:2]
+    G = group_sizes.shape[0]
     nk = cdiv(K, FLOAT8_BLOCK)
-    if nk == 0:
-        return jnp.zeros((M, N), out_dtype)
+    if nk == 0 or Gl == 0 or G == 0:
+        return vma.match(jnp.zeros((M, N), out_dtype), a, a_scale, b, b_scale, group_sizes)[0]
     starts, ends = groups.group_bounds(group_sizes, M)
-    sizes = ends - starts  # clamped: what lax.ragged_dot is given
+    offset = jnp.asarray(group_offset, jnp.int32)
+    idx = offset + jnp.arange(Gl, dtype=jnp.int32)
+    valid = (idx >= 0) & (idx < G)
+    local = jnp.where(valid, (ends - starts)[jnp.clip(idx, 0, G - 1)], 0)  # clamped: what lax.ragged_dot is given
+    lo = jnp.concatenate([starts, ends[-1:]])[jnp.clip(offset, 0, G)]  # the local groups' first row
+    # the rows before and after the local groups: two groups of zero weights (and masked below)
+    sizes = jnp.concatenate([lo[None], local, (M - lo - local.sum())[None]]).astype(jnp.int32)
     g = groups.row_groups(group_sizes, M)
-    inside = (g < G)[:, None]
+    j = g - offset  # each row's local group
+    inside = ((g < G) & (j >= 0) & (j < Gl))[:, None]
     sa = jnp.asarray(_compact_scales(a, a_scale, BLOCK_1D), jnp.float32)  # (M, nk)
     # each row's group's tile scales
-    sb = jnp.asarray(_compact_scales(b, b_scale, BLOCK_2D), jnp.float32)[jnp.minimum(g, G - 1)]  # (M, ceil(N/128), nk)
+    sb = jnp.asarray(_compact_scales(b, b_scale, BLOCK_2D), jnp.float32)[jnp.clip(j, 0, Gl - 1)]  # (M, ceil(N/128), nk)
     pad = nk * FLOAT8_BLOCK - K
     a_k = jnp.swapaxes(jnp.pad(a, ((0, 0), (0, pad))).reshape(M, nk, FLOAT8_BLOCK), 0, 1)  # (nk, M, 128)
-    b_k = jnp.moveaxis(jnp.pad(b, ((0, 0), (0, 0), (0, pad))).reshape(G, N, nk, FLOAT8_BLOCK), 2, 0)  # (nk, G, N, 128)
+    b_k = jnp.moveaxis(jnp.pad(b, ((1, 1), (0, 0), (0, pad))).reshape(Gl + 2, N, nk, FLOAT8_BLOCK), 2, 0)  # (nk, Gl + 2, N, 128)
 
     def scaled_partial(ak, bk, sak, sbk):
         part = lax.ragged_dot(ak.astype(jnp.float32), jnp.swapaxes(bk, 1, 2).astype(jnp.float32), sizes,
@@ -118,38 +129,43 @@ def ragged_blocked_gemm(a, a_scale, b, b_scale, group_sizes, *, out_dtype):
     return acc.astype(out_dtype)
 
 
-def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, *, rows: int, out_dtype):
-    """The K-grouped GEMM ``out[g] = a[:, cols of g] · b[:, cols of g]ᵀ`` (G, R, N) of FP8 ``a`` (R, Mc)
-    and ``b`` (N, Mc), contracted over each group's ``rows`` (of M = ``rows``; a weight gradient: xᵀ · dy
-    per expert), both in blocks of 128 rows restarting at every group start with one scale row per block
-    slot (S, roundup(R or N, 4)), group g's rows in the columns from ``groups.col_starts``
-    (:func:`jax_fp8.quantization.quantize_grouped`'s columnwise usage): per block, the fp32 product of
-    the unscaled data at ``Precision.HIGHEST`` times the two blocks' scales, summed in fp32 in block
-    order from 0 (an empty group: 0)."""
+def ragged_wgrad_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=0, *, rows: int, groups_out: Optional[int] = None,
+                      out_dtype):
+    """The K-grouped GEMM ``out[j] = a[:, cols of g] · b[:, cols of g]ᵀ`` (Gl, R, N), g = ``group_offset``
+    + j, of FP8 ``a`` (R, Mc) and ``b`` (N, Mc), contracted over each group's rows (of M = ``rows``; a
+    weight gradient: xᵀ · dy per expert), both in blocks of 128 rows restarting at every group start with
+    one scale row per block slot (S, roundup(R or N, 4)), group g's rows in the columns from
+    ``groups.col_starts`` (:func:`jax_fp8.quantization.quantize_grouped`'s columnwise usage): per block,
+    the fp32 product of the unscaled data at ``Precision.HIGHEST`` times the two blocks' scales, summed
+    in fp32 in block order from 0 (an empty or absent group: 0). Gl = ``groups_out`` (default: G)."""
     R = a.shape[0]
     N = b.shape[0]
     G = group_sizes.shape[0]
+    Gl = G if groups_out is None else groups_out
     slot_group, row0, n_rows = groups.slot_blocks(group_sizes, rows, FLOAT8_BLOCK)
     S = slot_group.shape[0]
-    acc = vma.match(jnp.zeros((G, R, N), jnp.float32), a, a_scale, b, b_scale, group_sizes)[0]
-    if S == 0:
+    acc = vma.match(jnp.zeros((Gl, R, N), jnp.float32), a, a_scale, b, b_scale, group_sizes)[0]
+    if S == 0 or Gl == 0:
         return acc.astype(out_dtype)
     starts, _ = groups.group_bounds(group_sizes, rows)
     col0 = jnp.where(n_rows > 0, groups.col_starts(group_sizes, rows)[slot_group] + row0 - starts[slot_group], 0)
+    j = slot_group - jnp.asarray(group_offset, jnp.int32)
+    n_rows = jnp.where((j >= 0) & (j < Gl), n_rows, 0)  # another shard's group: none of this one's rows
     a_p, b_p = (jnp.pad(v, ((0, 0), (0, FLOAT8_BLOCK))) for v in (a, b))  # a block's slice never clamps
     lane = jnp.arange(FLOAT8_BLOCK)
 
     def block(acc, s):
-        g, c0, n, sa, sb = s
+        jl, c0, n, sa, sb = s
         ak, bk = (jnp.where(lane < n, lax.dynamic_slice_in_dim(v, c0, FLOAT8_BLOCK, axis=1).astype(jnp.float32),
                             np.float32(0)) for v in (a_p, b_p))
         part = lax.dot_general(ak, bk, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
         scaled = jnp.where(n > 0, part * (sa[:, None] * sb[None, :]), np.float32(0))
-        return lax.dynamic_update_index_in_dim(acc, acc[g] + scaled, g, axis=0), None
+        jl = jnp.clip(jl, 0, Gl - 1)
+        return lax.dynamic_update_index_in_dim(acc, acc[jl] + scaled, jl, axis=0), None
 
     scales = (jnp.asarray(a_scale, jnp.float32)[:, :R], jnp.asarray(b_scale, jnp.float32)[:, :N])
-    acc, _ = lax.scan(block, acc, (slot_group, col0, n_rows, *scales))
+    acc, _ = lax.scan(block, acc, (j, col0, n_rows, *scales))
     return acc.astype(out_dtype)
 
 

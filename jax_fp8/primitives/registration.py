@@ -36,9 +36,9 @@ def define_primitive(name: str, *, abstract: Callable, reference: Callable, ffi_
     - ``reference(*args, **params)``: its jax.numpy contract, lowered on every platform without ours;
     - ``ffi_rules``: platform -> MLIR lowering rule ``(ctx, *args, **params)`` of our FFI kernel, used
       where ``_ffi.AVAILABLE[platform]`` (the compiled module for it loaded);
-    - ``unavailable(platform, params, devices)``: asked at lowering time, why the FFI kernel cannot run
-      on ``devices`` (:func:`lowering_devices`) after all (None: it can); then the reference lowers it,
-      with one ``fallback_warning`` saying why;
+    - ``unavailable(platform, params, devices, avals)``: asked at lowering time, why the FFI kernel
+      cannot run on ``devices`` (:func:`lowering_devices`) or take operands of ``avals`` after all (None:
+      it can); then the reference lowers it, with one ``fallback_warning`` saying why;
     - ``batch``: its batching rule; ``rule``: how it partitions under ``jax.jit`` (None: it does not);
     - ``no_jvp_hint``: what the error of a differentiation attempt recommends.
     """
@@ -78,7 +78,7 @@ def lowering_devices(ctx) -> Optional[tuple]:
 
 def _checked(name, platform, ffi_rule, reference_rule, unavailable, warning):
     def lower(ctx, *args, **params):
-        why = unavailable(platform, params, lowering_devices(ctx))
+        why = unavailable(platform, params, lowering_devices(ctx), ctx.avals_in)
         if why is not None:  # e.g. an old library or another GPU: the same numbers, from the reference
             warn(f"jax_fp8: {name} runs as its reference (fp32 math) on this {platform} device: {why}", warning)
             return reference_rule(ctx, *args, **params)

@@ -140,3 +140,43 @@ def unavailable(platform: str = "cuda", devices: Optional[Sequence] = None) -> O
 
 CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower}, formats=(BLOCKWISE,),
                       check_options=check_options)
+
+
+# ---- the grouped GEMMs of fp8_ragged_dot (jax_fp8.gemm.ragged_primitive; csrc/cutlass_ragged.cuh) ----------
+_RAGGED_KINDS = {"m": 0, "k": 1}
+
+
+def ragged_unavailable(kind: str, avals: Sequence, out_dtype, devices: Optional[Sequence] = None) -> Optional[str]:
+    """None when ``jf_fp8_ragged_gemm`` of operands ``avals`` (a, a_scale, b, b_scale, ...) runs on the
+    CUTLASS grouped kernels here; else why not. Their rules: E4M3 operands; kind "m" K % 16; kind "k"
+    R % 4 and N % 4 (the scale rows unpadded); N % 8 for bfloat16 out, % 4 for float32 (16-byte rows)."""
+    why = unavailable("cuda", devices)
+    if why is not None:
+        return why
+    if not hasattr(_MODULE[0], "ragged_workspace_bytes"):
+        return "the jax_fp8 CUTLASS module has no grouped GEMM (an older build): rebuild it"
+    if {jnp.dtype(avals[0].dtype), jnp.dtype(avals[2].dtype)} != {E4M3}:
+        return "the grouped kernels take float8_e4m3fn operands"
+    a, _, b = (v.shape for v in avals[:3])
+    N = b[1] if kind == "m" else b[0]
+    n_align = 8 if jnp.dtype(out_dtype) == jnp.bfloat16 else 4
+    problems = [f"N = {N} is not a multiple of {n_align}"] * bool(N % n_align)
+    if kind == "m" and a[1] % K_ALIGN:
+        problems.append(f"K = {a[1]} is not a multiple of {K_ALIGN}")
+    if kind == "k" and a[0] % 4:
+        problems.append(f"R = {a[0]} is not a multiple of 4")
+    return "; ".join(problems) or None
+
+
+def ragged_lowering(ctx, a, a_scale, b, b_scale, group_sizes, group_offset, *, kind, rows, groups_out, out_dtype):
+    """``jf_fp8_ragged_gemm``'s custom call ``jf_cutlass_ragged_gemm``, its workspace (the per-group
+    arguments the device builds, and the kernel's own) one more result."""
+    (a_shape, _, b_shape, _, (G,), _), out = (v.shape for v in ctx.avals_in), ctx.avals_out[0]
+    if kind == "m":
+        (M, K), (Gl, N) = a_shape, b_shape[:2]
+        Mc = 0
+    else:
+        (K, Mc), N, M, Gl = a_shape, b_shape[0], rows, groups_out
+    workspace = _MODULE[0].ragged_workspace_bytes(_RAGGED_KINDS[kind], M, N, K, G, Gl, Mc, jnp.dtype(out.dtype).name)
+    return lower_with_workspace("jf_cutlass_ragged_gemm", ctx, workspace, a, a_scale, b, b_scale, group_sizes,
+                                group_offset, kind=np.int64(_RAGGED_KINDS[kind]), rows=np.int64(rows))
