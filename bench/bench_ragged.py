@@ -1,7 +1,8 @@
 """Mixture-of-experts pieces, side by side in one run: the grouped quantize (``jf_quantize_grouped``: both
 usages, columnwise blocks restarting at every group start) against the dense quantize of the same rows
-(``jf_quantize``, both usages) and a device-to-device copy of the input; and one MoE projection's
-forward + backward on ``fp8_ragged_dot`` against bf16 ``lax.ragged_dot`` and a dense layer of the same
+(``jf_quantize``, both usages) and a device-to-device copy of the input; the grouped GEMMs alone
+(forward, weight gradient) against bf16 ``lax.ragged_dot`` and a dense blockwise FP8 GEMM of the same
+rows; and one MoE projection's forward + backward on ``fp8_ragged_dot`` against bf16 ``lax.ragged_dot`` and a dense layer of the same
 total rows (bf16 ``lax.dot_general`` and ``fp8_dot_general``). Shapes: DeepSeek-V3-like experts
 (hidden 7168, expert FFN 2048), balanced or skewed routing, each expert's rows padded to 128.
 
@@ -79,6 +80,34 @@ def bench_layer(M: int, K: int, N: int, sizes, iters: int) -> None:
                                                                for k, v in times.items()), flush=True)
 
 
+def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
+    """The grouped GEMMs alone (operands quantized beforehand): forward (M-grouped) and weight gradient
+    (K-grouped) against bf16 ``lax.ragged_dot`` (forward) and against one dense blockwise FP8 GEMM of the
+    same rows (``fp8_gemm`` on the plan's backend, 1x128 x 128x128)."""
+    from jax_fp8 import gemm as G
+    from jax_fp8.gemm.ragged_primitive import ragged_gemm
+    from jax_fp8.quantization import quantize_each
+
+    rng = np.random.default_rng(3)
+    E = len(sizes)
+    s = jnp.asarray(sizes)
+    x, dy = (jnp.asarray(rng.standard_normal(shape), BF16) for shape in ((M, K), (M, N)))
+    w = jnp.asarray(rng.standard_normal((E, K, N)) / np.sqrt(K), BF16)
+    xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
+    wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
+    a = G.gemm_operand(jf.quantize_blockwise(x, block=(1, 128), layout="gemm_ready"))
+    b = G.gemm_operand(jf.quantize_blockwise(w[0].T, block=(128, 128), layout="gemm_ready"))
+    t = {"bf16 ragged_dot fwd": jax_time(lambda x, w: lax.ragged_dot(x, w, s), [(x, w)], iters),
+         "fp8 grouped fwd": jax_time(lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16), [(*xq["rowwise"], *wq)],
+                                     iters),
+         "fp8 dense fwd": jax_time(lambda a, b: G.fp8_gemm(a, b, BF16), [(a, b)], iters),
+         "fp8 grouped wgrad": jax_time(lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
+                                       [(*xq["colwise"], *dyq["colwise"])], iters)}
+    flops = 2 * M * K * N
+    print(f"  GEMMS {M}x{K}x{N} G={E}: " + "  ".join(f"{k} {v * 1e6:8.1f} us ({flops / v / 1e12:5.0f} TF/s)"
+                                                     for k, v in t.items()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", default="8,32,256")
@@ -100,6 +129,7 @@ def main():
                       f"{sizes.max()}; layout bound {groups.layout_rows(rows, 1, experts, 128)})", flush=True)
                 bench_quantize(M, args.k, sizes, args.iters, copy)
                 if not args.no_layer:
+                    bench_gemms(M, args.k, args.n, sizes, args.iters)
                     bench_layer(M, args.k, args.n, sizes, args.iters)
 
 
