@@ -15,7 +15,10 @@ runtime does). Rounding the fp32 result to the output dtype adds half an ulp of 
 smallest spacing. u = 2^-24 (fp32 accumulation) on CPU, and wherever the reference lowering runs. On a
 GPU, FP8 tensor cores add products inside an MMA with fewer bits than fp32 (DeepSeek-V3 §3.3.2 measured
 about 14 on H800; cuBLASLt promotes the partial sums to fp32 registers): there the bound takes
-u = 2^-13, still ~2^-8 of S at K = 256, far below the O(1) error of a wrong scale or orientation.
+u = 2^-13, and n counts what the hardware adds: each MMA instruction sums 32 products (zeros past K)
+and the accumulator, so n = 33·ceil(K/32) + 1 (a short contraction, such as a small group's weight
+gradient, still pays a whole instruction's alignment). Still ~2^-8 of S at K = 256, far below the O(1)
+error of a wrong scale or orientation.
 
 Gradients (test_dot_general_vjp.py) are checked two ways. Against fp64 products of operands quantized independently here (the
 jax.numpy reference, with the recipe's blocks and options: x 1x128 rowwise and 128x1 columnwise, W
@@ -60,7 +63,10 @@ def f64(a):
 
 def gemm_bound(a, b, out_dtype, c=None, u=U_ACC):
     """(exact a·bᵀ (+ c), elementwise bound on |GEMM - exact|) for fp64 a (M, K), b (N, K) (module doc)."""
-    exact, S, n = a @ b.T, np.abs(a) @ np.abs(b).T, a.shape[1] + 1
+    K = a.shape[1]
+    # a GPU's FP8 MMA sums 32 products and its accumulator per instruction, zero-padded: 33 terms each
+    n = K + 1 if u == 2.0**-24 else 33 * -(-K // 32) + 1
+    exact, S = a @ b.T, np.abs(a) @ np.abs(b).T
     if c is not None:
         exact, S, n = exact + c, S + np.abs(c), n + 1
     acc = n * u / (1 - n * u) * S + n * TINY

@@ -117,8 +117,7 @@ def test_forward_and_gradients_within_the_bound(c):
     recipe = jf.Float8BlockScaling()
     out = jnp.result_type(xt, wt)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
-        warnings.filterwarnings("ignore", "fp8_ragged_dot.*the reference math", jf.Fp8GemmFallbackWarning)  # GPUs, for now
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # on an H100/H200: CUTLASS's grouped kernels
         y, dx, dw = _run(x, w, sizes, dy.astype(out))
     assert y.dtype == out and dx.dtype == xt and dw.dtype == wt
     x_rows, dy_rows = _q(x, recipe, "lhs", "rowwise"), _q(dy.astype(out), recipe, "grad", "rowwise")

@@ -37,6 +37,7 @@ from ..primitives.quantize import scale_dims
 from ..primitives.registration import define_primitive
 from ..vma import out_aval
 from ..warn import Fp8GemmFallbackWarning
+from ..scheme import GEMM_SCALE_PAD
 from .backends import cutlass
 from .contract import BLOCK_1D, BLOCK_2D, OUT_DTYPES, operand_scale_shape, operand_scheme
 from .reference import ragged_blocked_gemm, ragged_wgrad_gemm
@@ -93,6 +94,10 @@ def _unavailable(platform: str, params, devices, avals) -> Optional[str]:
 
 
 # ---- partitioning: the groups split (each shard its experts at its offset); N and R in 128-wide shards ----
+#: the grouped kernels' alignment (:func:`jax_fp8.gemm.backends.cutlass.ragged_unavailable`), which
+#: :func:`ragged_gemm` pads to: K (kind "m") in 16-byte FP8 rows, N in 16-byte bfloat16 output rows
+K_ALIGN, N_ALIGN = cutlass.K_ALIGN, cutlass.N_ALIGN
+
 _NAMES = dict(g="the groups (experts)", n="the output's columns", r="the weight gradient's rows",
               m="the rows", k="the contraction")
 
@@ -167,8 +172,24 @@ ragged_gemm_p = define_primitive(
 def ragged_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=None, *, kind: str, rows: int = 0,
                 groups_out: Optional[int] = None, out_dtype) -> jnp.ndarray:
     """Bind ``jf_fp8_ragged_gemm`` (see the module docstring); ``group_offset`` default 0, ``groups_out``
-    (kind "k") default G."""
+    (kind "k") default G. Widths off the grouped kernels' alignment (kind "m": K % 16; N % 8; kind "k":
+    R % 4) are padded with zeros inside the last scale block (no scale grid changes; no product does),
+    and the result cut back."""
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     Gl = group_sizes.shape[0] if groups_out is None else int(groups_out)
-    return ragged_gemm_p.bind(a, a_scale, b, b_scale, group_sizes, offset, kind=kind, rows=int(rows),
-                              groups_out=Gl if kind == "k" else None, out_dtype=np.dtype(out_dtype))
+    if kind == "m":
+        (M, K), N = a.shape, b.shape[1]
+        dk, dn = -K % K_ALIGN, -N % N_ALIGN
+        a = jnp.pad(a, ((0, 0), (0, dk)))
+        b = jnp.pad(b, ((0, 0), (0, dn), (0, dk)))
+        cut = (slice(None), slice(0, N))
+    else:
+        R, N = a.shape[0], b.shape[0]
+        dr, dn = -R % 4, -N % N_ALIGN
+        a = jnp.pad(a, ((0, dr), (0, 0)))  # its scale rows are R padded to 4 already
+        b = jnp.pad(b, ((0, dn), (0, 0)))
+        b_scale = jnp.pad(b_scale[:, :N], ((0, 0), (0, dn)), constant_values=GEMM_SCALE_PAD)
+        cut = (slice(None), slice(0, R), slice(0, N))
+    out = ragged_gemm_p.bind(a, a_scale, b, b_scale, group_sizes, offset, kind=kind, rows=int(rows),
+                             groups_out=Gl if kind == "k" else None, out_dtype=np.dtype(out_dtype))
+    return out[cut]
