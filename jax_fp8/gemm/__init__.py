@@ -22,7 +22,9 @@ The parts, from the user's call down:
   batching, partitioning under ``jit``, stacked sequences.
 - :mod:`.reference`: the reference math, the one definition of the numbers.
 - :mod:`.ragged`: :func:`fp8_ragged_dot`, a drop-in ``lax.ragged_dot`` (mixture-of-experts grouped
-  GEMMs) with an FP8 VJP, its rows' groups read on the device (:mod:`jax_fp8.groups`).
+  GEMMs) with an FP8 VJP, its rows' groups read on the device (:mod:`jax_fp8.groups`);
+  :mod:`.ragged_primitive`: ``jf_fp8_ragged_gemm``, its grouped GEMMs (CUTLASS's grouped kernels on
+  Hopper, the reference math elsewhere), partitioned over the experts under ``jit``.
 
 A product flows: ``fp8_dot_general`` -> plan (fold, three GEMMs, a backend each) -> quantize x, W (and
 dy in the backward) -> operands -> ``run_gemm`` -> the backend's kernel under ``jf_fp8_gemm`` (or its

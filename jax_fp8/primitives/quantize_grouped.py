@@ -120,8 +120,7 @@ def _why_not(label, local, sizes, params):
 
 quantize_grouped_p = define_primitive(
     "jf_quantize_grouped", abstract=_abstract, reference=_reference,
-    # cuda: once the CUDA kernel (grouped_tile.cuh, compile-checked) has run bit-exact on a GPU
-    ffi_rules=dict(cpu=_ffi_lowering), batch=_batch,
+    ffi_rules=dict(cpu=_ffi_lowering, cuda=_ffi_lowering), batch=_batch,
     rule=Rule(tuple(_NAMES), _NAMES, _sizes, _arrays, why_not=_why_not, pad_value=GEMM_SCALE_PAD),
     multiple_results=True,
     no_jvp_hint="fp8_ragged_dot's VJP uses it on the forward's operands; use jax_fp8.fp8_ragged_dot to differentiate.")
