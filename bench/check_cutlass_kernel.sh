@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Compile-checks the CUTLASS FP8 GEMM translation units (jax_fp8/csrc/cutlass_gemm_*.cu, the kernels of
-# the optional _jax_fp8_cutlass module) for sm_90a with nvcc directly: no pip, no CMake, no GPU. Prints
+# Compile-checks the CUTLASS FP8 GEMM translation units (jax_fp8/csrc/cutlass_gemm_*.cu and the grouped
+# GEMMs' cutlass_ragged_*.cu, the kernels of the optional _jax_fp8_cutlass module) for sm_90a with nvcc directly: no pip, no CMake, no GPU. Prints
 # the time each takes and ptxas's registers and spills per kernel; exits non-zero when one fails to
 # compile, a kernel spills (ALLOW_SPILLS=1: report spills only), or ptxas serializes a kernel's WGMMAs
 # or waits for them where the source does not (its C7514 / C7517 notes: silent slowdowns).
 #
 #   bash bench/check_cutlass_kernel.sh            # the first translation unit (cutlass_gemm_1d2d_bf16)
 #   bash bench/check_cutlass_kernel.sh 2          # the I-th (0-based, in the order --list prints)
-#   bash bench/check_cutlass_kernel.sh 1d1d_f32   # by name
+#   bash bench/check_cutlass_kernel.sh 1d1d_f32   # by name (ragged_m_bf16: a grouped GEMM's)
 #   bash bench/check_cutlass_kernel.sh all        # every one, one after the other (~2 min each on 2 cores)
 #   bash bench/check_cutlass_kernel.sh --list
 #   NVCC_FLAGS=-DJF_CUTLASS_ONLY_CONFIG=4 bash bench/check_cutlass_kernel.sh 2   # one configuration only (CI)
@@ -17,10 +17,10 @@
 # into $TMPDIR. Extra nvcc flags: $NVCC_FLAGS (e.g. -DJF_CUTLASS_E5M2=1 for the E5M2 kernels too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TUS=(1d2d_bf16 1d2d_f32 1d1d_bf16 1d1d_f32)
+TUS=(gemm_1d2d_bf16 gemm_1d2d_f32 gemm_1d1d_bf16 gemm_1d1d_f32 ragged_m_bf16 ragged_m_f32 ragged_k_bf16 ragged_k_f32)
 
 if [ "${1:-}" = "--list" ]; then
-  for i in "${!TUS[@]}"; do echo "$i cutlass_gemm_${TUS[$i]}"; done
+  for i in "${!TUS[@]}"; do echo "$i cutlass_${TUS[$i]}"; done
   exit 0
 fi
 command -v nvcc >/dev/null || { echo "check_cutlass_kernel: nvcc not found"; exit 1; }
@@ -51,22 +51,23 @@ elif [[ "$sel" =~ ^[0-9]+$ ]]; then
   [ "$sel" -lt "${#TUS[@]}" ] || { echo "check_cutlass_kernel: index $sel out of range (0..$((${#TUS[@]} - 1)))"; exit 1; }
   picks=("${TUS[$sel]}")
 else
-  picks=("${sel#cutlass_gemm_}")
+  picks=("${sel#cutlass_}")
   picks=("${picks[0]%.cu}")
+  [[ "${picks[0]}" == ragged_* || "${picks[0]}" == gemm_* ]] || picks=("gemm_${picks[0]}")  # 1d1d_f32: a GEMM's
 fi
 
 out=${TMPDIR:-/tmp}/jf_cutlass_check
 mkdir -p "$out"
 rc=0
 for tu in "${picks[@]}"; do
-  src=jax_fp8/csrc/cutlass_gemm_$tu.cu
+  src=jax_fp8/csrc/cutlass_$tu.cu
   [ -f "$src" ] || { echo "check_cutlass_kernel: no $src"; exit 1; }
-  log=$out/cutlass_gemm_$tu.ptxas.txt
+  log=$out/cutlass_$tu.ptxas.txt
   t0=$(date +%s)
   # shellcheck disable=SC2086
   if ! nvcc -std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
       --expt-extended-lambda -Xptxas=-v -isystem "$inc" -Ijax_fp8/csrc ${NVCC_FLAGS:-} -c "$src" \
-      -o "$out/cutlass_gemm_$tu.o" > "$log" 2>&1; then
+      -o "$out/cutlass_$tu.o" > "$log" 2>&1; then
     cat "$log"
     echo "FAILED $src after $(($(date +%s) - t0)) s"
     exit 1
