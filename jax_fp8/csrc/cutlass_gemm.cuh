@@ -227,6 +227,21 @@ struct Kernel {
 
 inline std::string status_text(cutlass::Status s) { return cutlassGetStatusString(s); }
 
+// Whether a call (GemmCall, RaggedCall) can launch a kernel that needs r->workspace bytes: an SM count for
+// the persistent scheduler and a workspace result that large; else r says why.
+template <class Call>
+bool launchable(const Call& call, GemmResult* r) {
+  if (call.sm_count <= 0) {
+    r->status = kInternal;
+    r->message = "no SM count given for the persistent tile scheduler";
+  } else if (r->workspace > call.workspace_bytes) {
+    r->status = kInvalid;
+    r->message = "the workspace result holds " + std::to_string(call.workspace_bytes) + " bytes, the kernel needs " +
+                 std::to_string(r->workspace);
+  }
+  return r->status == kOk;
+}
+
 template <class Cfg, int P, class ElementA, class ElementB, class ElementOut, bool HasC>
 GemmResult run_kernel(const GemmCall& call) {
   using K = Kernel<Cfg, P, ElementA, ElementB, ElementOut, HasC>;
@@ -278,18 +293,7 @@ GemmResult run_kernel(const GemmCall& call) {
     return r;
   }
   r.workspace = Gemm::get_workspace_size(args);
-  if (call.dry_run) return r;
-  if (call.sm_count <= 0) {
-    r.status = kInternal;
-    r.message = "no SM count given for the persistent tile scheduler";
-    return r;
-  }
-  if (r.workspace > call.workspace_bytes) {
-    r.status = kInvalid;
-    r.message = "the workspace result holds " + std::to_string(call.workspace_bytes) + " bytes, the kernel needs " +
-                std::to_string(r.workspace);
-    return r;
-  }
+  if (call.dry_run || !launchable(call, &r)) return r;
   Gemm gemm;
   cutlass::Status s = gemm.initialize(args, call.workspace, call.stream);
   if (s == cutlass::Status::kSuccess) s = gemm.run(call.stream);

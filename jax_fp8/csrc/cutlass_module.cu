@@ -80,6 +80,26 @@ ffi::Error check_aligned(const char* name, const void* p) {
   return ffi::Error::Success();
 }
 
+// The buffers and stream of a call (GemmCall, RaggedCall), checked 16-byte aligned (TMA reads them).
+template <class Call>
+ffi::Error set_buffers(Call* call, const ffi::AnyBuffer& a, const ffi::AnyBuffer& a_scale, const ffi::AnyBuffer& b,
+                       const ffi::AnyBuffer& b_scale, ffi::AnyBuffer& out, ffi::AnyBuffer& workspace, int32_t device,
+                       cudaStream_t stream) {
+  call->a = a.untyped_data();
+  call->b = b.untyped_data();
+  call->a_scale = static_cast<const float*>(a_scale.untyped_data());
+  call->b_scale = static_cast<const float*>(b_scale.untyped_data());
+  call->out = out.untyped_data();
+  call->workspace = workspace.untyped_data();
+  call->workspace_bytes = workspace.element_count();
+  call->device = device;
+  call->stream = stream;
+  for (auto [name, p] : {std::pair{"a", call->a}, {"b", call->b}, {"a_scale", static_cast<const void*>(call->a_scale)},
+                         {"b_scale", static_cast<const void*>(call->b_scale)}, {"out", static_cast<const void*>(call->out)}})
+    if (auto e = check_aligned(name, p); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 ffi::Error status_error(const GemmResult& r) {
   const auto code = r.status == kInvalid         ? ffi::ErrorCode::kInvalidArgument
                     : r.status == kUnimplemented ? ffi::ErrorCode::kUnimplemented
@@ -172,18 +192,7 @@ ffi::Error GemmCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
   call.M = M;
   call.N = N;
   call.K = K;
-  call.a = a.untyped_data();
-  call.b = b.untyped_data();
-  call.a_scale = static_cast<const float*>(a_scale.untyped_data());
-  call.b_scale = static_cast<const float*>(b_scale.untyped_data());
-  call.out = out->untyped_data();
-  call.workspace = workspace->untyped_data();
-  call.workspace_bytes = workspace->element_count();
-  call.device = device;
-  call.stream = stream;
-  for (auto [name, p] : {std::pair{"a", call.a}, {"b", call.b}, {"a_scale", static_cast<const void*>(call.a_scale)},
-                         {"b_scale", static_cast<const void*>(call.b_scale)}, {"out", static_cast<const void*>(call.out)}})
-    if (auto e = check_aligned(name, p); e.failure()) return e;
+  if (auto e = set_buffers(&call, a, a_scale, b, b_scale, *out, *workspace, device, stream); e.failure()) return e;
   if (auto e = sm_count(device, &call.sm_count); e.failure()) return e;
   const GemmResult r = run(pair, out_type, call);
   if (r.status != kOk) return status_error(r);
@@ -264,18 +273,7 @@ ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, 
   if (out->element_count() == 0) return ffi::Error::Success();
   call.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
   call.group_offset = static_cast<const int32_t*>(group_offset.untyped_data());
-  call.a = a.untyped_data();
-  call.b = b.untyped_data();
-  call.a_scale = static_cast<const float*>(a_scale.untyped_data());
-  call.b_scale = static_cast<const float*>(b_scale.untyped_data());
-  call.out = out->untyped_data();
-  call.workspace = workspace->untyped_data();
-  call.workspace_bytes = workspace->element_count();
-  call.device = device;
-  call.stream = stream;
-  for (auto [name, p] : {std::pair{"a", call.a}, {"b", call.b}, {"out", static_cast<const void*>(call.out)},
-                         {"workspace", static_cast<const void*>(call.workspace)}})
-    if (auto e = check_aligned(name, p); e.failure()) return e;
+  if (auto e = set_buffers(&call, a, a_scale, b, b_scale, *out, *workspace, device, stream); e.failure()) return e;
   if (auto e = sm_count(device, &call.sm_count); e.failure()) return e;
   const GemmResult r = run_ragged(out_type, call);
   if (r.status != kOk) return status_error(r);

@@ -296,18 +296,7 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   const RaggedLayout<K> L(call, cutlass_bytes);
   r.workspace = L.total;
-  if (call.dry_run) return r;
-  if (call.sm_count <= 0) {
-    r.status = kInternal;
-    r.message = "no SM count given for the grouped tile scheduler";
-    return r;
-  }
-  if (L.total > call.workspace_bytes) {
-    r.status = kInvalid;
-    r.message = "the workspace result holds " + std::to_string(call.workspace_bytes) + " bytes, the grouped GEMM needs " +
-                std::to_string(L.total);
-    return r;
-  }
+  if (call.dry_run || !launchable(call, &r)) return r;
   char* ws = static_cast<char*>(call.workspace);
   fill_args(ws, L);
   ragged_setup_kernel<K, ElementOut><<<1, kSetupThreads, 0, call.stream>>>(call, L);
