@@ -94,8 +94,9 @@ ffi::Error set_buffers(Call* call, const ffi::AnyBuffer& a, const ffi::AnyBuffer
   call->workspace_bytes = workspace.element_count();
   call->device = device;
   call->stream = stream;
-  for (auto [name, p] : {std::pair{"a", call->a}, {"b", call->b}, {"a_scale", static_cast<const void*>(call->a_scale)},
-                         {"b_scale", static_cast<const void*>(call->b_scale)}, {"out", static_cast<const void*>(call->out)}})
+  const std::pair<const char*, const void*> pointers[] = {
+      {"a", call->a}, {"b", call->b}, {"a_scale", call->a_scale}, {"b_scale", call->b_scale}, {"out", call->out}};
+  for (const auto& [name, p] : pointers)
     if (auto e = check_aligned(name, p); e.failure()) return e;
   return ffi::Error::Success();
 }
