@@ -206,11 +206,13 @@ def test_hlo_collectives_parser():
 
 
 def test_train_moe_fp8_tracks_bf16(capsys):
-    """The MoE example at its defaults: the experts on fp8_ragged_dot train as on bf16 lax.ragged_dot
-    (final losses within 1%), and both learn (well below the uniform guess)."""
+    """The MoE example at its defaults but half the steps (30 of 60: the compile is the same, the steps
+    are half its run): the experts on fp8_ragged_dot train as on bf16 lax.ragged_dot (final losses within
+    1%; measured 0.2% at 30 steps, 0.1% at 60), and both learn (the loss from 5.2 at step 1 to 1.9 by
+    then, 2.5x below the uniform guess)."""
     import train_moe
 
-    losses = train_moe.main([])
+    losses = train_moe.main(["--steps", "30"])
     tail = {v: np.mean(l[-6:]) for v, l in losses.items()}
     assert abs(tail["fp8"] / tail["bf16"] - 1) < 0.01, tail
     assert tail["bf16"] < 0.5 * losses["bf16"][0], tail
