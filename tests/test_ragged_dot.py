@@ -210,6 +210,10 @@ def test_default_shard_map_expert_weights_replicated():
     np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-6, atol=1e-6)
 
 
+#: one jit for the cases below: the unsharded program compiles once for the four (their data differs)
+_loss_and_grads = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
+
+
 @pytest.mark.parametrize("construction", ["make_mesh", "Mesh"])
 @pytest.mark.parametrize("spec", ["rows", "experts"])
 def test_sharded_jit_gives_the_unsharded_result(spec, construction):
@@ -219,19 +223,20 @@ def test_sharded_jit_gives_the_unsharded_result(spec, construction):
     rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
-    f = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
-    want = f(x, w, sizes)
+    want = _loss_and_grads(x, w, sizes)
     x_spec, w_spec = (P("d"), P()) if spec == "rows" else (P(), P("d"))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    args = put(x, x_spec), put(w, w_spec), put(sizes, P())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jf.ShardingWarning)  # the grouped quantize gathers split rows
-        got = f(put(x, x_spec), put(w, w_spec), put(sizes, P()))
+        compiled = _loss_and_grads.lower(*args).compile()  # one compile: run it, read its HLO
+    got = compiled(*args)
     # the same products; XLA may split a partitioned fp32 sum differently (a few ulps of the largest terms)
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         h = np.asarray(h)
         np.testing.assert_allclose(np.asarray(g), h, rtol=1e-5, atol=1e-5 * float(np.abs(h).max()))
     if spec == "experts":  # expert parallel: no device gathers another's expert weights (or their FP8 forms)
-        hlo = f.lower(put(x, x_spec), put(w, w_spec), put(sizes, P())).compile().as_text()
+        hlo = compiled.as_text()
         gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
                     re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
         assert gathered and max(gathered) < 128 * 256, gathered  # one expert's (K, N) weight: 128 x 256
