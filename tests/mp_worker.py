@@ -59,35 +59,39 @@ def assert_all_equal(got, want, what):
 
 def case_master_weights():
     """The ZeRO master-weight cast, both formats, both tensor layouts, both splits: the gathered FP8
-    weights equal quantizing the full weights in one process, and the scales take one all-reduce."""
+    weights equal quantizing the full weights in one process, and the scales take one all-reduce. One
+    program per split and format gathers the quantized shards in both layouts (the same one quantization:
+    still one all-reduce)."""
     rng = np.random.default_rng(2901)
     shapes = [(256, 384), (130, 200), (64, 96)]
     masters = [rng.standard_normal(s).astype(np.float32) * 4 for s in shapes]
     configs = [("mxfp8", None), ("blockwise", (128, 128)), ("blockwise", (1, 128))]
+    layouts = ("compact", "gemm_ready")
     for split in ("per_weight", "flat"):
         bufs = split_masters(masters, 8, split=split)
         host = [np.asarray(b) for b in bufs] if split == "per_weight" else [np.asarray(bufs)]
         args = [global_array(h) for h in host]
         for fmt, block in configs:
-            for layout in ("compact", "gemm_ready"):
-                def step(*local):
-                    local = list(local) if split == "per_weight" else local[0]
-                    shards, offs, lens = local_shards(local, shapes, "data", split=split)
-                    qs = quantize_master_weights(shards, shapes, "data", offsets=offs, lengths=lens,
-                                                 fmt=fmt, block=block)  # noqa: B023
-                    return gather_master_weights(qs, "data", layout=layout)  # noqa: B023
+            def step(*local):
+                local = list(local) if split == "per_weight" else local[0]
+                shards, offs, lens = local_shards(local, shapes, "data", split=split)
+                qs = quantize_master_weights(shards, shapes, "data", offsets=offs, lengths=lens,
+                                             fmt=fmt, block=block)  # noqa: B023
+                return {layout: gather_master_weights(qs, "data", layout=layout) for layout in layouts}
 
-                compiled = per_rank(step).lower(*args).compile()  # one compilation: run it, read its HLO
+            compiled = per_rank(step).lower(*args).compile()  # one compilation: run it, read its HLO
+            copies = local_copies(compiled(*args))
+            for layout in layouts:
                 if fmt == "mxfp8":
                     scheme = jf.Scheme("mxfp8", rowwise=True, colwise=True, layout=layout)
                 else:
                     scheme = jf.Scheme("blockwise", rowwise=True, colwise=True, block=block, layout=layout)
                 want = [jf.quantize(jax.device_put(m, CPU).astype(jnp.bfloat16), scheme) for m in masters]
-                for copy in local_copies(compiled(*args)):
-                    assert_all_equal(copy, want, f"{split} {fmt} {block} {layout}")
-                hlo = compiled.as_text()
-                reduces = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
-                assert reduces == 1, f"{split} {fmt}: {reduces} all-reduces in the compiled HLO, want 1"
+                for copy in copies:
+                    assert_all_equal(copy[layout], want, f"{split} {fmt} {block} {layout}")
+            hlo = compiled.as_text()
+            reduces = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
+            assert reduces == 1, f"{split} {fmt}: {reduces} all-reduces in the compiled HLO, want 1"
     print(f"process {PID}: master weights equal single-process quantization", flush=True)
 
 

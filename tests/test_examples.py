@@ -23,7 +23,8 @@ def test_train_mlp_fp8_tracks_bf16(fmt, capsys):
 def test_shard_map_model_trains(capsys):
     import shard_map_model
 
-    losses = shard_map_model.main(["--steps", "12"])  # 150 local rows: the activation gather falls back
+    # 150 local rows: the activation gather falls back. No bf16 baseline (test_shard_map_model_mxfp8 checks it)
+    losses = shard_map_model.main(["--steps", "12", "--no-bf16"])
     assert losses[-1] < 0.5 * losses[0]
     out = capsys.readouterr().out
     assert "fallback" in out and "one pmax of the 128x128 tile amaxes" in out
@@ -35,7 +36,7 @@ def test_shard_map_model_fast_path(capsys):
     """128 local rows: the activations are gathered as FP8 (both usages), and the model still trains."""
     import shard_map_model
 
-    losses = shard_map_model.main(["--steps", "8", "--seq-len", "256", "--batch", "4", "--log-every", "4"])
+    losses = shard_map_model.main(["--steps", "8", "--seq-len", "256", "--batch", "4", "--log-every", "4", "--no-bf16"])
     assert losses[-1] < 0.6 * losses[0]
     out = capsys.readouterr().out
     assert "128 rows: fast path" in out and "(fast path: FP8 rowwise data" in out
@@ -206,11 +207,13 @@ def test_hlo_collectives_parser():
 
 
 def test_train_moe_fp8_tracks_bf16(capsys):
-    """The MoE example at its defaults: the experts on fp8_ragged_dot train as on bf16 lax.ragged_dot
-    (final losses within 1%), and both learn (well below the uniform guess)."""
+    """The MoE example at its defaults but half the steps (30 of 60: the compile is the same, the steps
+    are half its run): the experts on fp8_ragged_dot train as on bf16 lax.ragged_dot (final losses within
+    1%; measured 0.2% at 30 steps, 0.1% at 60), and both learn (the loss from 5.2 at step 1 to 1.9 by
+    then, 2.5x below the uniform guess)."""
     import train_moe
 
-    losses = train_moe.main([])
+    losses = train_moe.main(["--steps", "30"])
     tail = {v: np.mean(l[-6:]) for v, l in losses.items()}
     assert abs(tail["fp8"] / tail["bf16"] - 1) < 0.01, tail
     assert tail["bf16"] < 0.5 * losses["bf16"][0], tail

@@ -113,14 +113,15 @@ def test_forward_and_gradients_within_the_bound(c):
     rng = np.random.default_rng(stable_seed("ragged", c))
     sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
     G = len(sizes)
-    x, w, dy = data(rng, (M, K), xt), data(rng, (G, K, N), wt), data(rng, (M, N), F32)
-    recipe = jf.Float8BlockScaling()
     out = jnp.result_type(xt, wt)
+    x, w, dy = data(rng, (M, K), xt), data(rng, (G, K, N), wt), data(rng, (M, N), F32).astype(out)
+    recipe = jf.Float8BlockScaling()
     with warnings.catch_warnings():
         warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # on an H100/H200: CUTLASS's grouped kernels
-        y, dx, dw = _run(x, w, sizes, dy.astype(out))
+        y, dx, dw = _run(x, w, sizes, dy)
     assert y.dtype == out and dx.dtype == xt and dw.dtype == wt
-    x_rows, dy_rows = _q(x, recipe, "lhs", "rowwise"), _q(dy.astype(out), recipe, "grad", "rowwise")
+    x, w, dy = np.asarray(x), np.asarray(w), np.asarray(dy)  # sliced per group below: in NumPy, no compiles
+    x_rows, dy_rows = _q(x, recipe, "lhs", "rowwise"), _q(dy, recipe, "grad", "rowwise")
     y, dx, dw = (np.asarray(v.astype(F32), np.float64) for v in (y, dx, dw))
     end = 0
     for g, (start, end) in enumerate(_bounds(sizes, M)):
@@ -131,7 +132,7 @@ def test_forward_and_gradients_within_the_bound(c):
             exact, bound = gemm_bound(dy_rows[start:end], wg, xt)
             assert_within(dx[start:end], exact, bound, f"dgrad group {g}")
             xc = _q(x[start:end], recipe, "lhs", "colwise")  # the group's rows alone: blocks from its start
-            dyc = _q(dy.astype(out)[start:end], recipe, "grad", "colwise")
+            dyc = _q(dy[start:end], recipe, "grad", "colwise")
             exact, bound = gemm_bound(xc.T, dyc.T, wt)
             assert_within(dw[g], exact, bound, f"wgrad group {g}")
         else:
@@ -199,12 +200,17 @@ def test_default_shard_map_expert_weights_replicated():
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     dx, dw = grads(put(x, P("d")), put(w, P()), put(sizes, P("d")))
     want_dx, want_dw = [], 0
+    one = jax.jit(jax.grad(loss, (0, 1)))  # one device's gradients: one compile for the 8
     for d in range(8):
-        gx, gw = jax.grad(loss, (0, 1))(x[64 * d:64 * (d + 1)], w, sizes[d])
+        gx, gw = one(x[64 * d:64 * (d + 1)], w, sizes[d])
         want_dx.append(gx)
         want_dw = want_dw + gw
     np.testing.assert_array_equal(np.asarray(dx), np.concatenate(want_dx))
     np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-6, atol=1e-6)
+
+
+#: one jit for the cases below: the unsharded program compiles once for the four (their data differs)
+_loss_and_grads = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
 
 
 @pytest.mark.parametrize("construction", ["make_mesh", "Mesh"])
@@ -216,19 +222,20 @@ def test_sharded_jit_gives_the_unsharded_result(spec, construction):
     rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
-    f = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
-    want = f(x, w, sizes)
+    want = _loss_and_grads(x, w, sizes)
     x_spec, w_spec = (P("d"), P()) if spec == "rows" else (P(), P("d"))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    args = put(x, x_spec), put(w, w_spec), put(sizes, P())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jf.ShardingWarning)  # the grouped quantize gathers split rows
-        got = f(put(x, x_spec), put(w, w_spec), put(sizes, P()))
+        compiled = _loss_and_grads.lower(*args).compile()  # one compile: run it, read its HLO
+    got = compiled(*args)
     # the same products; XLA may split a partitioned fp32 sum differently (a few ulps of the largest terms)
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         h = np.asarray(h)
         np.testing.assert_allclose(np.asarray(g), h, rtol=1e-5, atol=1e-5 * float(np.abs(h).max()))
     if spec == "experts":  # expert parallel: no device gathers another's expert weights (or their FP8 forms)
-        hlo = f.lower(put(x, x_spec), put(w, w_spec), put(sizes, P())).compile().as_text()
+        hlo = compiled.as_text()
         gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
                     re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
         assert max(gathered, default=0) < 128 * 256, gathered  # one expert's (K, N) weight: 128 x 256

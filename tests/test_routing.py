@@ -26,6 +26,9 @@ def _numpy_layout(ids, G, pad_to):
     return np.asarray(rows), np.asarray(sizes)
 
 
+#: one compile per shape, G and pad_to: the kinds of routing are arguments of it
+_route = jax.jit(groups.route, static_argnums=(1, 2))
+
 CASES = [(T, k, G, pad, kind) for T, k, G in ((1, 1, 1), (7, 2, 4), (64, 8, 256), (300, 2, 8))
          for pad in (1, 4, 128) for kind in ("uniform", "one_expert", "skewed")]
 
@@ -39,7 +42,7 @@ def test_route_is_the_definition(T, k, G, pad_to, kind):
         ids = np.full((T, k), G - 1)
     else:
         ids = np.minimum(rng.geometric(0.5, (T, k)) - 1, G - 1)
-    r = jax.jit(lambda i: groups.route(i, G, pad_to))(jnp.asarray(ids, jnp.int32))
+    r = _route(jnp.asarray(ids, jnp.int32), G, pad_to)
     rows, sizes = _numpy_layout(ids, G, pad_to)
     np.testing.assert_array_equal(r.rows, rows)
     np.testing.assert_array_equal(r.group_sizes, sizes)
