@@ -35,12 +35,13 @@ from ..formats import FLOAT8_BLOCK, FP8_DTYPES
 from ..primitives.partitioning import Dim, Rule
 from ..primitives.quantize import scale_dims
 from ..primitives.registration import define_primitive
+from ..scheme import GEMM_SCALE_PAD
 from ..vma import out_aval
 from ..warn import Fp8GemmFallbackWarning
-from ..scheme import GEMM_SCALE_PAD
 from .backends import cutlass
 from .contract import BLOCK_1D, BLOCK_2D, OUT_DTYPES, operand_scale_shape, operand_scheme
 from .reference import ragged_blocked_gemm, ragged_wgrad_gemm
+
 
 def _check(where: str, got, want: tuple, dtype) -> None:
     if tuple(got.shape) != tuple(want) or np.dtype(got.dtype) != np.dtype(dtype):
