@@ -34,17 +34,6 @@ def pytest_xdist_auto_num_workers(config):
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-#: the files of whole training runs and of several processes, whose tests take up to a minute each: run
-#: first, so that under pytest-xdist the short tests come last and the workers finish together (the last
-#: test in file order, a benchmark smoke run, otherwise left one worker busy while the other waited)
-LONG_FIRST = ("test_example_processes.py", "test_multiprocess.py", "test_examples.py", "test_transformer.py",
-              "test_step_hlo.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # a stable sort: each part keeps its order
-
-
 def _missing_kernels() -> list[str]:
     ffi = jax_fp8._ffi
     need = ["cpu"] + (["cuda"] if jax.default_backend() == "gpu" else [])
