@@ -160,19 +160,6 @@ def assert_same_state(got: dict, want: dict):
         assert_bits_equal(np.asarray(g), np.asarray(w), path)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """One persistent jax compilation cache for the processes this module starts (they inherit the
-    variable; this process's jax read its own at import): the first run of a configuration compiles its
-    programs and its process 0 writes them, later runs of it (the resumed and the killed ones) load
-    them rather than compiling the same programs again. What the tests check, the runs' output, losses
-    and checkpoints, is the same either way."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-        yield
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = Run(tmp_path_factory.mktemp("uninterrupted"))
