@@ -72,7 +72,8 @@ def experts_apart(x, ids, weights, experts, axis: str, ffn_of, fp8: bool):
     flat = ids.reshape(-1)
     dest, local = flat // experts, flat % experts
     order = jnp.argsort(flat, stable=True)  # by device, then expert, then token
-    first = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[dest].add(1)) - jnp.zeros((n,), jnp.int32).at[dest].add(1)
+    counts = jnp.zeros((n,), jnp.int32).at[dest].add(1)  # copies per device
+    first = jnp.cumsum(counts) - counts
     slot = jnp.zeros((A,), jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32) - first[dest[order]])
     send = jnp.zeros((n, A, x.shape[1]), x.dtype).at[dest, slot].set(x[jnp.arange(A) // k])
     send_ids = jnp.full((n, A), experts, jnp.int32).at[dest, slot].set(local)  # `experts`: an empty row

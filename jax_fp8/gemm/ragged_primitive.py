@@ -179,7 +179,7 @@ def ragged_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=None, *, kind:
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     Gl = group_sizes.shape[0] if groups_out is None else int(groups_out)
     if kind == "m":
-        (M, K), N = a.shape, b.shape[1]
+        K, N = a.shape[1], b.shape[1]
         dk, dn = -K % K_ALIGN, -N % N_ALIGN
         a = jnp.pad(a, ((0, 0), (0, dk)))
         b = jnp.pad(b, ((0, 0), (0, dn), (0, dk)))
