@@ -29,7 +29,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "cutlass_gemm.cuh"
 #include "groups.h"
@@ -86,6 +85,7 @@ namespace cutlass_gemm {
 
 template <int Kind, class ElementOut>
 struct RaggedKernel {
+  static constexpr int kKind = Kind;
   using E4 = cutlass::float_e4m3_t;
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_setup_kernel(RaggedCall 
   const auto* b = static_cast<const cutlass::float_e4m3_t*>(c.b);
   auto* out = static_cast<ElementOut*>(c.out);
   const int64_t nk = (c.K + 127) / 128, nbn = (c.N + 127) / 128, offset = *c.group_offset;
-  constexpr bool kM = std::is_same_v<K, RaggedKernel<kMGrouped, ElementOut>>;
   int64_t row0 = 0, slot0 = 0, col0 = 0;  // the carries: rows, block slots and columns before this chunk
   __shared__ int64_t local_rows[2];      // the local groups' first row and end
   if (threadIdx.x == 0) local_rows[0] = local_rows[1] = -1;
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_setup_kernel(RaggedCall 
       typename K::StrideB sb{};
       typename K::StrideD sd{};
       const int64_t jc = local ? j : 0;  // pointers of a group with no tiles are never read
-      if constexpr (kM) {
+      if constexpr (K::kKind == kMGrouped) {
         shapes[g] = typename K::Shape3(local ? int(m) : 0, int(c.N), int(c.K));
         ptr_a[g] = a + start * c.K;
         ptr_sfa[g] = reinterpret_cast<const float*>(ws + L.sfa) + start * nk;
@@ -242,7 +241,7 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c
   const int64_t* rows = reinterpret_cast<const int64_t*>(ws + L.rows);
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   auto* out = static_cast<ElementOut*>(c.out);
-  if constexpr (std::is_same_v<K, RaggedKernel<kMGrouped, ElementOut>>) {
+  if constexpr (K::kKind == kMGrouped) {
     const int64_t nk = (c.K + 127) / 128, nbn = (c.N + 127) / 128;
     const int64_t lda = (c.M + 3) / 4 * 4, ldb = (nk + 3) / 4 * 4;
     float* sfa = reinterpret_cast<float*>(ws + L.sfa);
