@@ -38,6 +38,10 @@ MS = (1, 127, 129, 300)
 KNS = ((64, 100), (128, 128), (200, 256), (512, 130))
 #: group patterns; those of 5 groups share one compile per shape (the sizes are arguments)
 PATTERNS = ("single", "one", "zeros", "off_blocks", "invalid", "many")
+#: the common model widths (1024 to 4096, each as K and as N) at one row count, two patterns: the sweep
+#: above takes every residue against the blocks, these the widths users run
+WIDE_KNS = ((1024, 4096), (4096, 1024), (2048, 2048))
+WIDE = [(129, K, N, p, (F32, BF16)[i % 2], BF16) for i, (K, N) in enumerate(WIDE_KNS) for p in ("zeros", "off_blocks")]
 
 
 def _sizes(pattern: str, M: int, rng) -> list:
@@ -70,7 +74,7 @@ def _sweep():
     return cases
 
 
-CASES = _sweep()
+CASES = _sweep() + WIDE
 
 
 def _id(c):
@@ -101,9 +105,11 @@ def _run(x, w, sizes, dy):
 
 def test_sweep_covers_every_combination():
     few = [p for p in PATTERNS if p != "many"]
-    assert {(c[0], c[1], c[2], c[3]) for c in CASES if c[3] != "many"} == {(m, k, n, p) for m in MS for k, n in KNS
-                                                                            for p in few}
-    many = [(c[0], (c[1], c[2])) for c in CASES if c[3] == "many"]
+    swept = [c for c in CASES if c not in WIDE]
+    assert {(c[0], c[1], c[2], c[3]) for c in swept if c[3] != "many"} == {(m, k, n, p) for m in MS for k, n in KNS
+                                                                           for p in few}
+    assert {w for c in WIDE for w in c[1:3]} == {1024, 2048, 4096}
+    many = [(c[0], (c[1], c[2])) for c in swept if c[3] == "many"]
     assert {m for m, _ in many} == set(MS) and {kn for _, kn in many} == set(KNS)
 
 
