@@ -246,8 +246,12 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c
     const int64_t lda = (c.M + 3) / 4 * 4, ldb = (nk + 3) / 4 * 4;
     float* sfa = reinterpret_cast<float*>(ws + L.sfa);
     float* sfb = reinterpret_cast<float*>(ws + L.sfb);
-    for (int64_t i = tid; i < c.M * nk; i += step) sfa[i] = c.a_scale[(i % nk) * lda + i / nk];
-    for (int64_t i = tid; i < c.Gl * nbn * nk; i += step) sfb[i] = c.b_scale[(i / nk) * ldb + i % nk];
+    // a row (a weight tile row) per thread, its nk scales in turn: no 64-bit division (it spilled), and
+    // consecutive threads read consecutive entries of a_scale's (nk, lda) rows
+    for (int64_t r = tid; r < c.M; r += step)
+      for (int64_t kb = 0; kb < nk; ++kb) sfa[r * nk + kb] = c.a_scale[kb * lda + r];
+    for (int64_t t = tid; t < c.Gl * nbn; t += step)
+      for (int64_t kb = 0; kb < nk; ++kb) sfb[t * nk + kb] = c.b_scale[t * ldb + kb];
     const int64_t lo = rows[c.G] * c.N, hi = rows[c.G + 1] * c.N;
     for (int64_t i = tid; i < lo; i += step) out[i] = ElementOut(0.0f);
     for (int64_t i = hi + tid; i < c.M * c.N; i += step) out[i] = ElementOut(0.0f);
