@@ -8,7 +8,10 @@ total rows (bf16 ``lax.dot_general`` and ``fp8_dot_general``). Shapes: DeepSeek-
 
 GB/s counts what the quantize must move: the input read once, the FP8 data and fp32 scales written once.
 
-  python bench/bench_ragged.py [--experts 8,32,256] [--rows 4096,16384] [--k 7168] [--n 2048] [--iters 20]
+  python bench/bench_ragged.py [--experts 8,32,256] [--rows 4096,16384] [--k 7168] [--n 2048] [--iters 20] [--tune]
+
+``--tune`` times the grouped GEMMs at every CUTLASS grouped-kernel configuration, raster order and swizzle
+(through the GEMM table's ``ragged_m`` / ``ragged_k`` rows) and prints the fastest as table rows.
 """
 from __future__ import annotations
 
@@ -117,6 +120,47 @@ def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
                                                      for k, v in t.items()), flush=True)
 
 
+def tune_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
+    """The grouped GEMMs alone at each CUTLASS grouped-kernel option set (configuration x raster x swizzle),
+    set through the GEMM table's ``ragged_m`` / ``ragged_k`` rows; prints each time and the fastest rows."""
+    from jax_fp8.gemm import table
+    from jax_fp8.gemm.backends import cutlass
+    from jax_fp8.gemm.ragged_primitive import ragged_gemm
+    from jax_fp8.quantization import quantize_each
+
+    rng = np.random.default_rng(3)
+    s = jnp.asarray(sizes)
+    x, dy = (jnp.asarray(rng.standard_normal(shape), BF16) for shape in ((M, K), (M, N)))
+    w = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / np.sqrt(K), BF16)
+    xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
+    wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
+    calls = {"ragged_m": ((M, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16), (*xq["rowwise"], *wq)),
+             "ragged_k": ((K, N, M), lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
+                          (*xq["colwise"], *dyq["colwise"]))}
+    kind = table.local_device_kind()
+    saved = dict(table.TABLE.get(kind, {}))
+    try:
+        for key, (mnk, f, operands) in calls.items():
+            times = {}
+            for config in range(len(cutlass.RAGGED_CONFIGS)):
+                for raster in (1, 2):
+                    for swizzle in (1, 4, 8):
+                        opts = {"config": config, "raster": raster, "swizzle": swizzle}
+                        table.TABLE.setdefault(kind, {})[key] = [(mnk, "cutlass", opts)]
+                        jax.clear_caches()
+                        times[tuple(opts.items())] = t = jax_time(lambda *o: f(*o), [operands], iters)
+                        print(f"  TUNE {key} {'x'.join(map(str, mnk))} G={len(sizes)} {cutlass.RAGGED_CONFIGS[config]} "
+                              f"raster {raster} swizzle {swizzle}: {t * 1e6:8.1f} us "
+                              f"({2 * M * K * N / t / 1e12:5.0f} TF/s)", flush=True)
+            best = min(times, key=times.get)
+            default = times[(("config", 0), ("raster", 1), ("swizzle", 1))]
+            print(f"  BEST {key}: ({mnk}, \"cutlass\", {dict(best)}),  # {default / times[best]:.3f}x the default",
+                  flush=True)
+    finally:
+        table.TABLE[kind] = saved
+        jax.clear_caches()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", default="8,32,256")
@@ -125,6 +169,8 @@ def main():
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-layer", action="store_true", help="the quantize alone")
+    ap.add_argument("--tune", action="store_true",
+                    help="also the grouped GEMMs at every CUTLASS grouped-kernel option set (the table's ragged rows)")
     args = ap.parse_args()
     copy = jax.default_backend() == "gpu" and register_device_copy()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; routed rows padded to 128 per expert")
@@ -137,6 +183,8 @@ def main():
                 print(f"rows {M} ({'skewed' if skewed else 'balanced'}, {experts} experts, largest group "
                       f"{sizes.max()}; layout bound {groups.layout_rows(rows, 1, experts, 128)})", flush=True)
                 bench_quantize(M, args.k, sizes, args.iters, copy)
+                if args.tune:
+                    tune_gemms(M, args.k, args.n, sizes, args.iters)
                 if not args.no_layer:
                     bench_gemms(M, args.k, args.n, sizes, args.iters)
                     bench_layer(M, args.k, args.n, sizes, args.iters)

@@ -285,7 +285,7 @@ def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):
 
     assert cutlass.ragged_unavailable("m", [], jnp.bfloat16, jax.devices("cpu")) is not None  # no GPU here
     monkeypatch.setattr(cutlass, "unavailable", lambda *a, **k: None)
-    monkeypatch.setattr(cutlass, "_MODULE", (type("M", (), {"ragged_workspace_bytes": None}), 0, ()))
+    monkeypatch.setattr(cutlass, "_MODULE", (type("M", (), {"ragged_configs": cutlass.RAGGED_CONFIGS}), 0, ()))
     f8 = lambda *shape, dt=jnp.float8_e4m3fn: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
     f32 = jax.ShapeDtypeStruct((1,), jnp.float32)
     cases = [("m", (f8(64, 128), f32, f8(2, 32, 128)), jnp.bfloat16, None),
@@ -297,6 +297,32 @@ def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):
     for kind, avals, out, want in cases:
         why = cutlass.ragged_unavailable(kind, avals, out)
         assert why == want if want is None else want in why, (kind, avals, why)
+
+def test_the_grouped_kernels_options_come_from_the_table(monkeypatch):
+    """The grouped kernels' options: the defaults where the GPU's table has no grouped rows, else the row
+    nearest to the problem for its kind; an option out of range raises, naming it."""
+    from jax_fp8.gemm import table
+    from jax_fp8.gemm.backends import cutlass
+
+    monkeypatch.setitem(table.TABLE, "GPU X", {
+        "ragged_m": [((4096, 2048, 7168), "cutlass", {"config": 1, "swizzle": 4}),
+                     ((65536, 2048, 7168), "cutlass", {"config": 1, "raster": 2})],
+        "ragged_k": [((7168, 2048, 16384), "cutlass", {"swizzle": 8})]})
+    assert cutlass.ragged_options("m", 16384, 2048, 7168, "GPU Y") == cutlass.DEFAULT_RAGGED_OPTIONS
+    assert cutlass.ragged_options("m", 8192, 2048, 7168, "GPU X") == {"config": 1, "raster": 0, "swizzle": 4}
+    assert cutlass.ragged_options("m", 60000, 2048, 7168, "GPU X") == {"config": 1, "raster": 2, "swizzle": 1}
+    assert cutlass.ragged_options("k", 7168, 2048, 100, "GPU X") == {"config": 0, "raster": 0, "swizzle": 8}
+    for bad, match in [({"config": 2}, "config must be in"), ({"swizzle": 3}, "swizzle must be"),
+                       ({"raster": 5}, "raster must be"), ({"cluster": 2}, "unknown options")]:
+        monkeypatch.setitem(table.TABLE, "GPU Z", {"ragged_m": [((1, 1, 1), "cutlass", bad)]})
+        with pytest.raises(ValueError, match=match):
+            cutlass.ragged_options("m", 128, 128, 128, "GPU Z")
+    table.load({"device_kind": "GPU W", "rows": {"ragged_k": [[[1, 2, 3], "cutlass", {"config": 1}]]}})
+    try:
+        assert cutlass.ragged_options("k", 1, 2, 3, "GPU W")["config"] == 1
+    finally:
+        del table.TABLE["GPU W"]
+
 
 @pytest.mark.parametrize("offset,Gl", [(0, 5), (1, 3), (3, 2), (4, 3), (-1, 2), (5, 2)])
 def test_group_offset_takes_a_shards_groups(offset, Gl):

@@ -212,11 +212,13 @@ ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& buf, ffi::DataTy
 // group_offset (a device scalar) of the G in group_sizes (G,) int32. kind 0 (M-grouped): a (M, K), a_scale
 // (ceil(K/128), roundup(M, 4)), b (Gl, N, K), b_scale (Gl, ceil(N/128), roundup(ceil(K/128), 4)), out (M, N).
 // kind 1 (K-grouped): a (R, Mc), a_scale (S, R), b (N, Mc), b_scale (S, N), out (Gl, R, N), with `rows` the
-// M the groups are clipped to and S = block_slots(rows, G, 128).
+// M the groups are clipped to and S = block_slots(rows, G, 128). config, raster, swizzle: the kernel
+// configuration and its scheduler's options (cutlass_ragged.cuh).
 ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
                          ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer group_sizes,
                          ffi::AnyBuffer group_offset, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::AnyBuffer> workspace, int64_t kind, int64_t rows) {
+                         ffi::Result<ffi::AnyBuffer> workspace, int64_t kind, int64_t rows, int64_t config,
+                         int64_t raster, int64_t swizzle) {
   if (kind != kMGrouped && kind != kKGrouped) return invalid("kind must be 0 (M-grouped) or 1 (K-grouped)");
   const auto ad = a.dimensions(), bd = b.dimensions(), gd = group_sizes.dimensions();
   if (group_sizes.element_type() != ffi::DataType::S32 || gd.size() != 1)
@@ -231,6 +233,9 @@ ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, 
   else return invalid("out must be bfloat16 or float32");
   RaggedCall call;
   call.kind = int(kind);
+  call.config = int(config);  // checked by run_ragged
+  call.raster = int(raster);
+  call.swizzle = int(swizzle);
   call.G = gd[0];
   if (ad.size() != 2) return invalid("a must be 2-D, got " + shape_str(ad));
   if (kind == kMGrouped) {
@@ -349,7 +354,10 @@ static auto ragged_cutlass_binding() {
       .Ret<ffi::AnyBuffer>()  // out: (M, N) or (Gl, R, N)
       .Ret<ffi::AnyBuffer>()  // workspace, uint8 (ragged_workspace_bytes)
       .Attr<int64_t>("kind")
-      .Attr<int64_t>("rows");
+      .Attr<int64_t>("rows")
+      .Attr<int64_t>("config")  // kRaggedConfigNames' index, the scheduler's raster order and swizzle
+      .Attr<int64_t>("raster")
+      .Attr<int64_t>("swizzle");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfRaggedCutlass, jf::cutlass_gemm::RaggedCutlass, ragged_cutlass_binding(),
@@ -365,6 +373,8 @@ NB_MODULE(_jax_fp8_cutlass, m) {
   });
   std::vector<std::string> configs(cg::kConfigNames, cg::kConfigNames + cg::kNumConfigs);
   m.attr("configs") = configs;
+  std::vector<std::string> ragged_configs(cg::kRaggedConfigNames, cg::kRaggedConfigNames + cg::kNumRaggedConfigs);
+  m.attr("ragged_configs") = ragged_configs;
   // bytes of the uint8 workspace result the lowering allocates (>= every kernel's need; checked per call)
   m.attr("workspace_bytes") = cg::workspace_bytes();
   std::vector<std::tuple<std::string, std::string>> pairs = {{"float8_e4m3fn", "float8_e4m3fn"}};
@@ -402,14 +412,15 @@ NB_MODULE(_jax_fp8_cutlass, m) {
       nanobind::arg("b_dtype") = "float8_e4m3fn", nanobind::arg("config") = 0);
   // The workspace bytes of a grouped GEMM (the lowering allocates them; the handler checks): kind 0
   // (M-grouped: M, N, K as a (M, K), b (Gl, N, K)) or 1 (K-grouped: M the rows, N, K = R, Mc the columns),
-  // G groups in group_sizes, Gl of them local.
+  // G groups in group_sizes, Gl of them local; config: the kernel configuration (kRaggedConfigNames).
   m.def(
       "ragged_workspace_bytes",
       [](int64_t kind, int64_t M, int64_t N, int64_t K, int64_t G, int64_t Gl, int64_t Mc,
-         const std::string& out_dtype) {
+         const std::string& out_dtype, int config) {
         if (kind != cg::kMGrouped && kind != cg::kKGrouped) throw nanobind::value_error("kind must be 0 or 1");
         cg::RaggedCall call;
         call.kind = int(kind);
+        call.config = config;
         call.M = M;
         call.N = N;
         call.K = K;
@@ -424,5 +435,5 @@ NB_MODULE(_jax_fp8_cutlass, m) {
         return r.workspace;
       },
       nanobind::arg("kind"), nanobind::arg("M"), nanobind::arg("N"), nanobind::arg("K"), nanobind::arg("G"),
-      nanobind::arg("Gl"), nanobind::arg("Mc"), nanobind::arg("out_dtype"));
+      nanobind::arg("Gl"), nanobind::arg("Mc"), nanobind::arg("out_dtype"), nanobind::arg("config") = 0);
 }

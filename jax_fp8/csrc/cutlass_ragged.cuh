@@ -38,6 +38,13 @@ namespace cutlass_gemm {
 
 enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 
+// The grouped kernels' configurations, in index order (the `config` attribute; cutlass.py's
+// RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
+// loads, TMA multicast), cooperative schedule. The tile scheduler's raster order (`raster`: 0 its default,
+// along M; 1 along M; 2 along N) and swizzle (1, 2, 4, 8) are run-time arguments.
+constexpr int kNumRaggedConfigs = 2;
+constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop"};
+
 struct RaggedCall {
   int kind = kMGrouped;
   int64_t M = 0;   // rows in groups: a's rows (M-grouped) or the rows the columns came from (K-grouped)
@@ -57,19 +64,39 @@ struct RaggedCall {
   size_t workspace_bytes = 0;
   int device = 0;
   int sm_count = 0;
+  int config = 0;                 // index into kRaggedConfigNames
+  int raster = kRasterHeuristic;  // Raster (kRasterHeuristic: the grouped scheduler's default, along M)
+  int swizzle = 1;                // 1, 2, 4 or 8
   cudaStream_t stream = nullptr;
   bool dry_run = false;  // size the workspace only: no CUDA call
 };
 
-// The entry points, one per (kind, output type), each in its own translation unit.
+// The entry points, one per (kind, output type, configuration), each in its own translation unit.
 GemmResult run_ragged_m_bf16(const RaggedCall& call);
 GemmResult run_ragged_m_f32(const RaggedCall& call);
 GemmResult run_ragged_k_bf16(const RaggedCall& call);
 GemmResult run_ragged_k_f32(const RaggedCall& call);
+GemmResult run_ragged_m_bf16_c1x2(const RaggedCall& call);
+GemmResult run_ragged_m_f32_c1x2(const RaggedCall& call);
+GemmResult run_ragged_k_bf16_c1x2(const RaggedCall& call);
+GemmResult run_ragged_k_f32_c1x2(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
-  if (call.kind == kMGrouped) return out_type == kOutBF16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call);
-  return out_type == kOutBF16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call);
+  if (call.config < 0 || call.config >= kNumRaggedConfigs || call.swizzle < 1 || call.swizzle > 8 ||
+      (call.swizzle & (call.swizzle - 1)) || call.raster < kRasterHeuristic || call.raster > kRasterAlongN) {
+    GemmResult r;
+    r.status = kInvalid;
+    r.message = "grouped GEMM options out of range: config " + std::to_string(call.config) + " (in [0, " +
+                std::to_string(kNumRaggedConfigs) + ")), raster " + std::to_string(call.raster) + " (0, 1 or 2), swizzle " +
+                std::to_string(call.swizzle) + " (1, 2, 4 or 8)";
+    return r;
+  }
+  const bool bf16 = out_type == kOutBF16, c1x2 = call.config == 1;
+  if (call.kind == kMGrouped)
+    return c1x2 ? (bf16 ? run_ragged_m_bf16_c1x2(call) : run_ragged_m_f32_c1x2(call))
+                : (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call));
+  return c1x2 ? (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call))
+              : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
 }
 
 }  // namespace cutlass_gemm
@@ -83,12 +110,12 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
 namespace jf {
 namespace cutlass_gemm {
 
-template <int Kind, class ElementOut>
+template <int Kind, class ElementOut, int ClusterN>
 struct RaggedKernel {
   static constexpr int kKind = Kind;
   using E4 = cutlass::float_e4m3_t;
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::Int<ClusterN>, cute::_1>;
   // M-grouped: a 1x128 (K-major scales), b 128x128 tiles (K-major); K-grouped: both 1x128 along the
   // contraction, scales MN-major (one row per block slot)
   static constexpr auto kMajor = Kind == kMGrouped ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
@@ -265,9 +292,9 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c
   }
 }
 
-template <int Kind, class ElementOut>
+template <int Kind, class ElementOut, int ClusterN>
 GemmResult run_ragged_kernel(const RaggedCall& call) {
-  using K = RaggedKernel<Kind, ElementOut>;
+  using K = RaggedKernel<Kind, ElementOut, ClusterN>;
   using Gemm = typename K::Gemm;
   GemmResult r;
   cutlass::KernelHardwareInfo hw;
@@ -294,6 +321,9 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
     args.epilogue.ptr_D = reinterpret_cast<ElementOut**>(ws + L.ptr_d);
     args.epilogue.dD = reinterpret_cast<typename K::StrideD*>(ws + L.stride_d);
     args.hw_info = hw;
+    using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = call.raster == kRasterAlongN ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
+    args.scheduler.max_swizzle_size = call.swizzle;
   };
   fill_args(nullptr, RaggedLayout<K>(call, 0));
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
@@ -318,12 +348,13 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
 }  // namespace cutlass_gemm
 }  // namespace jf
 
-// One translation unit's entry point: JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t)
-#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type)                                               \
-  namespace jf {                                                                                     \
-  namespace cutlass_gemm {                                                                           \
-  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type>(call); }        \
-  }                                                                                                  \
+// One translation unit's entry point: JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1)
+// (the last argument: the cluster's CTAs along N)
+#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type, cluster_n)                                               \
+  namespace jf {                                                                                                \
+  namespace cutlass_gemm {                                                                                      \
+  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type, cluster_n>(call); }        \
+  }                                                                                                             \
   }
 
 #endif  // JF_CUTLASS_KERNELS

@@ -12,7 +12,10 @@ choice (cuBLASLt's heuristic). Users with another GPU add their rows with :func:
 A row: ``((M, N, K), backend name, options)`` for a pair of blocks, ``"1D2D"`` (a 1x128, b 128x128:
 fprop and dgrad) or ``"1D1D"`` (both 1x128: wgrad); a problem takes the row nearest to it in
 (log M, log N, log K), but a row naming one of cuBLASLt's heuristic candidates (``algo``: an index into
-the list cuBLASLt makes for each problem) only its own shape.
+the list cuBLASLt makes for each problem) only its own shape. The grouped GEMMs of ``fp8_ragged_dot`` have
+rows of their own, ``"ragged_m"`` (forward, dgrad: all groups' rows M x N x K) and ``"ragged_k"`` (wgrad:
+R x N per group, K the rows), naming the CUTLASS grouped kernels' options
+(:func:`jax_fp8.gemm.backends.cutlass.ragged_options`).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ TABLE: dict[str, dict[str, list]] = {
         ],
     },
 }
+#: The table's keys: the dense GEMMs' block pairs, then the grouped GEMMs' kinds.
+KEYS = ("1D2D", "1D1D", "2D1D", "ragged_m", "ragged_k")
 #: (backend, option) pairs that index a list made per problem (cuBLASLt's heuristic candidates for that
 #: M, N, K): a row with one answers for its own shape only, never for the nearest.
 PER_PROBLEM = {("cublaslt", "algo")}
@@ -67,8 +72,14 @@ def nearest(rows: list, M: int, N: int, K: int):
 def choose(M: int, N: int, K: int, a_block, b_block, device_kind: Optional[str] = None) -> Optional[tuple]:
     """``(backend name, options dict)`` measured fastest for the nearest shape on ``device_kind`` (the
     first local device's when None), or None where no row covers the GPU or the pair."""
+    return choose_for(pair(a_block, b_block), M, N, K, device_kind)
+
+
+def choose_for(key: str, M: int, N: int, K: int, device_kind: Optional[str] = None) -> Optional[tuple]:
+    """:func:`choose` for a table key: a pair (``"1D2D"``, ...) or a grouped GEMM's (``"ragged_m"``,
+    ``"ragged_k"``)."""
     kind = local_device_kind() if device_kind is None else device_kind
-    rows = [r for r in TABLE.get(kind, {}).get(pair(a_block, b_block), ())
+    rows = [r for r in TABLE.get(kind, {}).get(key, ())
             if r[0] == (M, N, K) or not any((r[1], o) in PER_PROBLEM for o in r[2])]
     if not rows:
         return None
@@ -80,7 +91,7 @@ def load(path_or_rows, device_kind: Optional[str] = None) -> None:
     """Adds rows to :data:`TABLE` (replacing the device's rows for the pairs given): a JSON file as
     ``bench/bench_gemm_tune.py --out`` writes it (``{"device_kind": ..., "rows": {pair: [[[M, N, K],
     backend, {options}], ...]}}``), or that dict. Call it before tracing the functions it should steer."""
-    kind, rows = read_rows(path_or_rows, device_kind, "jax_fp8.gemm.table.load", ("1D2D", "1D1D", "2D1D"),
+    kind, rows = read_rows(path_or_rows, device_kind, "jax_fp8.gemm.table.load", KEYS,
                            "[[M, N, K], backend, {options}]")
     for p, entries in rows.items():
         TABLE.setdefault(kind, {})[p] = [(tuple(int(v) for v in mnk), str(b), dict(o)) for mnk, b, o in entries]

@@ -32,6 +32,7 @@ import numpy as np
 
 from ... import _ffi
 from ...formats import BLOCKWISE
+from .. import table
 from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower_with_workspace, padded_sizes, refused
 
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
@@ -106,14 +107,17 @@ def sizes(M: int, N: int, K: int, a_block, b_block, a_dtype, b_dtype) -> tuple[O
 def check_options(config: int = DEFAULT_OPTIONS["config"], raster: int = DEFAULT_OPTIONS["raster"],
                   swizzle: int = DEFAULT_OPTIONS["swizzle"]) -> None:
     """Raises ValueError naming the first option out of range."""
-    if not 0 <= int(config) < len(CONFIGS):
-        raise ValueError(f"jf_fp8_gemm on cutlass: config must be in [0, {len(CONFIGS)}) (CONFIGS: {CONFIGS}), "
-                         f"got {config}")
+    _check_kernel_options("jf_fp8_gemm", CONFIGS, config, raster, swizzle)
+
+
+def _check_kernel_options(who: str, configs: tuple, config, raster, swizzle) -> None:
+    """Raises ValueError naming the first option out of range, for ``who``'s kernels ``configs``."""
+    if not 0 <= int(config) < len(configs):
+        raise ValueError(f"{who} on cutlass: config must be in [0, {len(configs)}) ({configs}), got {config}")
     if int(raster) not in RASTERS:
-        raise ValueError(f"jf_fp8_gemm on cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), "
-                         f"got {raster}")
+        raise ValueError(f"{who} on cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), got {raster}")
     if int(swizzle) not in SWIZZLES:
-        raise ValueError(f"jf_fp8_gemm on cutlass: swizzle must be one of {SWIZZLES}, got {swizzle}")
+        raise ValueError(f"{who} on cutlass: swizzle must be one of {SWIZZLES}, got {swizzle}")
 
 
 def _lower(ctx, a, a_scale, b, b_scale, *c, a_block, b_block, out_dtype, accumulate,
@@ -144,6 +148,28 @@ CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower},
 
 # ---- the grouped GEMMs of fp8_ragged_dot (jax_fp8.gemm.ragged_primitive; csrc/cutlass_ragged.cuh) ----------
 _RAGGED_KINDS = {"m": 0, "k": 1}
+#: The grouped kernels' configurations, in ``config`` index order (the module's ``ragged_configs``): CTA
+#: tile M x N x K and cluster shape M x N, cooperative; 1x2: two CTAs of a row of tiles share a's loads.
+RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop")
+#: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`), the scheduler's
+#: ``raster`` (0: its default, along M; 1 along M; 2 along N) and ``swizzle`` (1, 2, 4, 8).
+DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
+
+
+def ragged_options(kind: str, M: int, N: int, K: int, device_kind: Optional[str] = None) -> dict:
+    """The grouped kernel's options for a problem of ``kind`` ("m": all groups' M rows x N x K; "k": each
+    group's R x N, K the rows): the GEMM table's row for ``"ragged_<kind>"`` nearest to it on this GPU
+    (:mod:`jax_fp8.gemm.table`), over :data:`DEFAULT_RAGGED_OPTIONS`. Raises ValueError naming an option
+    out of range."""
+    chosen = table.choose_for(f"ragged_{kind}", M, N, K, device_kind)
+    options = dict(DEFAULT_RAGGED_OPTIONS, **(chosen[1] if chosen and chosen[0] == "cutlass" else {}))
+    unknown = set(options) - set(DEFAULT_RAGGED_OPTIONS)
+    if unknown:
+        raise ValueError(f"jf_fp8_ragged_gemm on cutlass: unknown options {sorted(unknown)} (the options: "
+                         f"{sorted(DEFAULT_RAGGED_OPTIONS)})")
+    _check_kernel_options("jf_fp8_ragged_gemm", RAGGED_CONFIGS, options["config"], options["raster"],
+                          options["swizzle"])
+    return options
 
 
 def ragged_unavailable(kind: str, avals: Sequence, out_dtype, devices: Optional[Sequence] = None) -> Optional[str]:
@@ -153,8 +179,8 @@ def ragged_unavailable(kind: str, avals: Sequence, out_dtype, devices: Optional[
     why = unavailable("cuda", devices)
     if why is not None:
         return why
-    if not hasattr(_MODULE[0], "ragged_workspace_bytes"):
-        return "the jax_fp8 CUTLASS module has no grouped GEMM (an older build): rebuild it"
+    if tuple(getattr(_MODULE[0], "ragged_configs", ())) != RAGGED_CONFIGS:
+        return "the jax_fp8 CUTLASS module's grouped GEMMs are not this version's (an older build): rebuild it"
     if {jnp.dtype(avals[0].dtype), jnp.dtype(avals[2].dtype)} != {E4M3}:
         return "the grouped kernels take float8_e4m3fn operands"
     a, _, b = (v.shape for v in avals[:3])
@@ -177,6 +203,9 @@ def ragged_lowering(ctx, a, a_scale, b, b_scale, group_sizes, group_offset, *, k
         Mc = 0
     else:
         (K, Mc), N, M, Gl = a_shape, b_shape[0], rows, groups_out
-    workspace = _MODULE[0].ragged_workspace_bytes(_RAGGED_KINDS[kind], M, N, K, G, Gl, Mc, jnp.dtype(out.dtype).name)
+    opts = ragged_options(kind, M if kind == "m" else K, N, K if kind == "m" else M)
+    workspace = _MODULE[0].ragged_workspace_bytes(_RAGGED_KINDS[kind], M, N, K, G, Gl, Mc, jnp.dtype(out.dtype).name,
+                                                  int(opts["config"]))
     return lower_with_workspace("jf_cutlass_ragged_gemm", ctx, workspace, a, a_scale, b, b_scale, group_sizes,
-                                group_offset, kind=np.int64(_RAGGED_KINDS[kind]), rows=np.int64(rows))
+                                group_offset, kind=np.int64(_RAGGED_KINDS[kind]), rows=np.int64(rows),
+                                **{k: np.int64(v) for k, v in opts.items()})

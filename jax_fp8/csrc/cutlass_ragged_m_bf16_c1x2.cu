@@ -1,0 +1,7 @@
+// The grouped FP8 GEMM of one (kind, output type, configuration): M-grouped (forward, dgrad), bf16 out, cluster 1x2 (cutlass_ragged.cuh). One
+// translation unit each, so that a parallel build compiles them side by side.
+#define JF_CUTLASS_KERNELS
+#include "cutlass_gemm.cuh"
+#include "cutlass_ragged.cuh"
+
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16_c1x2, kMGrouped, cutlass::bfloat16_t, 2)
