@@ -97,10 +97,12 @@ def _q(v, recipe, role, usage):
     return deq(jf.reference.quantize(np.asarray(v), scheme), usage)
 
 
-@jax.jit
-def _run(x, w, sizes, dy):
+def _step(x, w, sizes, dy):
     y, vjp = jax.vjp(lambda x, w: jf.fp8_ragged_dot(x, w, sizes), x, w)
     return y, *vjp(dy)
+
+
+_run = jax.jit(_step)
 
 
 def test_sweep_covers_every_combination():
@@ -115,6 +117,30 @@ def test_sweep_covers_every_combination():
 
 @pytest.mark.parametrize("c", CASES, ids=_id)
 def test_forward_and_gradients_within_the_bound(c):
+    _check_within_the_bound(c, _run)
+
+
+#: cases for each grouped-kernel configuration: every pattern but one across the shapes
+CONFIG_CASES = [c for c in CASES if c[0] in (129, 300) and c[1] <= 512 and c[3] in ("off_blocks", "zeros", "many")][::3]
+
+
+@pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2, "swizzle": 8},
+                                     {"config": 0, "raster": 2, "swizzle": 4}], ids=str)
+def test_every_grouped_configuration_within_the_bound(monkeypatch, options):
+    """The sweep's bound on the grouped kernels' other configurations and scheduler options (chosen by the
+    GEMM table's ragged rows; on the CPU the reference runs whatever they say)."""
+    from jax_fp8.gemm import table
+
+    kind = table.local_device_kind()
+    monkeypatch.setitem(table.TABLE, kind, {**table.TABLE.get(kind, {}),
+                                            **{k: [((1, 1, 1), "cutlass", options)] for k in ("ragged_m", "ragged_k")}})
+    assert len(CONFIG_CASES) >= 4
+    run = jax.jit(_step)  # a fresh cache: lowered with these options
+    for c in CONFIG_CASES:
+        _check_within_the_bound(c, run)
+
+
+def _check_within_the_bound(c, run):
     M, K, N, pattern, xt, wt = c
     rng = np.random.default_rng(stable_seed("ragged", c))
     sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
@@ -124,7 +150,7 @@ def test_forward_and_gradients_within_the_bound(c):
     recipe = jf.Float8BlockScaling()
     with warnings.catch_warnings():
         warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # on an H100/H200: CUTLASS's grouped kernels
-        y, dx, dw = _run(x, w, sizes, dy)
+        y, dx, dw = run(x, w, sizes, dy)
     assert y.dtype == out and dx.dtype == xt and dw.dtype == wt
     x, w, dy = np.asarray(x), np.asarray(w), np.asarray(dy)  # sliced per group below: in NumPy, no compiles
     x_rows, dy_rows = _q(x, recipe, "lhs", "rowwise"), _q(dy, recipe, "grad", "rowwise")
