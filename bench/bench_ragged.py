@@ -169,6 +169,7 @@ def main():
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-layer", action="store_true", help="the quantize alone")
+    ap.add_argument("--routing", choices=("both", "balanced", "skewed"), default="both")
     ap.add_argument("--tune", action="store_true",
                     help="also the grouped GEMMs at every CUTLASS grouped-kernel option set (the table's ragged rows)")
     args = ap.parse_args()
@@ -177,7 +178,7 @@ def main():
     rng = np.random.default_rng(2)
     for rows in (int(r) for r in args.rows.split(",")):
         for experts in (int(e) for e in args.experts.split(",")):
-            for skewed in (False, True):
+            for skewed in {"both": (False, True), "balanced": (False,), "skewed": (True,)}[args.routing]:
                 sizes = routing_sizes(rows, experts, skewed, rng)
                 M = int(sizes.sum())
                 print(f"rows {M} ({'skewed' if skewed else 'balanced'}, {experts} experts, largest group "
