@@ -1,7 +1,9 @@
 """Our CUDA custom calls inside XLA's command buffers (CUDA graphs): a linear layer's forward + backward
 on ``fp8_dot_general`` (3 quantize calls, 3 GEMMs, on cuBLASLt or CUTLASS), and the fused RMSNorm + SwiGLU
 MLP of ``jax_fp8.norm_mlp`` (5 fused producers, 1 quantize call, 6 GEMMs), compiled with command buffers
-on has every one of its custom calls inside a command buffer (a ``kCommandBuffer`` thunk of XLA's thunk
+on, and an MoE projection's forward + backward on ``fp8_ragged_dot`` (2 grouped quantize calls, 1 dense, 3
+grouped GEMMs; the group sizes an argument: the graph replays with other routings, so nothing is read on
+the host), has every one of its custom calls inside a command buffer (a ``kCommandBuffer`` thunk of XLA's thunk
 dump, read as ``tests/gpu_compile.py`` reads it: XLA forms command buffers from the thunk sequence, so
 the optimized HLO does not show them), and replaying the graph on fresh inputs gives the bits of the
 same step compiled with command buffers off. GPU only (the flags must be set before jax starts: each
@@ -36,20 +38,31 @@ SCRIPT = textwrap.dedent(r"""
             y, vjp = jax.vjp(lambda x, w: jf.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))), x, w)
             return (y, *vjp(dy))
         specs = [((256, 512), bf16), ((512, 384), bf16), ((256, 384), bf16)]
-    else:  # the fused MLP: fp32 masters (gamma, both kernels), bf16 activations
+    elif layer == "mlp":  # the fused MLP: fp32 masters (gamma, both kernels), bf16 activations
         def step(x, g, w1, w2, dy):
             y, vjp = jax.vjp(jf.norm_mlp, x, g, w1, w2)
             return (y, *vjp(dy))
         specs = [((256, 512), bf16), ((512,), f32), ((512, 768), f32), ((384, 512), f32), ((256, 512), bf16)]
+    else:  # an MoE projection: fp8_ragged_dot, the group sizes an argument that differs in every replay
+        def step(x, w, dy, sizes):
+            y, vjp = jax.vjp(lambda x, w: jf.fp8_ragged_dot(x, w, sizes), x, w)
+            return (y, *vjp(dy))
+        specs = [((640, 256), bf16), ((4, 256, 384), bf16), ((640, 384), bf16)]
 
     f = jax.jit(step)
     keys = lambda seed: jax.random.split(jax.random.key(seed), len(specs))
-    args = lambda seed: [jax.random.normal(k, s, jnp.float32).astype(d) for k, (s, d) in zip(keys(seed), specs)]
+    def args(seed):
+        a = [jax.random.normal(k, s, jnp.float32).astype(d) for k, (s, d) in zip(keys(seed), specs)]
+        if layer == "moe":  # 4 groups of random sizes, rows past their total
+            a.append(jnp.asarray(np.random.default_rng(seed).multinomial(600, [0.4, 0.1, 0.0, 0.5]), jnp.int32))
+        return a
     hlo = f.lower(*args(0)).compile().as_text()
     ours = re.findall(r'custom_call_target="(jf_[a-z0-9_]+)"', hlo)
     gemms = re.findall(r'custom_call_target="(jf_[a-z]+_gemm)"', hlo)
     assert gemms == [f"jf_{backend}_gemm"] * len(gemms), gemms
-    ours = ["jf_fp8_gemm" if o in gemms else o for o in ours]  # the primitive's name, as the thunks are named
+    # the primitives' names, as the thunks are named
+    ours = ["jf_fp8_gemm" if o in gemms else "jf_fp8_ragged_gemm" if o == "jf_cutlass_ragged_gemm" else o
+            for o in ours]
     outs = [np.asarray(o).view(np.uint16 if o.dtype.itemsize == 2 else np.uint32).tolist() for seed in (1, 2, 3) for o in f(*args(seed))]
     json.dump({"ours": ours, "outs": outs}, open(sys.argv[1], "w"))
 """)
@@ -76,17 +89,21 @@ def _run(tmp_path, name, flags, backend, layer):
 
 #: Our custom calls in each layer's step (the GEMM primitive's name, as the thunks are named).
 CALLS = {"linear": ["jf_fp8_gemm"] * 3 + ["jf_quantize"] * 3,
-         "mlp": ["jf_fp8_gemm"] * 6 + ["jf_produce_quantize"] * 5 + ["jf_quantize"]}
+         "mlp": ["jf_fp8_gemm"] * 6 + ["jf_produce_quantize"] * 5 + ["jf_quantize"],
+         # x and dy by the grouped quantize (group sizes read on the device), the experts' weights by the dense one
+         "moe": ["jf_fp8_ragged_gemm"] * 3 + ["jf_quantize_grouped"] * 2 + ["jf_quantize"]}
 
 
 @pytest.mark.skipif(not jf.kernels_available().get("cuda"), reason="needs our CUDA kernels on a GPU")
 @pytest.mark.parametrize("backend", ["cublaslt", "cutlass"])
-@pytest.mark.parametrize("layer", ["linear", "mlp"])
+@pytest.mark.parametrize("layer", ["linear", "mlp", "moe"])
 def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend, layer):
     from jax_fp8.gemm.backends import BACKENDS
 
     if jax.default_backend() != "gpu":
         pytest.skip("no GPU backend")
+    if layer == "moe" and backend != "cutlass":
+        pytest.skip("the grouped GEMMs run on CUTLASS only")
     why = next(b for b in BACKENDS if b.name == backend).unavailable("cuda")
     if why is not None:
         pytest.skip(f"{backend} does not run here: {why}")
@@ -96,6 +113,6 @@ def test_custom_calls_captured_and_replays_bit_exact(tmp_path, backend, layer):
     assert sorted(on["ours"]) == sorted(CALLS[layer]), on["ours"]
     assert sorted(on["in_command_buffers"]) == sorted(on["ours"]), on["in_command_buffers"]
     assert off["in_command_buffers"] == [], off["in_command_buffers"]
-    assert len(on["outs"]) == 3 * (3 if layer == "linear" else 5)
+    assert len(on["outs"]) == 3 * (5 if layer == "mlp" else 3)
     for i, (a, b) in enumerate(zip(on["outs"], off["outs"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"output {i}")
