@@ -115,7 +115,7 @@ def _check_kernel_options(who: str, configs: tuple, config, raster, swizzle) -> 
     if not 0 <= int(config) < len(configs):
         raise ValueError(f"{who} on cutlass: config must be in [0, {len(configs)}) ({configs}), got {config}")
     if int(raster) not in RASTERS:
-        raise ValueError(f"{who} on cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), got {raster}")
+        raise ValueError(f"{who} on cutlass: raster must be 0 (the default), 1 (along M) or 2 (along N), got {raster}")
     if int(swizzle) not in SWIZZLES:
         raise ValueError(f"{who} on cutlass: swizzle must be one of {SWIZZLES}, got {swizzle}")
 
