@@ -92,39 +92,10 @@ def bench_layer(M: int, K: int, N: int, sizes, iters: int) -> None:
                                                                for k, v in times.items()), flush=True)
 
 
-def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
-    """The grouped GEMMs alone (operands quantized beforehand): forward (M-grouped) and weight gradient
-    (K-grouped) against bf16 ``lax.ragged_dot`` (forward) and against one dense blockwise FP8 GEMM of the
-    same rows (``fp8_gemm`` on the plan's backend, 1x128 x 128x128)."""
-    from jax_fp8 import gemm as G
-    from jax_fp8.gemm.ragged_primitive import ragged_gemm
-    from jax_fp8.quantization import quantize_each
-
-    rng = np.random.default_rng(3)
-    E = len(sizes)
-    s = jnp.asarray(sizes)
-    x, dy = (jnp.asarray(rng.standard_normal(shape), BF16) for shape in ((M, K), (M, N)))
-    w = jnp.asarray(rng.standard_normal((E, K, N)) / np.sqrt(K), BF16)
-    xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
-    wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
-    a = G.gemm_operand(jf.quantize_blockwise(x, block=(1, 128), layout="gemm_ready"))
-    b = G.gemm_operand(jf.quantize_blockwise(w[0].T, block=(128, 128), layout="gemm_ready"))
-    t = {"bf16 ragged_dot fwd": jax_time(lambda x, w: lax.ragged_dot(x, w, s), [(x, w)], iters),
-         "fp8 grouped fwd": jax_time(lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16), [(*xq["rowwise"], *wq)],
-                                     iters),
-         "fp8 dense fwd": jax_time(lambda a, b: G.fp8_gemm(a, b, BF16), [(a, b)], iters),
-         "fp8 grouped wgrad": jax_time(lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
-                                       [(*xq["colwise"], *dyq["colwise"])], iters)}
-    flops = 2 * M * K * N
-    print(f"  GEMMS {M}x{K}x{N} G={E}: " + "  ".join(f"{k} {v * 1e6:8.1f} us ({flops / v / 1e12:5.0f} TF/s)"
-                                                     for k, v in t.items()), flush=True)
-
-
-def tune_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
-    """The grouped GEMMs alone at each CUTLASS grouped-kernel option set (configuration x raster x swizzle),
-    set through the GEMM table's ``ragged_m`` / ``ragged_k`` rows; prints each time and the fastest rows."""
-    from jax_fp8.gemm import table
-    from jax_fp8.gemm.backends import cutlass
+def grouped_gemms(M: int, K: int, N: int, sizes):
+    """Seeded bf16 x (M, K) and w (G, K, N), and the grouped GEMMs on them, operands quantized beforehand:
+    ``{"ragged_m": (table shape, call, operands), "ragged_k": ...}`` (the forward, M-grouped, bf16 out;
+    the weight gradient, K-grouped, fp32 out), keyed as the GEMM table's rows."""
     from jax_fp8.gemm.ragged_primitive import ragged_gemm
     from jax_fp8.quantization import quantize_each
 
@@ -134,9 +105,39 @@ def tune_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
     w = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / np.sqrt(K), BF16)
     xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
     wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
-    calls = {"ragged_m": ((M, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16), (*xq["rowwise"], *wq)),
-             "ragged_k": ((K, N, M), lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
-                          (*xq["colwise"], *dyq["colwise"]))}
+    return x, w, {"ragged_m": ((M, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16),
+                               (*xq["rowwise"], *wq)),
+                  "ragged_k": ((K, N, M), lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
+                               (*xq["colwise"], *dyq["colwise"]))}
+
+
+def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
+    """The grouped GEMMs alone (operands quantized beforehand): forward (M-grouped) and weight gradient
+    (K-grouped) against bf16 ``lax.ragged_dot`` (forward) and against one dense blockwise FP8 GEMM of the
+    same rows (``fp8_gemm`` on the plan's backend, 1x128 x 128x128)."""
+    from jax_fp8 import gemm as G
+
+    s = jnp.asarray(sizes)
+    x, w, calls = grouped_gemms(M, K, N, sizes)
+    (_, fwd, fwd_ops), (_, wgrad, wgrad_ops) = calls["ragged_m"], calls["ragged_k"]
+    a = G.gemm_operand(jf.quantize_blockwise(x, block=(1, 128), layout="gemm_ready"))
+    b = G.gemm_operand(jf.quantize_blockwise(w[0].T, block=(128, 128), layout="gemm_ready"))
+    t = {"bf16 ragged_dot fwd": jax_time(lambda x, w: lax.ragged_dot(x, w, s), [(x, w)], iters),
+         "fp8 grouped fwd": jax_time(fwd, [fwd_ops], iters),
+         "fp8 dense fwd": jax_time(lambda a, b: G.fp8_gemm(a, b, BF16), [(a, b)], iters),
+         "fp8 grouped wgrad": jax_time(wgrad, [wgrad_ops], iters)}
+    flops = 2 * M * K * N
+    print(f"  GEMMS {M}x{K}x{N} G={len(sizes)}: " + "  ".join(f"{k} {v * 1e6:8.1f} us ({flops / v / 1e12:5.0f} TF/s)"
+                                                              for k, v in t.items()), flush=True)
+
+
+def tune_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
+    """The grouped GEMMs alone at each CUTLASS grouped-kernel option set (configuration x raster x swizzle),
+    set through the GEMM table's ``ragged_m`` / ``ragged_k`` rows; prints each time and the fastest rows."""
+    from jax_fp8.gemm import table
+    from jax_fp8.gemm.backends import cutlass
+
+    _, _, calls = grouped_gemms(M, K, N, sizes)
     kind = table.local_device_kind()
     saved = dict(table.TABLE.get(kind, {}))
     try:
