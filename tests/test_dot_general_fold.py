@@ -32,7 +32,7 @@ import jax_fp8 as jf
 from jax_fp8.gemm.plan import fold_dot_general
 from helpers import assert_bits_equal, random_input, stable_seed
 from test_dot_general_vjp import _ref64, accumulation_bound
-from test_gemm import B1, B2, BF16, E4M3, F32, assert_within, gemm_bound, one_warning, strict  # noqa: F401
+from test_gemm import B1, B2, BF16, E4M3, F32, U_FP32, assert_within, gemm_bound, one_warning, strict  # noqa: F401
 from test_sharded_jit import _norm, assert_close_reassociated, collectives
 
 #: (heads, head_dim) of the wide side (the weight's heads * head_dim): 512, 1024 and 2048, and widths off
@@ -151,7 +151,7 @@ def test_folded_equals_the_reshaped_2d_call_and_lax_within_the_fp8_bound(case, s
         W, Wq = W.T, Wq.T
     _, acc = accumulation_bound(Xq, Wq, y.dtype)
     quant = np.abs(Xq - X) @ np.abs(Wq).T + np.abs(X) @ np.abs(Wq - W).T
-    _, lax_err = gemm_bound(X, W, F32, u=2.0**-24)
+    _, lax_err = gemm_bound(X, W, F32, u=U_FP32)
     assert_within(y.reshape(case.M, case.N), np.asarray(ref, np.float64).reshape(case.M, case.N),
                   acc + quant + lax_err, "y vs lax.dot_general")
 

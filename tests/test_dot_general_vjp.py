@@ -14,7 +14,7 @@ import jax_fp8 as jf
 from jax_fp8 import gemm as G
 from jax import shard_map
 from helpers import assert_bits_equal, deq, on_cpu, stable_seed
-from test_gemm import (B1, B2, BF16, E4M3, E5M2, F16, F32, KN, NK, TINY, TINY_OUT, U_ACC, U_OUT,  # noqa: F401
+from test_gemm import (B1, B2, BF16, E4M3, E5M2, F16, F32, KN, NK, TINY, TINY_OUT, U_ACC, U_FP32, U_OUT,  # noqa: F401
                        assert_within, check_gemm, data, f64, gemm_bound, one_warning, strict)
 
 # ---- fp8_dot_general: forward --------------------------------------------------------------------
@@ -118,12 +118,12 @@ def test_vjp_against_grad_of_dequantized(xshape, N, x_dtype, grad_dtype, kn, str
     rdx, rdw = (f64(v) for v in ref_vjp(jnp.asarray(g, F32)))
     # dx = dy · W (M, K): ours uses Q(dy) rowwise
     _, b_ours = gemm_bound(Gr, Wnk.T, x.dtype)
-    _, b_ref = gemm_bound(G64, Wnk.T, F32, u=2.0**-24)
+    _, b_ref = gemm_bound(G64, Wnk.T, F32, u=U_FP32)
     assert_within(dx.reshape(-1, xshape[-1]), rdx.reshape(-1, xshape[-1]),
                   b_ours + np.abs(Gr - G64) @ np.abs(Wnk) + b_ref, "dx")
     # dW (N, K) = dyᵀ · x: ours uses the columnwise usages of dy and x; jax's the rowwise x
     _, b_ours = gemm_bound(Gc.T, Xc.T, w.dtype)
-    _, b_ref = gemm_bound(G64.T, Xr.T, F32, u=2.0**-24)
+    _, b_ref = gemm_bound(G64.T, Xr.T, F32, u=U_FP32)
     b_dw = b_ours + np.abs(Gc - G64).T @ np.abs(Xc) + np.abs(G64).T @ np.abs(Xc - Xr) + b_ref
     assert_within(dw if not kn else dw.T, rdw if not kn else rdw.T, b_dw, "dW")
 

@@ -48,7 +48,8 @@ from helpers import assert_bits_equal, deq, stable_seed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
-U_ACC = 2.0**-24 if jax.default_backend() == "cpu" else 2.0**-13
+U_FP32 = 2.0**-24  # fp32 accumulation (the CPU, the reference lowering)
+U_ACC = U_FP32 if jax.default_backend() == "cpu" else 2.0**-13
 U_OUT = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
 TINY_OUT = {BF16: 2.0**-126, F16: 2.0**-25, F32: 2.0**-126}
 TINY = 2.0**-126
@@ -65,7 +66,7 @@ def gemm_bound(a, b, out_dtype, c=None, u=U_ACC):
     """(exact a·bᵀ (+ c), elementwise bound on |GEMM - exact|) for fp64 a (M, K), b (N, K) (module doc)."""
     K = a.shape[1]
     # a GPU's FP8 MMA sums 32 products and its accumulator per instruction, zero-padded: 33 terms each
-    n = K + 1 if u == 2.0**-24 else 33 * -(-K // 32) + 1
+    n = K + 1 if u == U_FP32 else 33 * -(-K // 32) + 1
     exact, S = a @ b.T, np.abs(a) @ np.abs(b).T
     if c is not None:
         exact, S, n = exact + c, S + np.abs(c), n + 1
