@@ -254,7 +254,7 @@ def main(argv=None) -> dict:
     axis = "ep" if mesh is not None else None
     models = {v: Model(args.vocab, args.d_model, args.heads, args.layers, args.experts, args.top_k, args.ffn, rd,
                        expert_axis=axis) for v, rd in RAGGED_DOTS.items()}
-    init = Model(args.vocab, args.d_model, args.heads, args.layers, args.experts, args.top_k, args.ffn, lax.ragged_dot)
+    init = models["bf16"].clone(expert_axis=None)  # the whole model, as one device holds it
     params = init.init(jax.random.key(args.seed), batches[0, :, :-1])  # every expert's weights, on one device
     if mesh is not None:
         log(f"expert parallel: {args.experts // ep} experts and {args.batch // ep} sequences on each of {ep} devices; "
