@@ -17,7 +17,6 @@ struct RowBlock {
   int64_t r0, r1, slot, c0;
 };
 
-
 // groups.py's block_slots: the most slots any sizes give (n = min(G, M) groups of which n - 1 hold one row).
 inline int64_t block_slots(int64_t M, int64_t G, int64_t bm) {
   const int64_t n = std::min(G, M);
