@@ -4,9 +4,10 @@
 // One CTA of 256 threads per (block row, 128 columns, matrix). Block rows x < S are the slots: warp 0
 // finds its slot's rows and columns from the group sizes (a warp scan over the groups, on the device: no
 // host sync); rows x >= S are chunks of 128 of the rows past the last group, which get data 0 and the
-// padding scale, and of the columnwise columns past the groups', which get 0. Each thread holds 16 rows x 4 columns in registers: a row's 1x128 amax is a warp
-// reduction, a column's 128x1 amax a shared-memory one, and the columnwise bytes go out transposed
-// through shared memory, 32 consecutive bytes of one column per warp store.
+// padding scale, and of the columnwise columns past the groups', which get 0. Each thread holds 16
+// consecutive rows x 4 columns in registers (vector loads): a row's 1x128 amax is a warp reduction, a
+// column's 128x1 amax a shared-memory one; the hardware's FP8 cast, and the columnwise bytes go out
+// transposed straight from registers, a column's 16 rows in one 16-byte store.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -96,23 +97,47 @@ __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64
   }
 }
 
+// The 4 elements of row r from column c of x (zeros outside the rows [r, r1) given as `valid` and past K):
+// one 8-byte (16-bit input) or 16-byte (fp32) load when `vec` (K % 4 == 0: aligned, and c < K covers c + 3).
+template <class L>
+__device__ __forceinline__ void load4(const typename L::T* __restrict__ p, bool valid, bool vec, int64_t c,
+                                      int64_t K, float (&v)[4]) {
+  if (valid && vec) {
+    if constexpr (std::is_same_v<typename L::T, float>) {
+      const float4 q = *reinterpret_cast<const float4*>(p);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+      const uint2 q = *reinterpret_cast<const uint2*>(p);
+      v[0] = L::get(uint16_t(q.x & 0xFFFFu)), v[1] = L::get(uint16_t(q.x >> 16));
+      v[2] = L::get(uint16_t(q.y & 0xFFFFu)), v[3] = L::get(uint16_t(q.y >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = valid && c + e < K ? load_elem<L>(p + e) : 0.0f;
+  }
+}
+
+// Four FP8 bytes of v_k * m (the hardware's satfinite cast, equal to fp8_from_float_sw), byte k from v_k.
+__device__ __forceinline__ uint32_t fp8x4(float v0, float v1, float v2, float v3, float m, int fp8) {
+  return fp8x2_from_float(v0 * m, v1 * m, fp8) | (uint32_t(fp8x2_from_float(v2 * m, v3 * m, fp8)) << 16);
+}
+
 template <class L, class Rule>
 __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L::T* __restrict__ x,
                                                                 const int32_t* __restrict__ sizes, int64_t M,
                                                                 int64_t K, int64_t G, int64_t S, Rule rule, int fp8,
                                                                 GroupedOut o) {
   __shared__ int64_t span[4];
-  __shared__ float red[kThreads / 32][kGroupTile];
-  __shared__ float col_mult[kGroupTile];
-  __shared__ uint8_t tile[kGroupTile][kGroupTile + 4];  // [column][row]: the columnwise bytes, transposed
+  __shared__ __align__(16) float red[kThreads / 32][kGroupTile];
+  __shared__ __align__(16) float col_mult[kGroupTile];
   const int64_t b = blockIdx.z, bx = blockIdx.x, kb = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   x += b * M * K;
   sizes += b * G;
-  const bool slot = bx < S;
+  const bool slot = bx < S, vec = K % 4 == 0;
   if (warp == 0) find_span(sizes, G, M, o.col_cols, S, bx, span);
   __syncthreads();
-  const int64_t r0 = span[0], r1 = span[1], gc0 = span[2], gc1 = span[3], c0 = kb * kGroupTile;
+  const int64_t r0 = span[0], r1 = span[1], gc0 = span[2], gc1 = span[3], c = kb * kGroupTile + 4 * lane;
   const bool in_groups = slot && r1 > r0;
   uint8_t* row_data = o.row_data ? o.row_data + b * M * K : nullptr;
   float* row_scale = o.row_data ? o.row_scale + b * cdiv(K, kGroupTile) * o.row_ld : nullptr;
@@ -121,27 +146,23 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
 
   // Padding: a slot's scale row past K (tile column 0), the rowwise scales past M (the first tail chunk)
   if (col_scale && slot && kb == 0)
-    for (int64_t c = K + threadIdx.x; c < o.col_ld; c += kThreads) col_scale[bx * o.col_ld + c] = kGemmScalePad;
+    for (int64_t k = K + threadIdx.x; k < o.col_ld; k += kThreads) col_scale[bx * o.col_ld + k] = kGemmScalePad;
   if (row_scale && bx == S)
     for (int64_t r = M + threadIdx.x; r < o.row_ld; r += kThreads) row_scale[kb * o.row_ld + r] = kGemmScalePad;
 
-  // This thread's 16 rows x 4 columns: rows r0 + warp + 8 i, columns c0 + 4 lane + e
+  // This thread's 16 consecutive rows r0 + 16 warp + i and 4 columns c .. c + 3: a row's 128 columns are one
+  // warp's (its amax: shuffles), and a column's 16 rows one thread's (its bytes: one 16-byte store)
+  const int64_t rw = r0 + kGroupRowsPerWarp * warp;
   float v[kGroupRowsPerWarp][4];
 #pragma unroll
-  for (int i = 0; i < kGroupRowsPerWarp; ++i) {
-    const int64_t r = r0 + warp + 8 * i;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t c = c0 + 4 * lane + e;
-      v[i][e] = in_groups && r < r1 && c < K ? load_elem<L>(x + r * K + c) : 0.0f;
-    }
-  }
+  for (int i = 0; i < kGroupRowsPerWarp; ++i)
+    load4<L>(x + (rw + i) * K + c, in_groups && rw + i < r1 && c < K, vec, c, K, v[i]);
 
   // Rowwise: each row's 1x128 block (rows in no group: data 0, the padding scale)
   if (row_data) {
 #pragma unroll
     for (int i = 0; i < kGroupRowsPerWarp; ++i) {
-      const int64_t r = r0 + warp + 8 * i;
+      const int64_t r = rw + i;
       float amax = 0.0f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) amax = amax_step(amax, v[i][e]);
@@ -151,48 +172,55 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
       float s = kGemmScalePad, m = 0.0f;
       if (in_groups) rule(amax, s, m);
       if (lane == 0) row_scale[kb * o.row_ld + r] = s;
+      if (c >= K) continue;
+      const uint32_t q = fp8x4(v[i][0], v[i][1], v[i][2], v[i][3], m, fp8);
+      if (vec) {
+        *reinterpret_cast<uint32_t*>(row_data + r * K + c) = q;
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t c = c0 + 4 * lane + e;
-        if (c < K) row_data[r * K + c] = in_groups ? fp8_from_float_sw(v[i][e] * m, fp8) : uint8_t(0);
+        for (int e = 0; e < 4; ++e)
+          if (c + e < K) row_data[r * K + c + e] = uint8_t(q >> (8 * e));
       }
     }
   }
   if (!col_data) return;
 
   // Columnwise: each column's 128x1 block of the slot's rows
+  float amax4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    float amax = 0.0f;
+  for (int i = 0; i < kGroupRowsPerWarp; ++i)
 #pragma unroll
-    for (int i = 0; i < kGroupRowsPerWarp; ++i) amax = amax_step(amax, v[i][e]);
-    red[warp][4 * lane + e] = amax;
-  }
+    for (int e = 0; e < 4; ++e) amax4[e] = amax_step(amax4[e], v[i][e]);
+  *reinterpret_cast<float4*>(&red[warp][4 * lane]) = make_float4(amax4[0], amax4[1], amax4[2], amax4[3]);
   __syncthreads();
   if (threadIdx.x < kGroupTile) {
-    const int64_t c = c0 + threadIdx.x;
+    const int64_t k = kb * kGroupTile + threadIdx.x;
     float amax = 0.0f;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, red[w][threadIdx.x]);
     float s = kGemmScalePad, m = 0.0f;
     if (in_groups) rule(amax, s, m);
-    if (slot && c < K) col_scale[bx * o.col_ld + c] = s;  // an unused slot: the padding scale
+    if (slot && k < K) col_scale[bx * o.col_ld + k] = s;  // an unused slot: the padding scale
     col_mult[threadIdx.x] = m;
   }
   __syncthreads();
-  if (gc1 <= gc0) return;  // an unused slot, or no columns past the groups' here
+  // Column k's bytes of this thread's 16 rows go to columns gc0 + 16 warp ... of its row of col_data: the
+  // slot's rows, then 0 to its columns' end (rows past r1 hold v = 0, cast to 0). gc0 and gc1 - gc0 are
+  // multiples of kColAlign = 16, col_cols too: the store is aligned and never straddles the columns' end.
+  static_assert(kGroupRowsPerWarp == kColAlign, "a thread's rows are one aligned 16-byte column piece");
+  const int64_t gc = gc0 + kGroupRowsPerWarp * warp;
+  if (gc >= gc1) return;  // an unused slot, or past the columns here
+  const float4 m4 = *reinterpret_cast<const float4*>(&col_mult[4 * lane]);
+  const float m[4] = {m4.x, m4.y, m4.z, m4.w};
 #pragma unroll
-  for (int i = 0; i < kGroupRowsPerWarp; ++i)
+  for (int e = 0; e < 4; ++e) {
+    if (c + e >= K) break;
+    uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int cl = 4 * lane + e;
-      tile[cl][warp + 8 * i] = in_groups ? fp8_from_float_sw(v[i][e] * col_mult[cl], fp8) : uint8_t(0);
-    }
-  __syncthreads();
-  // the slot's rows, then 0 to its columns' end (tile rows past r1 hold v = 0, cast to 0)
-  const int64_t n_cols = gc1 - gc0;
-  for (int cl = warp; cl < kGroupTile && c0 + cl < K; cl += kThreads / 32)
-    for (int rl = lane; rl < n_cols; rl += 32) col_data[(c0 + cl) * o.col_cols + gc0 + rl] = tile[cl][rl];
+    for (int j = 0; j < 4; ++j)
+      w[j] = fp8x4(v[4 * j][e], v[4 * j + 1][e], v[4 * j + 2][e], v[4 * j + 3][e], m[e], fp8);
+    *reinterpret_cast<uint4*>(col_data + (c + e) * o.col_cols + gc) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 // The grouped quantize of a call (a: make_grouped_quantize_args'; d / s: each output's data and scales).
