@@ -16,7 +16,8 @@
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
 # (NCU_PAIRS) and backend (each at the table's best options when there is one); MODEL=1 bench_model.py;
 # PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS);
-# RAGGED=1 the mixture-of-experts tests on the GPU, then bench_ragged.py (RAGGED_ARGS);
+# RAGGED=1 the mixture-of-experts tests on the GPU, then bench_ragged.py (RAGGED_ARGS); NCU_RAGGED=1 Nsight
+# Compute on the grouped quantize's and grouped GEMMs' kernels (NCU_RAGGED_WHAT, NCU_RAGGED_ARGS);
 # NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
@@ -125,6 +126,21 @@ fi
 [ "${RAGGED:-0}" != 0 ] && { stage ragged; python3 -m pytest tests/test_quantize_grouped.py tests/test_ragged_dot.py \
   -q -n 0 -p no:cacheprovider 2>&1 | log ragged_tests.log | tail -4;
   (cd bench && python3 bench_ragged.py ${RAGGED_ARGS:-}) 2>&1 | log bench_ragged.log; }
+# NCU_RAGGED=1: Nsight Compute on every kernel of one grouped quantize, one grouped forward and one grouped
+# wgrad (ncu_ragged.py, NCU_RAGGED_ARGS: its shape), a summary per kernel (ncu_ragged_<what>.txt)
+if [ "${NCU_RAGGED:-0}" != 0 ]; then
+  stage ncu_ragged
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for what in ${NCU_RAGGED_WHAT:-quantize forward wgrad}; do
+    ${ncu_bin:-ncu} --profile-from-start off --clock-control none --kernel-name-base demangled \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats ${NCU_ARGS:-} python3 bench/ncu_ragged.py --what $what ${NCU_RAGGED_ARGS:-} \
+      > "$OUT/ncu_ragged_$what.txt" 2>&1
+    cp "$OUT/ncu_ragged_$what.txt" "$L/"
+    grep -E "^  [a-zA-Z_].*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy" \
+      "$OUT/ncu_ragged_$what.txt" | cut -c1-160 | tee -a "$OUT/run.log"
+  done
+fi
 # the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8
 [ "${MODEL:-0}" != 0 ] && { stage model; python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | log bench_model.log; }
 true
