@@ -114,8 +114,11 @@ def grouped_gemms(M: int, K: int, N: int, sizes):
 def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
     """The grouped GEMMs alone (operands quantized beforehand): forward (M-grouped) and weight gradient
     (K-grouped) against bf16 ``lax.ragged_dot`` (forward) and against one dense blockwise FP8 GEMM of the
-    same rows (``fp8_gemm`` on the plan's backend, 1x128 x 128x128)."""
+    same rows (``fp8_gemm`` on the plan's backend, 1x128 x 128x128), and on CUTLASS's own dense kernel of the
+    grouped kernels' tile and schedule (configuration 0: CUTLASS's mainloop, not ours), which tells the
+    grouping's cost from the mainloop's."""
     from jax_fp8 import gemm as G
+    from jax_fp8.gemm.backends.cutlass import CUTLASS
 
     s = jnp.asarray(sizes)
     x, w, calls = grouped_gemms(M, K, N, sizes)
@@ -125,6 +128,8 @@ def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
     t = {"bf16 ragged_dot fwd": jax_time(lambda x, w: lax.ragged_dot(x, w, s), [(x, w)], iters),
          "fp8 grouped fwd": jax_time(fwd, [fwd_ops], iters),
          "fp8 dense fwd": jax_time(lambda a, b: G.fp8_gemm(a, b, BF16), [(a, b)], iters),
+         "fp8 dense fwd cutlass c1x1": jax_time(
+             lambda a, b: G.fp8_gemm(a, b, BF16, backend=CUTLASS.with_options(config=0)), [(a, b)], iters),
          "fp8 grouped wgrad": jax_time(wgrad, [wgrad_ops], iters)}
     flops = 2 * M * K * N
     print(f"  GEMMS {M}x{K}x{N} G={len(sizes)}: " + "  ".join(f"{k} {v * 1e6:8.1f} us ({flops / v / 1e12:5.0f} TF/s)"
