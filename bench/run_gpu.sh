@@ -18,10 +18,15 @@
 # PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS);
 # RAGGED=1 the mixture-of-experts tests on the GPU, then bench_ragged.py (RAGGED_ARGS); NCU_RAGGED=1 Nsight
 # Compute on the grouped quantize's and grouped GEMMs' kernels (NCU_RAGGED_WHAT, NCU_RAGGED_ARGS);
-# NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS.
+# NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS; PATCHES (with
+# PATCH_TESTS, PATCH_TEST_FILES, PATCH_BENCH): kernels not yet landed, applied and timed after the rest.
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
 #   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
+# A pending kernel against the landed one, one call (carry .whl): CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 RAGGED=1
+#   RAGGED_ARGS="--experts 8,256 --rows 16384 --routing balanced" PATCHES=bench/pending/X.patch
+#   PATCH_TEST_FILES="tests/test_quantize_grouped.py tests/test_ragged_dot.py" PATCH_TESTS="kernel_matches or ..."
+#   PATCH_BENCH="python3 bench_ragged.py --experts 8,256 --rows 16384 --routing balanced"
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 L=$(mktemp -d /tmp/jf_logs.XXXXXX)  # each stage's full log; packed into $OUT/logs.tgz at the end
@@ -33,6 +38,11 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | log gpu.txt
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | log gpu.txt
 kb_pid=
+build_env=()  # the build's environment (CUTLASS=1: the CUTLASS module too), for the PATCHES stage's rebuild as well
+if [ "${CUTLASS:-0}" != 0 ]; then
+  build_env=(JAX_FP8_CUTLASS=1 CMAKE_BUILD_PARALLEL_LEVEL=16)
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the nvidia-cutlass wheel's headers (installed below)
+fi
 if [ "${BUILD:-1}" != 0 ]; then
   stage build
   rm -rf build
@@ -43,13 +53,9 @@ if [ "${BUILD:-1}" != 0 ]; then
   else  # the memcpy target that bench_kernels.py times (seconds)
     bash bench/build_kernel_bench.sh --copy-only > "$L/kernel_bench_build.log" 2>&1 & kb_pid=$!
   fi
-  build_env=()
-  if [ "${CUTLASS:-0}" != 0 ]; then  # no network there: the nvidia-cutlass wheel (its headers) travels in .whl/
-    if ls .whl/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | log build.log
-      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
-    build_env=(JAX_FP8_CUTLASS=1 CMAKE_BUILD_PARALLEL_LEVEL=16)
+  # no network there: the nvidia-cutlass wheel (its headers) travels in .whl/
+  if [ "${CUTLASS:-0}" != 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | log build.log
   fi
   env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$L/build.log" 2>&1 \
     || { tail -50 "$L/build.log" | tee -a "$OUT/run.log"; exit 1; }
@@ -140,6 +146,23 @@ if [ "${NCU_RAGGED:-0}" != 0 ]; then
     grep -E "^  [a-zA-Z_].*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy" \
       "$OUT/ncu_ragged_$what.txt" | cut -c1-160 | tee -a "$OUT/run.log"
   done
+fi
+# PATCHES="bench/pending/a.patch ...": after the stages above (the unpatched build), apply the patches to this
+# copy of the tree, rebuild incrementally (the changed translation units only), then PATCH_TESTS (a pytest
+# -k expression over PATCH_TEST_FILES) and PATCH_BENCH (a command run in bench/): the same machine's
+# before-and-after of a kernel not yet landed (patch_tests.log, patch_bench.log)
+if [ -n "${PATCHES:-}" ]; then
+  stage patches
+  for p in $PATCHES; do
+    git apply "$p" 2>&1 | log patch.log || { echo "$p does not apply" | log patch.log; exit 1; }
+    echo "applied $p" | log patch.log
+  done
+  env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v > "$L/patch_build.log" 2>&1 \
+    || { tail -50 "$L/patch_build.log" | tee -a "$OUT/run.log"; exit 1; }
+  grep -E "Building CUDA object|spill stores" "$L/patch_build.log" | sort | uniq -c | log patch.log
+  [ -n "${PATCH_TESTS:-}" ] && python3 -m pytest ${PATCH_TEST_FILES:-tests} -k "$PATCH_TESTS" -q -n 0 -p no:cacheprovider 2>&1 \
+    | log patch_tests.log | tail -4
+  [ -n "${PATCH_BENCH:-}" ] && (cd bench && eval "$PATCH_BENCH") 2>&1 | log patch_bench.log
 fi
 # the decoder's training step: FP8 blockwise vs bf16 vs flax's per-tensor FP8
 [ "${MODEL:-0}" != 0 ] && { stage model; python3 bench/bench_model.py ${MODEL_ARGS:-} 2>&1 | log bench_model.log; }
