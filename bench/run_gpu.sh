@@ -23,7 +23,8 @@
 # Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
 #   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
-# A pending kernel against the landed one, one call (carry .whl): CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 RAGGED=1
+# A pending kernel against the landed one (carry .whl; about 700 s with the CUTLASS module, so two calls on one
+# warm machine, the second with BUILD=0 and PATCHES...): CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 RAGGED=1
 #   RAGGED_ARGS="--experts 8,256 --rows 16384 --routing balanced" PATCHES=bench/pending/X.patch
 #   PATCH_TEST_FILES="tests/test_quantize_grouped.py tests/test_ragged_dot.py" PATCH_TESTS="kernel_matches or ..."
 #   PATCH_BENCH="python3 bench_ragged.py --experts 8,256 --rows 16384 --routing balanced"
