@@ -44,6 +44,12 @@ if [ "${CUTLASS:-0}" != 0 ]; then
   build_env=(JAX_FP8_CUTLASS=1 CMAKE_BUILD_PARALLEL_LEVEL=16)
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the nvidia-cutlass wheel's headers (installed below)
 fi
+# the package built and installed in place (the BUILD stage, and the PATCHES stage's incremental rebuild),
+# its pip log appended to $1; a failed build ends the call with the log's tail
+install() {
+  env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$1" 2>&1 \
+    || { tail -50 "$1" | tee -a "$OUT/run.log"; exit 1; }
+}
 if [ "${BUILD:-1}" != 0 ]; then
   stage build
   rm -rf build
@@ -58,8 +64,7 @@ if [ "${BUILD:-1}" != 0 ]; then
   if [ "${CUTLASS:-0}" != 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | log build.log
   fi
-  env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$L/build.log" 2>&1 \
-    || { tail -50 "$L/build.log" | tee -a "$OUT/run.log"; exit 1; }
+  install "$L/build.log"
   grep -E "ptxas info|spill" "$L/build.log" | sort | uniq -c | sort -rn | head -20 | log ptxas_summary.txt
   so=$(python3 -c "import jax_fp8._jax_fp8_cuda as m; print(m.__file__)")
   cuobjdump --dump-sass "$so" > /tmp/sass.txt 2>/dev/null  # too large to bring back
@@ -158,8 +163,7 @@ if [ -n "${PATCHES:-}" ]; then
     git apply "$p" 2>&1 | log patch.log || { echo "$p does not apply" | log patch.log; exit 1; }
     echo "applied $p" | log patch.log
   done
-  env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v > "$L/patch_build.log" 2>&1 \
-    || { tail -50 "$L/patch_build.log" | tee -a "$OUT/run.log"; exit 1; }
+  install "$L/patch_build.log"
   grep -E "Building CUDA object|spill stores" "$L/patch_build.log" | sort | uniq -c | log patch.log
   [ -n "${PATCH_TESTS:-}" ] && python3 -m pytest ${PATCH_TEST_FILES:-tests} -k "$PATCH_TESTS" -q -n 0 -p no:cacheprovider 2>&1 \
     | log patch_tests.log | tail -4
