@@ -50,7 +50,7 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
 U_FP32 = 2.0**-24  # fp32 accumulation (the CPU, the reference lowering)
 U_ACC = U_FP32 if jax.default_backend() == "cpu" else 2.0**-13
-U_OUT = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
+U_OUT = {BF16: 2.0**-8, F16: 2.0**-11, F32: U_FP32}
 TINY_OUT = {BF16: 2.0**-126, F16: 2.0**-25, F32: 2.0**-126}
 TINY = 2.0**-126
 B1, B2 = (1, 128), (128, 128)
