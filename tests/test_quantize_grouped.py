@@ -29,6 +29,8 @@ from helpers import FP8_DTYPES, IN_DTYPES, assert_bits_equal, random_input, stab
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
+#: the meshes' devices: conftest's 8 simulated CPU devices, also beside a (single) GPU
+CPUS = jax.devices("cpu")[:8]
 MS = (1, 127, 128, 129, 300, 513)
 KS = (1, 100, 128, 130, 512, 1024)
 
@@ -190,7 +192,7 @@ def test_vmap_maps_x_and_the_sizes():
 
 
 def test_default_shard_map_and_sharded_jit():
-    mesh = jax.make_mesh((8,), ("d",))
+    mesh = jax.make_mesh((8,), ("d",), devices=CPUS)
     rng = np.random.default_rng(2)
     x = random_input(rng, (8, 136, 1024), jnp.float32)  # 128 columns a device: whole 1x128 blocks
     sizes = rng.integers(0, 60, (8, 3)).astype(np.int32)
@@ -207,8 +209,8 @@ def test_default_shard_map_and_sharded_jit():
             assert_bits_equal(g[b], w)
     # sharded jit (Explicit and Auto axes, and a plain Mesh): the last dim split stays split, the rows are
     # gathered with a warning; each mesh its own row count (so its own compile, whose partitioner warns)
-    meshes = (mesh, jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,)),
-              jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",)))
+    meshes = (mesh, jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,), devices=CPUS),
+              jax.sharding.Mesh(np.asarray(CPUS), ("d",)))
     for b, (mesh, rows) in enumerate(zip(meshes, (136, 128, 120))):
         x_b = x[b, :rows]
         want = contracts.quantize_grouped_usages(np.asarray(x_b), sizes[b], scheme=scheme)

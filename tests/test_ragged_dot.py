@@ -34,6 +34,8 @@ from test_gemm import assert_within, data, gemm_bound
 F32, BF16 = jnp.float32, jnp.bfloat16
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
+#: the meshes' devices: conftest's 8 simulated CPU devices, also beside a (single) GPU
+CPUS = jax.devices("cpu")[:8]
 MS = (1, 127, 129, 300)
 KNS = ((64, 100), (128, 128), (200, 256), (512, 130))
 #: group patterns; those of 5 groups share one compile per shape (the sizes are arguments)
@@ -216,7 +218,7 @@ def test_vmap_gives_each_entry_its_own_product():
 def test_default_shard_map_expert_weights_replicated():
     """Each device its own tokens and routing, the experts' weights replicated: the weight gradient is
     the psum of the devices' (typed so by the default shard_map, no 8x), the rest per device."""
-    mesh = jax.make_mesh((8,), ("d",))
+    mesh = jax.make_mesh((8,), ("d",), devices=CPUS)
     rng = np.random.default_rng(2)
     x, w = data(rng, (8 * 64, 128), F32), data(rng, (4, 128, 128), F32)
     sizes = rng.integers(0, 20, (8, 4)).astype(np.int32)
@@ -249,8 +251,8 @@ _loss_and_grads = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(
 @pytest.mark.parametrize("spec", ["rows", "experts"])
 def test_sharded_jit_gives_the_unsharded_result(spec, construction):
     """On Auto axes: jax.make_mesh's, or a plain Mesh (on an Explicit mesh lax.ragged_dot itself fails)."""
-    mesh = (jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,)) if construction == "make_mesh"
-            else jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",)))
+    mesh = (jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,), devices=CPUS) if construction == "make_mesh"
+            else jax.sharding.Mesh(np.asarray(CPUS), ("d",)))
     rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = jnp.asarray(rng.integers(0, 40, 8), jnp.int32)
@@ -309,7 +311,8 @@ def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):
     then runs the reference, with one Fp8GemmFallbackWarning saying so)."""
     from jax_fp8.gemm.backends import cutlass
 
-    assert cutlass.ragged_unavailable("m", [], jnp.bfloat16, jax.devices("cpu")) is not None  # no GPU here
+    monkeypatch.setattr(cutlass, "unavailable", lambda *a, **k: "no CUDA device")  # the dense kernels' reason
+    assert cutlass.ragged_unavailable("m", [], jnp.bfloat16) == "no CUDA device"
     monkeypatch.setattr(cutlass, "unavailable", lambda *a, **k: None)
     monkeypatch.setattr(cutlass, "_MODULE", (type("M", (), {"ragged_configs": cutlass.RAGGED_CONFIGS}), 0, ()))
     f8 = lambda *shape, dt=jnp.float8_e4m3fn: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
