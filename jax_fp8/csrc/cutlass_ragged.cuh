@@ -16,7 +16,7 @@
 //
 // The grouped mainloop reads each group's scales through CUTLASS's packed layouts (tile_atom_to_shape_SF*
 // of the group's problem shape), not through per-group layouts: so the M-grouped kernel takes a's scales
-// K-major (M, nk) and b's (G, ceil(N/128), nk) packed, which the setup step repacks from the GEMM-ready ones
+// K-major (M, nk) and b's (G, ceil(N/128), nk) packed, which the fill kernel repacks from the GEMM-ready ones
 // (small: nk floats per row); the K-grouped kernel takes the slots' scale rows as they are (MN-major, one
 // row of R or N per slot), which needs R % 4 == 0 and N % 4 == 0 for the quantizer's rows to be unpadded.
 //
@@ -260,25 +260,49 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_setup_kernel(RaggedCall 
   }
 }
 
+// The fill kernel's share of the M-grouped kernel's packed a scales: 32 x 32 tiles of (nk, lda) -> (M, nk)
+constexpr int kScaleTile = 32;
+
+__host__ __device__ inline int64_t scale_tiles(const RaggedCall& c) {
+  const int64_t nk = (c.K + 127) / 128;
+  return c.kind == kMGrouped ? (c.M + kScaleTile - 1) / kScaleTile * ((nk + kScaleTile - 1) / kScaleTile) : 0;
+}
+
 // Many CTAs, after the setup: the M-grouped kernel's packed scales, and the zeros the grouped kernel does
-// not write (rows outside the local groups; an empty or absent local group's out[j]).
+// not write (rows outside the local groups; an empty or absent local group's out[j]). The first
+// scale_tiles(c) CTAs each transpose one 32 x 32 tile of a's GEMM-ready scales through shared memory (reads
+// and writes in 128-byte runs; a row per thread with its nk scales in turn ran ~10% of the forward, a chain
+// of dependent loads); the other CTAs copy b's scales and write the zeros, an element per thread in turn.
 template <class K, class ElementOut>
 __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c, RaggedLayout<K> L) {
+  static_assert(kSetupThreads == kScaleTile * 8, "a tile's 32 columns by 8 rows of threads, 4 rows each");
   char* ws = static_cast<char*>(c.workspace);
   const int64_t* rows = reinterpret_cast<const int64_t*>(ws + L.rows);
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  const int64_t tiles = scale_tiles(c);
+  const int64_t tid = (int64_t(blockIdx.x) - tiles) * blockDim.x + threadIdx.x;
+  const int64_t step = (int64_t(gridDim.x) - tiles) * blockDim.x;
   auto* out = static_cast<ElementOut*>(c.out);
   if constexpr (K::kKind == kMGrouped) {
     const int64_t nk = (c.K + 127) / 128, nbn = (c.N + 127) / 128;
     const int64_t lda = (c.M + 3) / 4 * 4, ldb = (nk + 3) / 4 * 4;
-    float* sfa = reinterpret_cast<float*>(ws + L.sfa);
+    if (int64_t(blockIdx.x) < tiles) {  // sfa[r, kb] = a_scale[kb, r] for a 32 x 32 tile
+      __shared__ float tile[kScaleTile][kScaleTile + 1];  // + 1: the column reads hit 32 banks
+      float* sfa = reinterpret_cast<float*>(ws + L.sfa);
+      const int64_t tiles_r = (c.M + kScaleTile - 1) / kScaleTile;
+      const int64_t r0 = int64_t(blockIdx.x) % tiles_r * kScaleTile, k0 = int64_t(blockIdx.x) / tiles_r * kScaleTile;
+      const int tx = threadIdx.x % kScaleTile, ty = threadIdx.x / kScaleTile;
+      for (int i = ty; i < kScaleTile; i += 8)
+        if (k0 + i < nk && r0 + tx < c.M) tile[i][tx] = c.a_scale[(k0 + i) * lda + r0 + tx];
+      __syncthreads();
+      for (int i = ty; i < kScaleTile; i += 8)
+        if (r0 + i < c.M && k0 + tx < nk) sfa[(r0 + i) * nk + k0 + tx] = tile[tx][i];
+      return;
+    }
     float* sfb = reinterpret_cast<float*>(ws + L.sfb);
-    // a row (a weight tile row) per thread, its nk scales in turn: no 64-bit division (it spilled), and
-    // consecutive threads read consecutive entries of a_scale's (nk, lda) rows
-    for (int64_t r = tid; r < c.M; r += step)
-      for (int64_t kb = 0; kb < nk; ++kb) sfa[r * nk + kb] = c.a_scale[kb * lda + r];
-    for (int64_t t = tid; t < c.Gl * nbn; t += step)
-      for (int64_t kb = 0; kb < nk; ++kb) sfb[t * nk + kb] = c.b_scale[t * ldb + kb];
+    for (int64_t i = tid; i < c.Gl * nbn * nk; i += step) {  // sfb[t, kb] = b_scale[t, kb], ldb -> nk
+      const int64_t t = i / nk;
+      sfb[i] = c.b_scale[t * ldb + (i - t * nk)];
+    }
     const int64_t lo = rows[c.G] * c.N, hi = rows[c.G + 1] * c.N;
     for (int64_t i = tid; i < lo; i += step) out[i] = ElementOut(0.0f);
     for (int64_t i = hi + tid; i < c.M * c.N; i += step) out[i] = ElementOut(0.0f);
@@ -333,7 +357,7 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
   char* ws = static_cast<char*>(call.workspace);
   fill_args(ws, L);
   ragged_setup_kernel<K, ElementOut><<<1, kSetupThreads, 0, call.stream>>>(call, L);
-  ragged_fill_kernel<K, ElementOut><<<2 * call.sm_count, kSetupThreads, 0, call.stream>>>(call, L);
+  ragged_fill_kernel<K, ElementOut><<<unsigned(scale_tiles(call) + 2 * call.sm_count), kSetupThreads, 0, call.stream>>>(call, L);
   Gemm gemm;
   cutlass::Status s = gemm.initialize(args, ws + L.cutlass, call.stream);
   if (s == cutlass::Status::kSuccess) s = gemm.run(call.stream);
