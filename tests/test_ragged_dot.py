@@ -343,7 +343,7 @@ def test_the_grouped_kernels_options_come_from_the_table(monkeypatch):
     assert cutlass.ragged_options("m", 8192, 2048, 7168, "GPU X") == {"config": 1, "raster": 0, "swizzle": 4}
     assert cutlass.ragged_options("m", 60000, 2048, 7168, "GPU X") == {"config": 1, "raster": 2, "swizzle": 1}
     assert cutlass.ragged_options("k", 7168, 2048, 100, "GPU X") == {"config": 0, "raster": 0, "swizzle": 8}
-    for bad, match in [({"config": 2}, "config must be in"), ({"swizzle": 3}, "swizzle must be"),
+    for bad, match in [({"config": len(cutlass.RAGGED_CONFIGS)}, "config must be in"), ({"swizzle": 3}, "swizzle must be"),
                        ({"raster": 5}, "raster must be"), ({"cluster": 2}, "unknown options")]:
         monkeypatch.setitem(table.TABLE, "GPU Z", {"ragged_m": [((1, 1, 1), "cutlass", bad)]})
         with pytest.raises(ValueError, match=match):
