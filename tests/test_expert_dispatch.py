@@ -35,7 +35,7 @@ def _scheme(fmt):
 
 
 def _on(n, fn):
-    mesh = jax.make_mesh((n,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:n])  # also beside a GPU
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
 

@@ -256,7 +256,7 @@ def test_linen_lm_trains_as_bf16_does_data_parallel(linen_lm, bf16_losses):
     sequence), the parameters replicated: it compiles, runs, and its losses are bf16's (one device)
     within FP8's rounding."""
     _, fp8, variables, _, tokens = linen_lm
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(variables["params"], replicated)
     with warnings.catch_warnings():
