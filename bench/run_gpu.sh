@@ -4,7 +4,8 @@
 # JAX against the XLA-fused reference (bench_kernels.py) and per kernel with CUDA events (kernel_bench.cu).
 # Usage (device machine): bash bench/run_gpu.sh   -- output goes to $OUT (or ./gpu_logs): run.log (every
 # stage), logs.tgz (each stage's full log), gemm_table.json (TUNE=1), ncu_*.txt (NCU=1).
-# Knobs: PYTEST_ARGS, BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
+# Knobs: PYTEST_ARGS, TEST_FILES (the tests stage's files, default tests), TEST_WORKERS (its xdist workers on
+# the one GPU, default 0: one process), BENCH_ARGS (bench_kernels.py), GEMM_ARGS (bench_gemm.py), MODEL_ARGS (bench_model.py),
 # TUNE_ARGS (bench_gemm_tune.py), NCU_ARGS (ncu), NCU_MNK (M,N,K of the profiled fprop GEMM, 8192,8192,8192),
 # NCU_KERNEL (ncu's kernel-name regex), NCU_SOURCE=1 (also each kernel's section details and its stall
 # samples per SASS line: ncu_*_source.csv.gz), NCU_PAIRS (1D2D and/or 1D1D), NCU_BACKENDS (each a backend, or
@@ -73,8 +74,15 @@ if [ "${BUILD:-1}" != 0 ]; then
 fi
 python3 -c "import jax_fp8.gemm.backends.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" 2>&1 | log gpu.txt
 python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
-# no -x: one failure must hide no other result
-[ "${TESTS:-1}" != 0 ] && { stage tests; python3 -m pytest tests -q -n 0 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15; }
+# no -x: one failure must hide no other result. TEST_FILES: a part of the suite (the whole outruns one call);
+# TEST_WORKERS=N: N pytest-xdist workers sharing the GPU, each allocating its memory as it goes
+if [ "${TESTS:-1}" != 0 ]; then
+  stage tests
+  workers=(-n "${TEST_WORKERS:-0}")
+  [ "${TEST_WORKERS:-0}" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  python3 -m pytest ${TEST_FILES:-tests} -q "${workers[@]}" -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+fi
 [ "${PRODUCERS:-0}" != 0 ] && { stage producers; python3 -m pytest tests/test_producers.py tests/test_fused_layers.py \
   tests/test_command_buffers.py -q -n 0 -p no:cacheprovider 2>&1 | log producers_tests.log | tail -15;
   (cd bench && python3 bench_producers.py ${PRODUCERS_ARGS:-}) 2>&1 | log bench_producers.log | tail -12; }
