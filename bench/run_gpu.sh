@@ -40,6 +40,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | log gpu.txt
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | log gpu.txt
 kb_pid=
+ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)  # NCU stages
 build_env=()  # the build's environment (CUTLASS=1: the CUTLASS module too), for the PATCHES stage's rebuild as well
 if [ "${CUTLASS:-0}" != 0 ]; then
   build_env=(JAX_FP8_CUTLASS=1 CMAKE_BUILD_PARALLEL_LEVEL=16)
@@ -78,10 +79,10 @@ python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('C
 # TEST_WORKERS=N: N pytest-xdist workers sharing the GPU, each allocating its memory as it goes
 if [ "${TESTS:-1}" != 0 ]; then
   stage tests
-  workers=(-n "${TEST_WORKERS:-0}")
-  [ "${TEST_WORKERS:-0}" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  python3 -m pytest ${TEST_FILES:-tests} -q "${workers[@]}" -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15
-  unset XLA_PYTHON_CLIENT_PREALLOCATE
+  test_env=()  # with workers: no worker takes the GPU's memory up front
+  [ "${TEST_WORKERS:-0}" != 0 ] && test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
+  env ${test_env[@]+"${test_env[@]}"} python3 -m pytest ${TEST_FILES:-tests} -q -n "${TEST_WORKERS:-0}" \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15
 fi
 [ "${PRODUCERS:-0}" != 0 ] && { stage producers; python3 -m pytest tests/test_producers.py tests/test_fused_layers.py \
   tests/test_command_buffers.py -q -n 0 -p no:cacheprovider 2>&1 | log producers_tests.log | tail -15;
@@ -89,7 +90,6 @@ fi
 # NCU_PRODUCERS=1: Nsight Compute on fused producer kernels (NCU_SOURCES; instruction mix, stalls by SASS line), their SASS
 if [ "${NCU_PRODUCERS:-0}" != 0 ]; then
   stage ncu_producers
-  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for src in ${NCU_SOURCES:-SwigluSrc swiglu_pair_kernel GeluSrc}; do
     # (--kernel-id's fields are split at ':', so a regex with "::" in it cannot go there)
     ${ncu_bin:-ncu} --clock-control none --kernel-name-base demangled --kernel-name "regex:(Packed<.*$src<|$src<)" \
@@ -119,7 +119,6 @@ table=(); [ -f "$OUT/gemm_table.json" ] && table=(--table "$OUT/gemm_table.json"
 # Nsight Compute on one fprop GEMM per backend: ncu_gemm.py runs it between cuProfilerStart/Stop after a warm-up
 if [ "${NCU:-0}" != 0 ]; then
   stage ncu
-  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for pair in ${NCU_PAIRS:-1D2D}; do
     for spec in ${NCU_BACKENDS:-cublaslt cutlass}; do
       b=${spec%%:*}; opts=(); [ "$spec" != "$b" ] && opts=(--options "${spec#*:}")
@@ -150,7 +149,6 @@ fi
 # wgrad (ncu_ragged.py, NCU_RAGGED_ARGS: its shape), a summary per kernel (ncu_ragged_<what>.txt)
 if [ "${NCU_RAGGED:-0}" != 0 ]; then
   stage ncu_ragged
-  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for what in ${NCU_RAGGED_WHAT:-quantize forward wgrad}; do
     ${ncu_bin:-ncu} --profile-from-start off --clock-control none --kernel-name-base demangled \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
