@@ -81,8 +81,11 @@ if [ "${TESTS:-1}" != 0 ]; then
   stage tests
   test_env=()  # with workers: no worker takes the GPU's memory up front
   [ "${TEST_WORKERS:-0}" != 0 ] && test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
-  env ${test_env[@]+"${test_env[@]}"} python3 -m pytest ${TEST_FILES:-tests} -q -n "${TEST_WORKERS:-0}" \
-    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15
+  # stopped (SIGINT: pytest still prints its summary of what ran) CALL_S (570) seconds after this script started,
+  # so that a suite longer than the call still brings back its log
+  left=$(( ${CALL_S:-570} - SECONDS > 30 ? ${CALL_S:-570} - SECONDS : 30 ))
+  env ${test_env[@]+"${test_env[@]}"} timeout -s INT -k 20 $left python3 -m pytest ${TEST_FILES:-tests} -q \
+    -n "${TEST_WORKERS:-0}" -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | log tests.log | tail -15
 fi
 [ "${PRODUCERS:-0}" != 0 ] && { stage producers; python3 -m pytest tests/test_producers.py tests/test_fused_layers.py \
   tests/test_command_buffers.py -q -n 0 -p no:cacheprovider 2>&1 | log producers_tests.log | tail -15;
