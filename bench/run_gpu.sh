@@ -21,7 +21,7 @@
 # Compute on the grouped quantize's and grouped GEMMs' kernels (NCU_RAGGED_WHAT, NCU_RAGGED_ARGS);
 # NCU_PRODUCERS=1 Nsight Compute on the fused SwiGLU kernels (NCU_SOURCES) and their SASS; PATCHES (with
 # PATCH_TESTS, PATCH_TEST_FILES, PATCH_BENCH): kernels not yet landed, applied and timed after the rest.
-# Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~260 s, kernels ~70 s,
+# Everything at once outruns one 600 s call (build ~100 s (CUTLASS=1: ~+120 s), tests ~300 s (TEST_WORKERS=8), kernels ~70 s,
 # kernel_bench ~60 s, GEMM ~300 s, tune ~300 s, model ~150 s): split it over calls with the stage knobs, e.g.
 #   CUTLASS=1 TESTS=0 KERNELS=0 GEMM=0 BACKENDS=1 TUNE=1   then   BUILD=0 ... TESTS=0 KERNELS=0 TABLE=... NCU=1
 # A pending kernel against the landed one (carry .whl; about 700 s with the CUTLASS module, so two calls on one
@@ -48,9 +48,14 @@ if [ "${CUTLASS:-0}" != 0 ]; then
 fi
 # the package built and installed in place (the BUILD stage, and the PATCHES stage's incremental rebuild),
 # its pip log appended to $1; a failed build ends the call with the log's tail
+# Each call's tree comes with its own mtimes, older than the objects an earlier call built from a patched
+# copy of it, so ninja would keep those: the sources whose content differs from the last build's are touched.
+sums=build/.jf_sources.md5
 install() {
+  [ -f $sums ] && md5sum --quiet -c $sums 2>/dev/null | sed -n 's/: FAILED$//p' | xargs -r touch
   env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$1" 2>&1 \
     || { tail -50 "$1" | tee -a "$OUT/run.log"; exit 1; }
+  find jax_fp8/csrc CMakeLists.txt -type f -print0 | xargs -0 md5sum > $sums
 }
 if [ "${BUILD:-1}" != 0 ]; then
   stage build

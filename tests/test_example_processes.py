@@ -171,6 +171,7 @@ def test_two_processes_train_as_one(uninterrupted, tmp_path, capsys):
     """--spawn 2: process 0 prints the log, process 1 nothing; the losses and the final checkpoint
     (master weights, Adam moments, biases, step, data position) equal one process's, bit for bit: the
     example adds gradients and losses in rank order, whatever the collectives run over."""
+    import jax
     import shard_map_model
 
     out = "".join(uninterrupted.lines)
@@ -178,7 +179,10 @@ def test_two_processes_train_as_one(uninterrupted, tmp_path, capsys):
     assert "[process 1]" not in out, out
     # Orbax kept the last two steps, cleaned up, and left the run's lock alone
     assert sorted(os.listdir(uninterrupted.ckpt)) == ["6", "8", "run.lock"]
-    one = shard_map_model.main(FLAGS + ["--checkpoint-dir", str(tmp_path / "ckpt")])
+    # on the spawned processes' backend: beside a GPU, the one process's mesh takes the CPU devices, but
+    # what it computes outside the mesh (the initial weights) would run on the GPU, in other roundings
+    with jax.default_device(jax.devices("cpu")[0]):
+        one = shard_map_model.main(FLAGS + ["--checkpoint-dir", str(tmp_path / "ckpt")])
     capsys.readouterr()
     assert uninterrupted.losses() == list(enumerate(one, 1))
     state = read_checkpoint(uninterrupted.ckpt, 8)

@@ -53,15 +53,16 @@ enum Raster : int { kRasterHeuristic = 0, kRasterAlongM = 1, kRasterAlongN = 2 }
 // The configurations, in index order (the `config` attribute; cutlass.py's CONFIGS). "c<m>x<n>": the
 // cluster shape along M and N; "coop": cooperative (two consumer warp groups split a tile along M),
 // "pingpong": two consumer warp groups alternate between tiles; "_overlap": each k tile's scale promotion
-// overlapped with the next tile's MMAs (cutlass_overlap.cuh), and for calls without c an epilogue with no
-// C operand (Kernel's HasC).
-// (256x128x128 cluster 1x2, example 67's, spilled 546 bytes with CUTLASS 4.2 and ran at 0.2-0.5x
-// cuBLASLt on the H200: dropped; bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
-// where="auto"".)
-constexpr int kNumConfigs = 5;
+// overlapped with the next tile's MMAs (cutlass_overlap.cuh); "_split": a 256-row tile whose MMAs and
+// promotion run one 64-row atom at a time (cutlass_split.cuh). Both, for calls without c, an epilogue with
+// no C operand (Kernel's HasC).
+// (256x128x128 cluster 1x2, example 67's, on CUTLASS 4.2's own mainloop spilled 546 bytes and ran at
+// 0.2-0.5x cuBLASLt on the H200: bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
+// where="auto""; the "_split" mainloop is that tile without the spills.)
+constexpr int kNumConfigs = 6;
 constexpr const char* kConfigNames[kNumConfigs] = {
     "128x128x128_c1x1_coop",          "128x128x128_c1x2_coop",          "64x128x128_c1x1_pingpong",
-    "128x128x128_c1x1_coop_overlap",  "128x128x128_c1x2_coop_overlap",
+    "128x128x128_c1x1_coop_overlap",  "128x128x128_c1x2_coop_overlap",  "256x128x128_c1x2_coop_split",
 };
 
 // Operand type pairs with kernels: E4M3 x E4M3 always; with JF_CUTLASS_E5M2 (CMake: JAX_FP8_CUTLASS_E5M2)
@@ -130,6 +131,7 @@ inline GemmResult run(int pair, int out_type, const GemmCall& call) {
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/numeric_types.h"
 #include "cutlass_overlap.cuh"
+#include "cutlass_split.cuh"
 
 // Compiled for any other device architecture (sm_90 without the "a" included) CUTLASS's sm90 kernels
 // would build as empty bodies that fail at run time: refuse at compile time instead.
@@ -141,10 +143,14 @@ namespace jf {
 namespace cutlass_gemm {
 
 // A configuration: CTA tile (M, N; K is always 128, one scale block per k tile), cluster shape, kernel
-// schedule, and whether the promotion overlaps the MMAs (OverlappedPromotionMma).
-template <int TileM, int TileN, int ClusterM, int ClusterN, bool Cooperative, bool Overlap = false>
+// schedule, and the mainloop's promotion: CUTLASS's, overlapped with the MMAs (OverlappedPromotionMma) or
+// split along M (SplitPromotionMma).
+enum Promotion : int { kPromoteBase = 0, kPromoteOverlap = 1, kPromoteSplit = 2 };
+template <int TileM, int TileN, int ClusterM, int ClusterN, bool Cooperative, int Promote = kPromoteBase>
 struct Config {
-  static constexpr bool kOverlap = Overlap;
+  static constexpr int kPromotion = Promote;
+  // our mainloops' configurations also have a kernel without C, for calls without c
+  static constexpr bool kCLess = Promote != kPromoteBase;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule = std::conditional_t<Cooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
@@ -154,7 +160,8 @@ struct Config {
 };
 // kConfigNames, in the same order
 using Configs = std::tuple<Config<128, 128, 1, 1, true>, Config<128, 128, 1, 2, true>, Config<64, 128, 1, 1, false>,
-                           Config<128, 128, 1, 1, true, true>, Config<128, 128, 1, 2, true, true>>;
+                           Config<128, 128, 1, 1, true, kPromoteOverlap>, Config<128, 128, 1, 2, true, kPromoteOverlap>,
+                           Config<256, 128, 1, 2, true, kPromoteSplit>>;
 static_assert(std::tuple_size_v<Configs> == kNumConfigs);
 // Which configurations are compiled: all, or only the I-th with -DJF_CUTLASS_ONLY_CONFIG=I (the quick
 // compile check of bench/check_cutlass_kernel.sh, CI's); the others then fail at run time, saying so.
@@ -218,7 +225,9 @@ struct Kernel {
       float, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::MainloopSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<Cfg::kOverlap, OverlappedPromotionMma<BuiltMainloop>, BuiltMainloop>;
+  using Mainloop = std::conditional_t<Cfg::kPromotion == kPromoteOverlap, OverlappedPromotionMma<BuiltMainloop>,
+                                      std::conditional_t<Cfg::kPromotion == kPromoteSplit,
+                                                         SplitPromotionMma<BuiltMainloop>, BuiltMainloop>>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                           cutlass::gemm::PersistentScheduler>;
@@ -311,7 +320,7 @@ GemmResult run_config(const GemmCall& call) {
     using Cfg = std::tuple_element_t<I, Configs>;
     if constexpr (JF_CUTLASS_ONLY_CONFIG < 0 || JF_CUTLASS_ONLY_CONFIG == I) {
       if (call.config == I) {
-        if constexpr (Cfg::kOverlap)  // these configurations have a C-less kernel for calls without c
+        if constexpr (Cfg::kCLess)
           if (!call.c) return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, false>(call);
         return run_kernel<Cfg, P, ElementA, ElementB, ElementOut, true>(call);
       }

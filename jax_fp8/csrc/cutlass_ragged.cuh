@@ -40,10 +40,12 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 
 // The grouped kernels' configurations, in index order (the `config` attribute; cutlass.py's
 // RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
-// loads, TMA multicast), cooperative schedule. The tile scheduler's raster order (`raster`: 0 its default,
+// loads, TMA multicast), cooperative schedule; "_split": the 256-row tile's MMAs and promotion one 64-row
+// atom at a time (cutlass_split.cuh). The tile scheduler's raster order (`raster`: 0 its default,
 // along M; 1 along M; 2 along N) and swizzle (1, 2, 4, 8) are run-time arguments.
-constexpr int kNumRaggedConfigs = 2;
-constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop"};
+constexpr int kNumRaggedConfigs = 3;
+constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop",
+                                                               "256x128x128_c1x2_coop_split"};
 
 struct RaggedCall {
   int kind = kMGrouped;
@@ -80,6 +82,10 @@ GemmResult run_ragged_m_bf16_c1x2(const RaggedCall& call);
 GemmResult run_ragged_m_f32_c1x2(const RaggedCall& call);
 GemmResult run_ragged_k_bf16_c1x2(const RaggedCall& call);
 GemmResult run_ragged_k_f32_c1x2(const RaggedCall& call);
+GemmResult run_ragged_m_bf16_split(const RaggedCall& call);
+GemmResult run_ragged_m_f32_split(const RaggedCall& call);
+GemmResult run_ragged_k_bf16_split(const RaggedCall& call);
+GemmResult run_ragged_k_f32_split(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
   if (call.config < 0 || call.config >= kNumRaggedConfigs || call.swizzle < 1 || call.swizzle > 8 ||
@@ -91,12 +97,15 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
                 std::to_string(call.swizzle) + " (1, 2, 4 or 8)";
     return r;
   }
-  const bool bf16 = out_type == kOutBF16, c1x2 = call.config == 1;
-  if (call.kind == kMGrouped)
-    return c1x2 ? (bf16 ? run_ragged_m_bf16_c1x2(call) : run_ragged_m_f32_c1x2(call))
-                : (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call));
-  return c1x2 ? (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call))
-              : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
+  const bool bf16 = out_type == kOutBF16, m = call.kind == kMGrouped;
+  switch (call.config) {
+    case 1: return m ? (bf16 ? run_ragged_m_bf16_c1x2(call) : run_ragged_m_f32_c1x2(call))
+                     : (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call));
+    case 2: return m ? (bf16 ? run_ragged_m_bf16_split(call) : run_ragged_m_f32_split(call))
+                     : (bf16 ? run_ragged_k_bf16_split(call) : run_ragged_k_f32_split(call));
+    default: return m ? (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call))
+                      : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
+  }
 }
 
 }  // namespace cutlass_gemm
@@ -110,11 +119,11 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
 namespace jf {
 namespace cutlass_gemm {
 
-template <int Kind, class ElementOut, int ClusterN>
+template <int Kind, class ElementOut, int ClusterN, bool Split>
 struct RaggedKernel {
   static constexpr int kKind = Kind;
   using E4 = cutlass::float_e4m3_t;
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using TileShape = cute::Shape<cute::Int<Split ? 256 : 128>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<ClusterN>, cute::_1>;
   // M-grouped: a 1x128 (K-major scales), b 128x128 tiles (K-major); K-grouped: both 1x128 along the
   // contraction, scales MN-major (one row per block slot)
@@ -131,13 +140,14 @@ struct RaggedKernel {
       ElementOut, cutlass::layout::RowMajor*, kAlignOut,
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementOut, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       E4, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, 16,
       E4, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Mainloop = std::conditional_t<Split, SplitPromotionMma<BuiltMainloop>, BuiltMainloop>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
@@ -316,9 +326,9 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c
   }
 }
 
-template <int Kind, class ElementOut, int ClusterN>
+template <int Kind, class ElementOut, int ClusterN, bool Split>
 GemmResult run_ragged_kernel(const RaggedCall& call) {
-  using K = RaggedKernel<Kind, ElementOut, ClusterN>;
+  using K = RaggedKernel<Kind, ElementOut, ClusterN, Split>;
   using Gemm = typename K::Gemm;
   GemmResult r;
   cutlass::KernelHardwareInfo hw;
@@ -372,12 +382,12 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
 }  // namespace cutlass_gemm
 }  // namespace jf
 
-// One translation unit's entry point: JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1)
-// (the last argument: the cluster's CTAs along N)
-#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type, cluster_n)                                               \
+// One translation unit's entry point: JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1,
+// false) (the last two: the cluster's CTAs along N; the 256-row tile with the split promotion)
+#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type, cluster_n, split)                                        \
   namespace jf {                                                                                                \
   namespace cutlass_gemm {                                                                                      \
-  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type, cluster_n>(call); }        \
+  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type, cluster_n, split>(call); } \
   }                                                                                                             \
   }
 

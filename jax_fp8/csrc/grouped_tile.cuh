@@ -1,17 +1,22 @@
 // jf_quantize_grouped on CUDA: rows in groups (groups.h) quantized as GEMM-ready Float8 1x128 operands,
 // rowwise and columnwise from one read of x, the columnwise blocks restarting at every group start.
 //
-// One CTA of 256 threads per (block row, 128 columns, matrix). Block rows x < S are the slots: warp 0
-// finds its slot's rows and columns from the group sizes (a warp scan over the groups, on the device: no
-// host sync); rows x >= S are chunks of 128 of the rows past the last group, which get data 0 and the
-// padding scale, and of the columnwise columns past the groups', which get 0. Each thread holds 16
-// consecutive rows x 4 columns in registers (vector loads): a row's 1x128 amax is a warp reduction, a
-// column's 128x1 amax a shared-memory one; the hardware's FP8 cast, and the columnwise bytes go out
-// transposed straight from registers, a column's 16 rows in one 16-byte store.
+// Work items of (block row, 128 columns, matrix), 256 threads each, walked by enough CTAs to fill the
+// chip (columns fastest: a wave reads whole rows). Block rows x < S are the slots; rows x >= S are chunks
+// of 128 of the rows past the last group, which get data 0 and the padding scale, and of the columnwise
+// columns past the groups', which get 0. Each CTA first reads the group sizes once (on the device: no
+// host sync) into a table of the groups' rows, slots and columns in shared memory, from which every
+// item's rows and columns follow by a binary search; items with nothing to write (tail chunks past the
+// rows and columns the sizes leave) cost no sync. More than kTableGroups groups: each item scans the
+// sizes itself (find_span). Each thread holds 16 consecutive rows x 4 columns in registers (vector
+// loads): a row's 1x128 amax is a warp reduction, a column's 128x1 amax a shared-memory one; the
+// hardware's FP8 cast, and the columnwise bytes go out transposed straight from registers, a column's
+// 16 rows in one 16-byte store.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda_common.cuh"
@@ -22,12 +27,6 @@ namespace {
 
 constexpr int kGroupTile = 128;  // rows and columns of a CTA's tile: one 1x128 block per row, one 128x1 per column
 constexpr int kGroupRowsPerWarp = kGroupTile / (kThreads / 32);
-
-template <class L>
-__device__ __forceinline__ float load_elem(const typename L::T* p) {
-  if constexpr (std::is_same_v<typename L::T, float>) return *p;
-  else return L::get(*p);
-}
 
 // Where the outputs of one matrix go (null data: the usage is not asked for).
 struct GroupedOut {
@@ -97,46 +96,127 @@ __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64
   }
 }
 
-// The 4 elements of row r from column c of x (zeros outside the rows [r, r1) given as `valid` and past K):
-// one 8-byte (16-bit input) or 16-byte (fp32) load when `vec` (K % 4 == 0: aligned, and c < K covers c + 3).
-template <class L>
-__device__ __forceinline__ void load4(const typename L::T* __restrict__ p, bool valid, bool vec, int64_t c,
-                                      int64_t K, float (&v)[4]) {
-  if (valid && vec) {
-    if constexpr (std::is_same_v<typename L::T, float>) {
-      const float4 q = *reinterpret_cast<const float4*>(p);
-      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-    } else {
-      const uint2 q = *reinterpret_cast<const uint2*>(p);
-      v[0] = L::get(uint16_t(q.x & 0xFFFFu)), v[1] = L::get(uint16_t(q.x >> 16));
-      v[2] = L::get(uint16_t(q.y & 0xFFFFu)), v[3] = L::get(uint16_t(q.y >> 16));
+// Groups whose bounds a CTA keeps in shared memory (16 KB); calls with more scan the sizes per item.
+constexpr int kTableGroups = 512;
+
+// The groups' bounds as find_span numbers them: group g's rows [beg, end), the slots and the columns of
+// groups 0..g (inclusive prefix sums); the totals, for the tail chunks (rows: the clipped sizes' sum).
+struct GroupTable {
+  int64_t beg[kTableGroups], end[kTableGroups], slot_end[kTableGroups], col_end[kTableGroups];
+  int64_t rows_total, slots_total, cols_total;
+};
+
+// The whole CTA: the table of G <= kTableGroups groups. Every thread loads sizes at once (one load's
+// latency), then warp 0 forms the prefix sums by shuffles, 32 groups at a time.
+__device__ __forceinline__ void build_table(const int32_t* sizes, int64_t G, int64_t M, GroupTable& t) {
+  for (int64_t g = threadIdx.x; g < G; g += kThreads) t.end[g] = min(max(int64_t(sizes[g]), int64_t(0)), M);
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int64_t rows_before = 0, slots_before = 0, cols_before = 0;
+    for (int64_t g0 = 0; g0 < G; g0 += 32) {
+      const int64_t g = g0 + lane;
+      const int64_t size = g < G ? t.end[g] : 0;
+      const int64_t incl = warp_inclusive_sum(size) + rows_before;
+      const int64_t end = min(M, incl), beg = min(M, incl - size);
+      const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
+      const int64_t nincl = warp_inclusive_sum(n) + slots_before;
+      const int64_t width = (end - beg + kColAlign - 1) / kColAlign * kColAlign;
+      const int64_t cincl = warp_inclusive_sum(width) + cols_before;
+      if (g < G) t.beg[g] = beg, t.end[g] = end, t.slot_end[g] = nincl, t.col_end[g] = cincl;
+      rows_before = __shfl_sync(0xFFFFFFFFu, incl, 31);
+      slots_before = __shfl_sync(0xFFFFFFFFu, nincl, 31);
+      cols_before = __shfl_sync(0xFFFFFFFFu, cincl, 31);
     }
+    if (lane == 0) t.rows_total = rows_before, t.slots_total = slots_before, t.cols_total = cols_before;
+  }
+  __syncthreads();
+}
+
+// Every thread: block row x's span as find_span gives it, from the table (a slot's group: the first whose
+// slots end past x, by binary search).
+__device__ __forceinline__ void table_span(const GroupTable& t, int64_t G, int64_t M, int64_t Mc, int64_t S,
+                                           int64_t x, int64_t (&span)[4]) {
+  if (x >= S) {  // a chunk of the rows and of the columns past the groups'
+    const int64_t off = (x - S) * kGroupTile;
+    span[0] = min(M, min(M, t.rows_total) + off);
+    span[1] = min(M, span[0] + kGroupTile);
+    span[2] = min(Mc, t.cols_total + off);
+    span[3] = min(Mc, span[2] + kGroupTile);
+  } else if (x >= t.slots_total) {  // an unused slot
+    span[0] = span[1] = M;
+    span[2] = span[3] = Mc;
   } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = valid && c + e < K ? load_elem<L>(p + e) : 0.0f;
+    int64_t lo = 0, hi = G - 1;  // slot_end[hi] > x
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (t.slot_end[mid] > x) hi = mid; else lo = mid + 1;
+    }
+    const int64_t rows = t.end[lo] - t.beg[lo], n = (rows + kGroupTile - 1) / kGroupTile;
+    const int64_t width = (rows + kColAlign - 1) / kColAlign * kColAlign, off = (x - (t.slot_end[lo] - n)) * kGroupTile;
+    span[0] = t.beg[lo] + off;
+    span[1] = min(t.end[lo], span[0] + kGroupTile);
+    span[2] = t.col_end[lo] - width + off;
+    span[3] = min(t.col_end[lo], span[2] + kGroupTile);
   }
 }
+
+// A thread's 16 rows x 4 columns of x, element (i, e) row i's column c + e. load(i, ...) reads row i's 4
+// elements at p (zeros where not `valid`, outside the slot's rows, and past K): one 8-byte (16-bit input)
+// or 16-byte (fp32) load when `vec` (K % 4 == 0: aligned, and c < K covers c + 3). 16-bit inputs stay as
+// loaded, two 32-bit words a row, converted where used: as floats they took 64 of the kernel's 125
+// registers, which held it to 2 CTAs per SM (ncu: latency-bound, 25% occupancy).
+template <class L, bool Packed = std::is_same_v<typename L::T, uint16_t>>
+struct RowsBy4 {
+  uint2 w[kGroupRowsPerWarp];
+  __device__ __forceinline__ void load(int i, const uint16_t* __restrict__ p, bool valid, bool vec, int64_t c,
+                                       int64_t K) {
+    if (valid && vec) {
+      w[i] = *reinterpret_cast<const uint2*>(p);
+    } else {
+      uint32_t h[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h[e] = valid && c + e < K ? p[e] : 0u;  // 0: +0.0
+      w[i] = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+    }
+  }
+  __device__ __forceinline__ float operator()(int i, int e) const {
+    const uint32_t word = e < 2 ? w[i].x : w[i].y;
+    return L::get(uint16_t(e % 2 ? word >> 16 : word & 0xFFFFu));
+  }
+};
+
+template <class L>
+struct RowsBy4<L, false> {
+  float v[kGroupRowsPerWarp][4];
+  __device__ __forceinline__ void load(int i, const float* __restrict__ p, bool valid, bool vec, int64_t c,
+                                       int64_t K) {
+    if (valid && vec) {
+      const float4 q = *reinterpret_cast<const float4*>(p);
+      v[i][0] = q.x, v[i][1] = q.y, v[i][2] = q.z, v[i][3] = q.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[i][e] = valid && c + e < K ? p[e] : 0.0f;
+    }
+  }
+  __device__ __forceinline__ float operator()(int i, int e) const { return v[i][e]; }
+};
 
 // Four FP8 bytes of v_k * m (the hardware's satfinite cast, equal to fp8_from_float_sw), byte k from v_k.
 __device__ __forceinline__ uint32_t fp8x4(float v0, float v1, float v2, float v3, float m, int fp8) {
   return fp8x2_from_float(v0 * m, v1 * m, fp8) | (uint32_t(fp8x2_from_float(v2 * m, v3 * m, fp8)) << 16);
 }
 
+// One work item: block row bx's rows [span[0], span[1]) (an unused slot or a tail chunk: none) and columns
+// [span[2], span[3]) of the columnwise output, input columns kb * 128 ... of matrix b. `red`, `col_mult`:
+// the CTA's shared memory; every thread calls it (it syncs the CTA when columnwise data is asked for).
 template <class L, class Rule>
-__global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L::T* __restrict__ x,
-                                                                const int32_t* __restrict__ sizes, int64_t M,
-                                                                int64_t K, int64_t G, int64_t S, Rule rule, int fp8,
-                                                                GroupedOut o) {
-  __shared__ int64_t span[4];
-  __shared__ __align__(16) float red[kThreads / 32][kGroupTile];
-  __shared__ __align__(16) float col_mult[kGroupTile];
-  const int64_t b = blockIdx.z, bx = blockIdx.x, kb = blockIdx.y;
+__device__ __forceinline__ void grouped_tile(const typename L::T* __restrict__ x, int64_t M, int64_t K, int64_t S,
+                                             const Rule& rule, int fp8, const GroupedOut& o, int64_t b,
+                                             int64_t bx, int64_t kb, const int64_t (&span)[4],
+                                             float (&red)[kThreads / 32][kGroupTile], float (&col_mult)[kGroupTile]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  x += b * M * K;
-  sizes += b * G;
   const bool slot = bx < S, vec = K % 4 == 0;
-  if (warp == 0) find_span(sizes, G, M, o.col_cols, S, bx, span);
-  __syncthreads();
   const int64_t r0 = span[0], r1 = span[1], gc0 = span[2], gc1 = span[3], c = kb * kGroupTile + 4 * lane;
   const bool in_groups = slot && r1 > r0;
   uint8_t* row_data = o.row_data ? o.row_data + b * M * K : nullptr;
@@ -153,10 +233,9 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
   // This thread's 16 consecutive rows r0 + 16 warp + i and 4 columns c .. c + 3: a row's 128 columns are one
   // warp's (its amax: shuffles), and a column's 16 rows one thread's (its bytes: one 16-byte store)
   const int64_t rw = r0 + kGroupRowsPerWarp * warp;
-  float v[kGroupRowsPerWarp][4];
+  RowsBy4<L> v;
 #pragma unroll
-  for (int i = 0; i < kGroupRowsPerWarp; ++i)
-    load4<L>(x + (rw + i) * K + c, in_groups && rw + i < r1 && c < K, vec, c, K, v[i]);
+  for (int i = 0; i < kGroupRowsPerWarp; ++i) v.load(i, x + (rw + i) * K + c, in_groups && rw + i < r1 && c < K, vec, c, K);
 
   // Rowwise: each row's 1x128 block (rows in no group: data 0, the padding scale)
   if (row_data) {
@@ -165,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
       const int64_t r = rw + i;
       float amax = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) amax = amax_step(amax, v[i][e]);
+      for (int e = 0; e < 4; ++e) amax = amax_step(amax, v(i, e));
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
       if (r >= r1) continue;  // warp-uniform
@@ -173,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
       if (in_groups) rule(amax, s, m);
       if (lane == 0) row_scale[kb * o.row_ld + r] = s;
       if (c >= K) continue;
-      const uint32_t q = fp8x4(v[i][0], v[i][1], v[i][2], v[i][3], m, fp8);
+      const uint32_t q = fp8x4(v(i, 0), v(i, 1), v(i, 2), v(i, 3), m, fp8);
       if (vec) {
         *reinterpret_cast<uint32_t*>(row_data + r * K + c) = q;
       } else {
@@ -190,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
 #pragma unroll
   for (int i = 0; i < kGroupRowsPerWarp; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) amax4[e] = amax_step(amax4[e], v[i][e]);
+    for (int e = 0; e < 4; ++e) amax4[e] = amax_step(amax4[e], v(i, e));
   *reinterpret_cast<float4*>(&red[warp][4 * lane]) = make_float4(amax4[0], amax4[1], amax4[2], amax4[3]);
   __syncthreads();
   if (threadIdx.x < kGroupTile) {
@@ -218,8 +297,42 @@ __global__ void __launch_bounds__(kThreads) grouped_tile_kernel(const typename L
     uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      w[j] = fp8x4(v[4 * j][e], v[4 * j + 1][e], v[4 * j + 2][e], v[4 * j + 3][e], m[e], fp8);
+      w[j] = fp8x4(v(4 * j, e), v(4 * j + 1, e), v(4 * j + 2, e), v(4 * j + 3, e), m[e], fp8);
     *reinterpret_cast<uint4*>(col_data + (c + e) * o.col_cols + gc) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// The work items (bx, kb) of matrix blockIdx.z, bx < n_x (the slots and tail chunks), columns fastest,
+// walked by the grid's CTAs in turn; 3 CTAs per SM for 16-bit inputs (at most 85 registers: RowsBy4 keeps
+// them as loaded), 2 for fp32 (a thread holds 64 floats).
+template <class L, class Rule>
+__global__ void __launch_bounds__(kThreads, std::is_same_v<typename L::T, uint16_t> ? 3 : 2)
+    grouped_tile_kernel(const typename L::T* __restrict__ x, const int32_t* __restrict__ sizes, int64_t M, int64_t K,
+                        int64_t G, int64_t S, int64_t n_x, Rule rule, int fp8, GroupedOut o) {
+  __shared__ GroupTable table;
+  __shared__ int64_t scanned[4];  // find_span's, past kTableGroups groups
+  __shared__ __align__(16) float red[kThreads / 32][kGroupTile];
+  __shared__ __align__(16) float col_mult[kGroupTile];
+  const int64_t b = blockIdx.z, nkb = cdiv(K, kGroupTile), items = n_x * nkb;
+  x += b * M * K;
+  sizes += b * G;
+  const bool tabled = G <= kTableGroups;
+  if (tabled) build_table(sizes, G, M, table);
+  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    const int64_t bx = w / nkb, kb = w - bx * nkb;
+    int64_t span[4];
+    if (tabled) {
+      table_span(table, G, M, o.col_cols, S, bx, span);
+      // a tail chunk past every row and column has nothing to write (but the first pads the row scales)
+      if (bx > S && span[1] <= span[0] && span[3] <= span[2]) continue;
+    } else {
+      if (threadIdx.x < 32) find_span(sizes, G, M, o.col_cols, S, bx, scanned);
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) span[i] = scanned[i];
+    }
+    grouped_tile<L>(x, M, K, S, rule, fp8, o, b, bx, kb, span, red, col_mult);
+    if (!tabled) __syncthreads();  // every thread has read `scanned` before warp 0 writes the next item's
   }
 }
 
@@ -234,15 +347,22 @@ inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, i
     else o.row_data = d[k], o.row_scale = static_cast<float*>(s[k]), o.row_ld = a.out[k].ld;
   }
   // the slots, then tail chunks over the rows past the groups' and the columns past theirs (col_count >= M)
-  const int64_t bx = S + cdiv(col_count(a.M, G), kGroupTile), by = cdiv(a.K, kGroupTile);
-  if (a.B == 0 || bx == 0 || by == 0) return ffi::Error::Success();
-  if (bx > 0x7FFFFFFF || by > 65535 || a.B > 65535) return bad("quantize_grouped: tensor too large for one launch");
-  const dim3 grid(unsigned(bx), unsigned(by), unsigned(a.B));
+  const int64_t n_x = S + cdiv(col_count(a.M, G), kGroupTile), items = n_x * cdiv(a.K, kGroupTile);
+  if (a.B == 0 || items == 0) return ffi::Error::Success();
+  if (a.B > 65535) return bad("quantize_grouped: more than 65535 matrices in one launch");
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   return with_loader(a.in, [&](auto ld) {
     using L = decltype(ld);
     return with_block_rule(a, [&](auto rule) {
-      grouped_tile_kernel<L><<<grid, kThreads, 0, stream>>>(static_cast<const typename L::T*>(x), sizes, a.M, a.K, G,
-                                                            S, rule, a.fp8, o);
+      const auto kernel = grouped_tile_kernel<L, decltype(rule)>;
+      int per_sm = 0;  // CTAs resident per SM (registers, shared memory): one wave of them walks every item
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+      const dim3 grid(unsigned(std::min<int64_t>(items, int64_t(std::max(sms, 1)) * std::max(per_sm, 1))), 1,
+                      unsigned(a.B));
+      kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename L::T*>(x), sizes, a.M, a.K, G, S, n_x, rule,
+                                            a.fp8, o);
       return ffi::Error::Success();
     });
   });

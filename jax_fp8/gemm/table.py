@@ -57,6 +57,18 @@ TABLE: dict[str, dict[str, list]] = {
             ((7168, 2048, 32768), "cutlass", {"config": 0, "raster": 2, "swizzle": 1}),  # 1.025x
         ],
     },
+    # The H100's grouped rows, ``bench_ragged.py --experts 8 --rows 16384 --routing balanced --tune``, 2026-12-07
+    # (RESULTS, "Issues 48-49, eleventh session"): 8 experts, K 7168, N 2048. Its dense rows would all name
+    # cuBLASLt's heuristic, the default. The forward keeps the 128-row tile: the 256-row one (config 2)
+    # measured 0.3% faster at 2048 rows per expert but would run half empty where experts hold 128 rows.
+    "NVIDIA H100 80GB HBM3": {
+        "ragged_m": [
+            ((16384, 2048, 7168), "cutlass", {"config": 1, "raster": 2, "swizzle": 8}),  # 1.088x
+        ],
+        "ragged_k": [
+            ((7168, 2048, 16384), "cutlass", {"config": 2, "raster": 1, "swizzle": 1}),  # 1.304x
+        ],
+    },
 }
 #: The table's keys: the dense GEMMs' block pairs, then the grouped GEMMs' kinds.
 KEYS = ("1D2D", "1D1D", "2D1D", "ragged_m", "ragged_k")

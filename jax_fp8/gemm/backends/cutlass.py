@@ -10,9 +10,11 @@ Options (``CUTLASS.with_options(...)``; each absent one takes its default):
 
 - ``config`` (default 0): the kernel configuration, an index into :data:`CONFIGS`
   (``"128x128x128_c1x1_coop"``, ``"128x128x128_c1x2_coop"``, ``"64x128x128_c1x1_pingpong"``,
-  ``"128x128x128_c1x1_coop_overlap"``, ``"128x128x128_c1x2_coop_overlap"``: CTA tile M x N x K, cluster
-  shape M x N, cooperative or ping-pong warp-specialized schedule; ``_overlap``: each k tile's scale
-  promotion runs while the next tile's MMAs do (csrc/cutlass_overlap.cuh), and a call without ``c``
+  ``"128x128x128_c1x1_coop_overlap"``, ``"128x128x128_c1x2_coop_overlap"``,
+  ``"256x128x128_c1x2_coop_split"``: CTA tile M x N x K, cluster shape M x N, cooperative or ping-pong
+  warp-specialized schedule; ``_overlap``: each k tile's scale promotion runs while the next tile's MMAs
+  do (csrc/cutlass_overlap.cuh); ``_split``: the MMAs and promotion of a 256-row tile one 64-row atom at a
+  time, so its temporaries fit in registers (csrc/cutlass_split.cuh); with either, a call without ``c``
   runs a kernel whose epilogue has no C operand);
 - ``raster`` (default 0): the persistent tile scheduler's raster order, 0 CUTLASS's heuristic (along M
   when the problem has more tiles along N than along M, else along N), 1 along M, 2 along N;
@@ -38,7 +40,7 @@ from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
 CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "64x128x128_c1x1_pingpong",
-           "128x128x128_c1x1_coop_overlap", "128x128x128_c1x2_coop_overlap")
+           "128x128x128_c1x1_coop_overlap", "128x128x128_c1x2_coop_overlap", "256x128x128_c1x2_coop_split")
 #: Options and their defaults (see the module docstring).
 DEFAULT_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
 RASTERS = {0: "heuristic", 1: "along M", 2: "along N"}
@@ -149,8 +151,9 @@ CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower},
 # ---- the grouped GEMMs of fp8_ragged_dot (jax_fp8.gemm.ragged_primitive; csrc/cutlass_ragged.cuh) ----------
 _RAGGED_KINDS = {"m": 0, "k": 1}
 #: The grouped kernels' configurations, in ``config`` index order (the module's ``ragged_configs``): CTA
-#: tile M x N x K and cluster shape M x N, cooperative; 1x2: two CTAs of a row of tiles share a's loads.
-RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop")
+#: tile M x N x K and cluster shape M x N, cooperative; 1x2: two CTAs of a row of tiles share a's loads;
+#: ``_split``: the 256-row tile's MMAs and promotion one 64-row atom at a time (csrc/cutlass_split.cuh).
+RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split")
 #: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`), the scheduler's
 #: ``raster`` (0: its default, along M; 1 along M; 2 along N) and ``swizzle`` (1, 2, 4, 8).
 DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
