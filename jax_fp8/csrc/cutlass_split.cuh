@@ -20,23 +20,18 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass_stage_views.cuh"
 
 namespace jf {
 namespace cutlass_gemm {
 
 template <class Base>
 struct SplitPromotionMma : Base {
-  using typename Base::ElementBlockScale;
   using typename Base::MainloopPipeline;
   using typename Base::Params;
   using typename Base::PipelineState;
-  using typename Base::SmemLayoutA;
-  using typename Base::SmemLayoutB;
-  using typename Base::SmemLayoutSFA;
-  using typename Base::SmemLayoutSFB;
   using typename Base::TensorStorage;
   using typename Base::TiledMma;
-  using typename Base::TileShape;
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
@@ -44,31 +39,12 @@ struct SplitPromotionMma : Base {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "the accumulators live in registers");
 
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
-    // The stage's scales broadcast over the tile: (BLK_M, BLK_N, (BLK_K, PIPE)), as the base views them
-    Tensor sSFA = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFA.data()),
-        make_layout(make_shape(get<0>(shape(SmemLayoutSFA{})), get<1>(TileShape{}),
-                               make_shape(get<1>(shape(SmemLayoutSFA{})), get<2>(shape(SmemLayoutSFA{})))),
-                    make_stride(get<0>(stride(SmemLayoutSFA{})), _0{},
-                                make_stride(get<1>(stride(SmemLayoutSFA{})), get<2>(stride(SmemLayoutSFA{}))))));
-    Tensor sSFB = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFB.data()),
-        make_layout(make_shape(get<0>(TileShape{}), get<0>(shape(SmemLayoutSFB{})),
-                               make_shape(get<1>(shape(SmemLayoutSFB{})), get<2>(shape(SmemLayoutSFB{})))),
-                    make_stride(_0{}, get<0>(stride(SmemLayoutSFB{})),
-                                make_stride(get<1>(stride(SmemLayoutSFB{})), get<2>(stride(SmemLayoutSFB{}))))));
-
-    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    const Layout warp_groups = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int warp_group = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
-    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (MMA_K, PIPE))
-    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    auto views = stage_views<Base>(tiled_mma, shared_tensors, thread_idx);
+    Tensor tCrA = get<0>(views);    // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = get<1>(views);    // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tCsSFA = get<2>(views);  // (MMA, MMA_M, MMA_N, (MMA_K, PIPE))
+    Tensor tCsSFB = get<3>(views);
     constexpr int kAtomsM = decltype(size<1>(accum))::value;
     constexpr int kAtomsN = decltype(size<2>(accum))::value;
     static_assert(kAtomsM > 1, "a split promotion needs two MMA atoms or more along M per warp group");

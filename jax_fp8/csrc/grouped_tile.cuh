@@ -49,37 +49,54 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
   return v;
 }
 
+// One lane's group, as groups.h's group_blocks numbers them: its rows [beg, end) (the prefix sum of the
+// clipped sizes, clipped to M), its slots (128-row blocks) and columns (its rows rounded up to kColAlign),
+// each with the inclusive prefix sum over the groups before it.
+struct GroupBounds {
+  int64_t beg, end, slots, slot_end, width, col_end;
+};
+
+// The prefix sums over the groups, 32 at a time (a warp, every lane calling next with its group's clipped
+// size): the rows, slots and columns of the groups scanned so far.
+struct GroupScan {
+  int64_t rows = 0, slots = 0, cols = 0;
+
+  __device__ __forceinline__ GroupBounds next(int64_t size, int64_t M) {
+    GroupBounds b;
+    const int64_t incl = warp_inclusive_sum(size) + rows;
+    b.end = min(M, incl);
+    b.beg = min(M, incl - size);
+    b.slots = (b.end - b.beg + kGroupTile - 1) / kGroupTile;
+    b.slot_end = warp_inclusive_sum(b.slots) + slots;
+    b.width = (b.end - b.beg + kColAlign - 1) / kColAlign * kColAlign;
+    b.col_end = warp_inclusive_sum(b.width) + cols;
+    rows = __shfl_sync(0xFFFFFFFFu, incl, 31);
+    slots = __shfl_sync(0xFFFFFFFFu, b.slot_end, 31);
+    cols = __shfl_sync(0xFFFFFFFFu, b.col_end, 31);
+    return b;
+  }
+};
+
 // Warp 0: block row x's rows [span[0], span[1]) and the columns [span[2], span[3]) its columnwise bytes
-// fill, from the group sizes as groups.h's group_blocks numbers the slots (a group's end: the prefix sum
-// of the clipped sizes, clipped to M; its first column: the groups before it, each rounded up to
-// kColAlign). A slot's columns are its rows' and the padding to kColAlign after a group's last block; a
-// tail chunk x - S has 128 of the rows past the groups' (rowwise: data 0) and 128 of the columns past the
-// groups' (columnwise: 0); an unused slot has none. Lanes take 32 groups at a time; prefix sums by shuffles.
+// fill, from the group sizes (GroupScan). A slot's columns are its rows' and the padding to kColAlign
+// after a group's last block; a tail chunk x - S has 128 of the rows past the groups' (rowwise: data 0)
+// and 128 of the columns past the groups' (columnwise: 0); an unused slot has none.
 __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64_t M, int64_t Mc, int64_t S,
                                           int64_t x, int64_t* span) {
   const int lane = threadIdx.x % 32;
-  int64_t rows_before = 0, slots_before = 0, cols_before = 0;
+  GroupScan scan;
   bool found = false;
   for (int64_t g0 = 0; g0 < G; g0 += 32) {
     const int64_t g = g0 + lane;
-    const int64_t size = g < G ? min(max(int64_t(sizes[g]), int64_t(0)), M) : 0;
-    const int64_t incl = warp_inclusive_sum(size) + rows_before;
-    const int64_t end = min(M, incl), beg = min(M, incl - size);
-    const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
-    const int64_t nincl = warp_inclusive_sum(n) + slots_before;
-    const int64_t width = (end - beg + kColAlign - 1) / kColAlign * kColAlign;
-    const int64_t cincl = warp_inclusive_sum(width) + cols_before;
-    if (x < S && x >= nincl - n && x < nincl) {  // one lane at most: the slot's group
-      const int64_t off = (x - (nincl - n)) * kGroupTile;
-      span[0] = beg + off;
-      span[1] = min(end, span[0] + kGroupTile);
-      span[2] = cincl - width + off;
-      span[3] = min(cincl, span[2] + kGroupTile);
+    const GroupBounds b = scan.next(g < G ? min(max(int64_t(sizes[g]), int64_t(0)), M) : 0, M);
+    if (x < S && x >= b.slot_end - b.slots && x < b.slot_end) {  // one lane at most: the slot's group
+      const int64_t off = (x - (b.slot_end - b.slots)) * kGroupTile;
+      span[0] = b.beg + off;
+      span[1] = min(b.end, span[0] + kGroupTile);
+      span[2] = b.col_end - b.width + off;
+      span[3] = min(b.col_end, span[2] + kGroupTile);
       found = true;
     }
-    rows_before = __shfl_sync(0xFFFFFFFFu, incl, 31);
-    slots_before = __shfl_sync(0xFFFFFFFFu, nincl, 31);
-    cols_before = __shfl_sync(0xFFFFFFFFu, cincl, 31);
   }
   found = __any_sync(0xFFFFFFFFu, found);
   if (lane == 0 && !found) {
@@ -88,9 +105,9 @@ __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64
       span[2] = span[3] = Mc;
     } else {  // a chunk of the rows and of the columns past the groups'
       const int64_t off = (x - S) * kGroupTile;
-      span[0] = min(M, min(M, rows_before) + off);
+      span[0] = min(M, min(M, scan.rows) + off);
       span[1] = min(M, span[0] + kGroupTile);
-      span[2] = min(Mc, cols_before + off);
+      span[2] = min(Mc, scan.cols + off);
       span[3] = min(Mc, span[2] + kGroupTile);
     }
   }
@@ -113,22 +130,13 @@ __device__ __forceinline__ void build_table(const int32_t* sizes, int64_t G, int
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    int64_t rows_before = 0, slots_before = 0, cols_before = 0;
+    GroupScan scan;
     for (int64_t g0 = 0; g0 < G; g0 += 32) {
       const int64_t g = g0 + lane;
-      const int64_t size = g < G ? t.end[g] : 0;
-      const int64_t incl = warp_inclusive_sum(size) + rows_before;
-      const int64_t end = min(M, incl), beg = min(M, incl - size);
-      const int64_t n = (end - beg + kGroupTile - 1) / kGroupTile;
-      const int64_t nincl = warp_inclusive_sum(n) + slots_before;
-      const int64_t width = (end - beg + kColAlign - 1) / kColAlign * kColAlign;
-      const int64_t cincl = warp_inclusive_sum(width) + cols_before;
-      if (g < G) t.beg[g] = beg, t.end[g] = end, t.slot_end[g] = nincl, t.col_end[g] = cincl;
-      rows_before = __shfl_sync(0xFFFFFFFFu, incl, 31);
-      slots_before = __shfl_sync(0xFFFFFFFFu, nincl, 31);
-      cols_before = __shfl_sync(0xFFFFFFFFu, cincl, 31);
+      const GroupBounds b = scan.next(g < G ? t.end[g] : 0, M);
+      if (g < G) t.beg[g] = b.beg, t.end[g] = b.end, t.slot_end[g] = b.slot_end, t.col_end[g] = b.col_end;
     }
-    if (lane == 0) t.rows_total = rows_before, t.slots_total = slots_before, t.cols_total = cols_before;
+    if (lane == 0) t.rows_total = scan.rows, t.slots_total = scan.slots, t.cols_total = scan.cols;
   }
   __syncthreads();
 }
