@@ -11,7 +11,8 @@
 # samples per SASS line: ncu_*_source.csv.gz), NCU_PAIRS (1D2D and/or 1D1D), NCU_BACKENDS (each a backend, or
 # backend:options for ncu_gemm.py --options, e.g. cutlass:config=4,raster=1,swizzle=4), TABLE (a gemm_table.json from an earlier call: copied to $OUT, so that
 # TUNE_ARGS=--resume continues it and GEMM / NCU use it), KB=1 (kernel_bench), KB_PREBUILT;
-# stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build; CUTLASS=1 builds the CUTLASS
+# stages: TESTS=0, KERNELS=0, GEMM=0 skip theirs; BUILD=0 reuses the last build (rebuilt where the tree differs from what it compiled: give it the
+# build call's CUTLASS setting); CUTLASS=1 builds the CUTLASS
 # module too (the nvidia-cutlass wheel from .whl/: carry .whl); BACKENDS=1 tests/test_gemm_backends.py and
 # tests/test_command_buffers.py and tests/test_compiled_for_gpu.py;
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
@@ -77,6 +78,11 @@ if [ "${BUILD:-1}" != 0 ]; then
   cuobjdump --dump-sass "$so" > /tmp/sass.txt 2>/dev/null  # too large to bring back
   echo "SASS: $(grep -c 'LDG.E.128' /tmp/sass.txt) LDG.E.128, $(grep -c -E 'LDL|STL' /tmp/sass.txt) local-memory ops, arch: $(grep -m1 -o 'sm_[0-9]*' /tmp/sass.txt)" | log sass_summary.txt
   rm -f /tmp/sass.txt
+fi
+# BUILD=0 after a call that built a patched copy (PATCHES), or on a changed tree: rebuilt where they differ
+if [ "${BUILD:-1}" = 0 ] && [ -f $sums ] && ! md5sum --quiet -c $sums > /dev/null 2>&1; then
+  stage "rebuild (the sources differ from the last build's)"
+  install "$L/rebuild.log"
 fi
 python3 -c "import jax_fp8.gemm.backends.cublaslt as f, jax_fp8._jax_fp8_cuda as m; print('cuBLASLt:', f.cublaslt(), 'GEMM on CUDA unavailable because:', f.unavailable(), 'cublaslt.h checked against cublasLt.h at build:', m.cublaslt_header_checked)" 2>&1 | log gpu.txt
 python3 -c "from jax_fp8.gemm.backends.cutlass import CUTLASS, CONFIGS; print('CUTLASS configs', CONFIGS, 'unavailable because:', CUTLASS.unavailable('cuda'))" 2>&1 | tail -1 | log gpu.txt
