@@ -17,6 +17,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The current device's SM count: the size of a grid that walks its work in waves over the chip.
+inline int current_sm_count() {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
 // The error of the last launch, if any (launches are asynchronous: this catches configuration errors).
 inline ffi::Error check_launch() {
   const cudaError_t e = cudaGetLastError();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "cuda_common.cuh"
 #include "ffi_common.h"
 #include "fp8_math.h"
 
@@ -159,9 +160,7 @@ constexpr int kDeqVec = 8, kDeqUnroll = 4, kDeqCtasPerSm = 64;
 // to fill the chip ctas_per_sm times over; each thread then walks many rows, UNROLL rows' loads in
 // flight at once.
 inline dim3 dequantize_grid(int64_t B, int64_t M, int64_t K, int vec, int ctas_per_sm) {
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = current_sm_count();
   const int64_t gx = cdiv(cdiv(K, vec), kDeqThreads);
   const int64_t gy = std::min<int64_t>(B * M, std::max<int64_t>(1, int64_t(sms) * ctas_per_sm / gx));
   return dim3(unsigned(gx), unsigned(gy));

@@ -49,6 +49,10 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
   return v;
 }
 
+// A group of `rows` rows: its slots (128-row blocks) and its columnwise columns (rows rounded up to kColAlign).
+__device__ __forceinline__ int64_t group_slots(int64_t rows) { return (rows + kGroupTile - 1) / kGroupTile; }
+__device__ __forceinline__ int64_t group_width(int64_t rows) { return (rows + kColAlign - 1) / kColAlign * kColAlign; }
+
 // One lane's group, as groups.h's group_blocks numbers them: its rows [beg, end) (the prefix sum of the
 // clipped sizes, clipped to M), its slots (128-row blocks) and columns (its rows rounded up to kColAlign),
 // each with the inclusive prefix sum over the groups before it.
@@ -66,9 +70,9 @@ struct GroupScan {
     const int64_t incl = warp_inclusive_sum(size) + rows;
     b.end = min(M, incl);
     b.beg = min(M, incl - size);
-    b.slots = (b.end - b.beg + kGroupTile - 1) / kGroupTile;
+    b.slots = group_slots(b.end - b.beg);
     b.slot_end = warp_inclusive_sum(b.slots) + slots;
-    b.width = (b.end - b.beg + kColAlign - 1) / kColAlign * kColAlign;
+    b.width = group_width(b.end - b.beg);
     b.col_end = warp_inclusive_sum(b.width) + cols;
     rows = __shfl_sync(0xFFFFFFFFu, incl, 31);
     slots = __shfl_sync(0xFFFFFFFFu, b.slot_end, 31);
@@ -160,8 +164,8 @@ __device__ __forceinline__ void table_span(const GroupTable& t, int64_t G, int64
       const int64_t mid = (lo + hi) / 2;
       if (t.slot_end[mid] > x) hi = mid; else lo = mid + 1;
     }
-    const int64_t rows = t.end[lo] - t.beg[lo], n = (rows + kGroupTile - 1) / kGroupTile;
-    const int64_t width = (rows + kColAlign - 1) / kColAlign * kColAlign, off = (x - (t.slot_end[lo] - n)) * kGroupTile;
+    const int64_t rows = t.end[lo] - t.beg[lo], width = group_width(rows);
+    const int64_t off = (x - (t.slot_end[lo] - group_slots(rows))) * kGroupTile;
     span[0] = t.beg[lo] + off;
     span[1] = min(t.end[lo], span[0] + kGroupTile);
     span[2] = t.col_end[lo] - width + off;
@@ -358,9 +362,7 @@ inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, i
   const int64_t n_x = S + cdiv(col_count(a.M, G), kGroupTile), items = n_x * cdiv(a.K, kGroupTile);
   if (a.B == 0 || items == 0) return ffi::Error::Success();
   if (a.B > 65535) return bad("quantize_grouped: more than 65535 matrices in one launch");
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = current_sm_count();
   return with_loader(a.in, [&](auto ld) {
     using L = decltype(ld);
     return with_block_rule(a, [&](auto rule) {
