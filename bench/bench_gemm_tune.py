@@ -12,7 +12,10 @@ Candidates, each run with ``jax_fp8.gemm.fp8_gemm(a, b, bfloat16, backend=...)``
   x --cutlass-swizzles (1, 4, 8) (--cutlass-search full: every config at every raster x swizzle).
 A candidate whose output differs from the heuristic's by more than --tol (max |diff| / max |ref|) is
 WRONG and never picked. The pick is the fastest correct candidate, unless it beats cuBLASLt's heuristic
-by less than --min-gain (then the heuristic: no row churn on noise).
+by less than --min-gain (then the heuristic: no row churn on noise). A pick other than the heuristic is
+then timed against it in turns (--confirm rounds, the order alternating) and kept only if its median
+gain still reaches --min-gain: the clocks drift down over a problem's sweep (cuBLASLt's heuristic timed
+again at the end ran 1-10% slower on an H100), and the fastest of many candidates is the luckiest.
 Timing: bench/_timing.jax_time, 3 operand sets; --per-call 3 (default) runs the 3 sets' GEMMs in one
 jitted call (time / 3), which keeps JAX's per-call dispatch out of small GEMMs' times; --per-call 1
 rotates the sets over one-GEMM calls. Candidates are compiled ahead, --compile-threads at a time.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -168,7 +172,7 @@ class Tuner:
                 outs = jax.block_until_ready(jax.jit(c.fn)(*groups[0]))
                 c.err = 0.0 if ref is None else float(rel_err(outs, ref))
                 c.wrong = not c.err <= self.args.tol  # NaN: wrong
-                c.us = jax_time(c.fn, groups, self.args.iters, self.args.reps) / len(groups[0]) * 1e6
+                c.us = self.us(c)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, never picked
                 c.error, c.us = short(e), None
         if c.us is None:
@@ -184,6 +188,7 @@ class Tuner:
         args, flops = self.args, 2 * M * N * K
         sets = operands(M, N, K, a_block, b_block)
         groups = [tuple(sets)] if args.per_call == 3 else [(s,) for s in sets]
+        self.groups = groups  # what us() times
         fp8 = jnp.dtype(jnp.float8_e4m3fn)
 
         def takes(backend) -> bool:
@@ -217,6 +222,29 @@ class Tuner:
             if again.ok:
                 heur.us = min(heur.us, again.us)
         return done
+
+    def us(self, c) -> float:
+        """Microseconds per GEMM of candidate ``c`` on the operand groups of the problem being tuned."""
+        return jax_time(c.fn, self.groups, self.args.iters, self.args.reps) / len(self.groups[0]) * 1e6
+
+    def confirm(self, pick, heur):
+        """``pick`` against the heuristic ``heur`` timed in turns (--confirm rounds, each round's order the
+        other way round, so a drift of the clocks favours neither): ``pick`` if its median gain reaches
+        --min-gain, else ``heur``; both take their median times of these rounds."""
+        rounds = self.args.confirm
+        if pick is heur or rounds <= 0 or self.out_of_time():
+            return pick
+        t = {id(heur): [], id(pick): []}
+        for r in range(rounds):
+            for c in ((heur, pick) if r % 2 == 0 else (pick, heur)):
+                t[id(c)].append(self.us(c))
+        gains = [h / p for h, p in zip(t[id(heur)], t[id(pick)])]
+        gain = statistics.median(gains)
+        heur.us, pick.us = statistics.median(t[id(heur)]), statistics.median(t[id(pick)])
+        kept = gain >= 1 + self.args.min_gain
+        say(f"  confirm {pick.name} against cuBLASLt's heuristic in turns: "
+            + ", ".join(f"{g:.3f}x" for g in gains) + f"; median {gain:.3f}x: " + ("kept" if kept else "the heuristic"))
+        return pick if kept else heur
 
     def cutlass(self, done, groups, ref, flops):
         """CUTLASS's candidates: each config with its default raster / swizzle, then the --cutlass-top
@@ -302,6 +330,8 @@ def main():
     ap.add_argument("--cutlass-top", type=int, default=2)
     ap.add_argument("--tol", type=float, default=1e-2, help="max |diff| / max |ref| vs cuBLASLt's heuristic")
     ap.add_argument("--min-gain", type=float, default=0.01, help="pick over the heuristic only if this much faster")
+    ap.add_argument("--confirm", type=int, default=3,
+                    help="rounds of the pick against the heuristic in turns before it is kept (0: none)")
     ap.add_argument("--max-seconds", type=float, default=480, help="stop after this long (0: no limit)")
     ap.add_argument("--compile-threads", type=int, default=8)
     ap.add_argument("--out", default="gemm_table.json")
@@ -360,6 +390,7 @@ def main():
             continue
         pick, best = tuner.pick(done)
         heur = done[0]
+        pick = tuner.confirm(pick, heur)
         say(f"  -> pick {pick.name}: {pick.us:.1f} us, {heur.us / pick.us:.3f}x cuBLASLt heuristic; best per backend: "
             + ", ".join(f"{c.name} {c.us:.1f} us" for c in best.values())
             + ("  (partial: --max-seconds)" if tuner.stopped else ""))
