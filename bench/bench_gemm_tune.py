@@ -15,7 +15,7 @@ WRONG and never picked. The pick is the fastest correct candidate, unless it bea
 by less than --min-gain (then the heuristic: no row churn on noise). A pick other than the heuristic is
 then timed against it in turns (--confirm rounds, the order alternating) and kept only if its median
 gain still reaches --min-gain: the clocks drift down over a problem's sweep (cuBLASLt's heuristic timed
-again at the end ran 1-10% slower on an H100), and the fastest of many candidates is the luckiest.
+again at the end ran 1-12% slower on H100s), and the fastest of many candidates is the luckiest.
 Timing: bench/_timing.jax_time, 3 operand sets; --per-call 3 (default) runs the 3 sets' GEMMs in one
 jitted call (time / 3), which keeps JAX's per-call dispatch out of small GEMMs' times; --per-call 1
 rotates the sets over one-GEMM calls. Candidates are compiled ahead, --compile-threads at a time.
