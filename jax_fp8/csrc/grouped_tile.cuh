@@ -81,10 +81,36 @@ struct GroupScan {
   }
 };
 
-// Warp 0: block row x's rows [span[0], span[1]) and the columns [span[2], span[3]) its columnwise bytes
-// fill, from the group sizes (GroupScan). A slot's columns are its rows' and the padding to kColAlign
-// after a group's last block; a tail chunk x - S has 128 of the rows past the groups' (rowwise: data 0)
-// and 128 of the columns past the groups' (columnwise: 0); an unused slot has none.
+// Block row x's rows [span[0], span[1]) and the columns [span[2], span[3]) its columnwise bytes fill.
+// A slot of the group with rows [beg, end), first slot `first_slot` and columns [col_beg, col_end): its
+// rows, and its columns with the padding to kColAlign after the group's last block.
+__device__ __forceinline__ void slot_span(int64_t x, int64_t beg, int64_t end, int64_t first_slot, int64_t col_beg,
+                                          int64_t col_end, int64_t* span) {
+  const int64_t off = (x - first_slot) * kGroupTile;
+  span[0] = beg + off;
+  span[1] = min(end, span[0] + kGroupTile);
+  span[2] = col_beg + off;
+  span[3] = min(col_end, span[2] + kGroupTile);
+}
+
+// Block row x in no group, the groups holding `rows` rows and `cols` columnwise columns in all: an unused
+// slot (x < S) has none; a tail chunk x - S has 128 of the rows past the groups' (rowwise: data 0) and 128
+// of the columns past the groups' (columnwise: 0).
+__device__ __forceinline__ void span_past_groups(int64_t x, int64_t S, int64_t rows, int64_t cols, int64_t M,
+                                                 int64_t Mc, int64_t* span) {
+  if (x < S) {
+    span[0] = span[1] = M;
+    span[2] = span[3] = Mc;
+  } else {
+    const int64_t off = (x - S) * kGroupTile;
+    span[0] = min(M, min(M, rows) + off);
+    span[1] = min(M, span[0] + kGroupTile);
+    span[2] = min(Mc, cols + off);
+    span[3] = min(Mc, span[2] + kGroupTile);
+  }
+}
+
+// Warp 0: block row x's span (slot_span, span_past_groups), from the group sizes (GroupScan).
 __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64_t M, int64_t Mc, int64_t S,
                                           int64_t x, int64_t* span) {
   const int lane = threadIdx.x % 32;
@@ -94,27 +120,12 @@ __device__ __forceinline__ void find_span(const int32_t* sizes, int64_t G, int64
     const int64_t g = g0 + lane;
     const GroupBounds b = scan.next(g < G ? min(max(int64_t(sizes[g]), int64_t(0)), M) : 0, M);
     if (x < S && x >= b.slot_end - b.slots && x < b.slot_end) {  // one lane at most: the slot's group
-      const int64_t off = (x - (b.slot_end - b.slots)) * kGroupTile;
-      span[0] = b.beg + off;
-      span[1] = min(b.end, span[0] + kGroupTile);
-      span[2] = b.col_end - b.width + off;
-      span[3] = min(b.col_end, span[2] + kGroupTile);
+      slot_span(x, b.beg, b.end, b.slot_end - b.slots, b.col_end - b.width, b.col_end, span);
       found = true;
     }
   }
   found = __any_sync(0xFFFFFFFFu, found);
-  if (lane == 0 && !found) {
-    if (x < S) {  // an unused slot
-      span[0] = span[1] = M;
-      span[2] = span[3] = Mc;
-    } else {  // a chunk of the rows and of the columns past the groups'
-      const int64_t off = (x - S) * kGroupTile;
-      span[0] = min(M, min(M, scan.rows) + off);
-      span[1] = min(M, span[0] + kGroupTile);
-      span[2] = min(Mc, scan.cols + off);
-      span[3] = min(Mc, span[2] + kGroupTile);
-    }
-  }
+  if (lane == 0 && !found) span_past_groups(x, S, scan.rows, scan.cols, M, Mc, span);
 }
 
 // Groups whose bounds a CTA keeps in shared memory (16 KB); calls with more scan the sizes per item.
@@ -149,28 +160,18 @@ __device__ __forceinline__ void build_table(const int32_t* sizes, int64_t G, int
 // slots end past x, by binary search).
 __device__ __forceinline__ void table_span(const GroupTable& t, int64_t G, int64_t M, int64_t Mc, int64_t S,
                                            int64_t x, int64_t (&span)[4]) {
-  if (x >= S) {  // a chunk of the rows and of the columns past the groups'
-    const int64_t off = (x - S) * kGroupTile;
-    span[0] = min(M, min(M, t.rows_total) + off);
-    span[1] = min(M, span[0] + kGroupTile);
-    span[2] = min(Mc, t.cols_total + off);
-    span[3] = min(Mc, span[2] + kGroupTile);
-  } else if (x >= t.slots_total) {  // an unused slot
-    span[0] = span[1] = M;
-    span[2] = span[3] = Mc;
-  } else {
-    int64_t lo = 0, hi = G - 1;  // slot_end[hi] > x
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (t.slot_end[mid] > x) hi = mid; else lo = mid + 1;
-    }
-    const int64_t rows = t.end[lo] - t.beg[lo], width = group_width(rows);
-    const int64_t off = (x - (t.slot_end[lo] - group_slots(rows))) * kGroupTile;
-    span[0] = t.beg[lo] + off;
-    span[1] = min(t.end[lo], span[0] + kGroupTile);
-    span[2] = t.col_end[lo] - width + off;
-    span[3] = min(t.col_end[lo], span[2] + kGroupTile);
+  if (x >= S || x >= t.slots_total) {  // a tail chunk or an unused slot
+    span_past_groups(x, S, t.rows_total, t.cols_total, M, Mc, span);
+    return;
   }
+  int64_t lo = 0, hi = G - 1;  // slot_end[hi] > x
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (t.slot_end[mid] > x) hi = mid; else lo = mid + 1;
+  }
+  const int64_t rows = t.end[lo] - t.beg[lo];
+  slot_span(x, t.beg[lo], t.end[lo], t.slot_end[lo] - group_slots(rows), t.col_end[lo] - group_width(rows),
+            t.col_end[lo], span);
 }
 
 // A thread's 16 rows x 4 columns of x, element (i, e) row i's column c + e. load(i, ...) reads row i's 4
