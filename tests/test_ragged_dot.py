@@ -127,7 +127,8 @@ CONFIG_CASES = [c for c in CASES if c[0] in (129, 300) and c[1] <= 512 and c[3] 
 
 
 @pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2, "swizzle": 8},
-                                     {"config": 0, "raster": 2, "swizzle": 4}, {"config": 2}], ids=str)
+                                     {"config": 0, "raster": 2, "swizzle": 4}, {"config": 2},
+                                     {"config": 3, "raster": 2}], ids=str)
 def test_every_grouped_configuration_within_the_bound(monkeypatch, options):
     """The sweep's bound on the grouped kernels' other configurations and scheduler options (chosen by the
     GEMM table's ragged rows; on the CPU the reference runs whatever they say)."""

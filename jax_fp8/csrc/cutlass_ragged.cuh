@@ -40,12 +40,17 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 
 // The grouped kernels' configurations, in index order (the `config` attribute; cutlass.py's
 // RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
-// loads, TMA multicast), cooperative schedule; "_split": the 256-row tile's MMAs and promotion one 64-row
-// atom at a time (cutlass_split.cuh). The tile scheduler's raster order (`raster`: 0 its default,
-// along M; 1 along M; 2 along N) and swizzle (1, 2, 4, 8) are run-time arguments.
-constexpr int kNumRaggedConfigs = 3;
+// loads, TMA multicast), schedule: "coop", two consumer warp groups split each tile; "_split": the 256-row
+// tile's MMAs and promotion one 64-row atom at a time (cutlass_split.cuh); "pingpong": the two consumer
+// warp groups take alternate tiles, so one's epilogue runs under the other's MMAs (the wgrad's groups of
+// few rows have short mainloops beside a 64 KB fp32 store per tile). The tile scheduler's raster order
+// (`raster`: 0 its default, along M; 1 along M; 2 along N) and swizzle (1, 2, 4, 8) are run-time arguments.
+constexpr int kNumRaggedConfigs = 4;
 constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop",
-                                                               "256x128x128_c1x2_coop_split"};
+                                                               "256x128x128_c1x2_coop_split",
+                                                               "64x128x128_c1x1_pingpong"};
+// The kernels' tile and schedule, one per configuration beside its cluster shape
+enum RaggedTile : int { kTileCoop = 0, kTileSplit = 1, kTilePingpong = 2 };
 
 struct RaggedCall {
   int kind = kMGrouped;
@@ -86,6 +91,10 @@ GemmResult run_ragged_m_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_m_f32_split(const RaggedCall& call);
 GemmResult run_ragged_k_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_k_f32_split(const RaggedCall& call);
+GemmResult run_ragged_m_bf16_pingpong(const RaggedCall& call);
+GemmResult run_ragged_m_f32_pingpong(const RaggedCall& call);
+GemmResult run_ragged_k_bf16_pingpong(const RaggedCall& call);
+GemmResult run_ragged_k_f32_pingpong(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
   if (call.config < 0 || call.config >= kNumRaggedConfigs || call.swizzle < 1 || call.swizzle > 8 ||
@@ -103,6 +112,8 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
                      : (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call));
     case 2: return m ? (bf16 ? run_ragged_m_bf16_split(call) : run_ragged_m_f32_split(call))
                      : (bf16 ? run_ragged_k_bf16_split(call) : run_ragged_k_f32_split(call));
+    case 3: return m ? (bf16 ? run_ragged_m_bf16_pingpong(call) : run_ragged_m_f32_pingpong(call))
+                     : (bf16 ? run_ragged_k_bf16_pingpong(call) : run_ragged_k_f32_pingpong(call));
     default: return m ? (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call))
                       : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
   }
@@ -119,11 +130,12 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
 namespace jf {
 namespace cutlass_gemm {
 
-template <int Kind, class ElementOut, int ClusterN, bool Split>
+template <int Kind, class ElementOut, int ClusterN, int Tile>
 struct RaggedKernel {
   static constexpr int kKind = Kind;
+  static constexpr bool kPingpong = Tile == kTilePingpong;
   using E4 = cutlass::float_e4m3_t;
-  using TileShape = cute::Shape<cute::Int<Split ? 256 : 128>, cute::_128, cute::_128>;
+  using TileShape = cute::Shape<cute::Int<Tile == kTileSplit ? 256 : kPingpong ? 64 : 128>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<ClusterN>, cute::_1>;
   // M-grouped: a 1x128 (K-major scales), b 128x128 tiles (K-major); K-grouped: both 1x128 along the
   // contraction, scales MN-major (one row per block slot)
@@ -138,7 +150,8 @@ struct RaggedKernel {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, cutlass::layout::RowMajor*, kAlignOut,  // no C
       ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementOut, float>>::CollectiveOp;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -146,8 +159,9 @@ struct RaggedKernel {
       E4, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Mainloop = std::conditional_t<Split, SplitPromotionMma<BuiltMainloop>, BuiltMainloop>;
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>::CollectiveOp;
+  using Mainloop = std::conditional_t<Tile == kTileSplit, SplitPromotionMma<BuiltMainloop>, BuiltMainloop>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
@@ -326,9 +340,9 @@ __global__ void __launch_bounds__(kSetupThreads) ragged_fill_kernel(RaggedCall c
   }
 }
 
-template <int Kind, class ElementOut, int ClusterN, bool Split>
+template <int Kind, class ElementOut, int ClusterN, int Tile>
 GemmResult run_ragged_kernel(const RaggedCall& call) {
-  using K = RaggedKernel<Kind, ElementOut, ClusterN, Split>;
+  using K = RaggedKernel<Kind, ElementOut, ClusterN, Tile>;
   using Gemm = typename K::Gemm;
   GemmResult r;
   cutlass::KernelHardwareInfo hw;
@@ -383,12 +397,12 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
 }  // namespace jf
 
 // One translation unit's entry point: JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1,
-// false) (the last two: the cluster's CTAs along N; the 256-row tile with the split promotion)
-#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type, cluster_n, split)                                        \
-  namespace jf {                                                                                                \
-  namespace cutlass_gemm {                                                                                      \
-  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type, cluster_n, split>(call); } \
-  }                                                                                                             \
+// kTileCoop) (the last two: the cluster's CTAs along N; the tile and schedule, RaggedTile)
+#define JF_CUTLASS_DEFINE_RAGGED(name, kind, out_type, cluster_n, tile)                                        \
+  namespace jf {                                                                                               \
+  namespace cutlass_gemm {                                                                                     \
+  GemmResult name(const RaggedCall& call) { return run_ragged_kernel<kind, out_type, cluster_n, tile>(call); } \
+  }                                                                                                            \
   }
 
 #endif  // JF_CUTLASS_KERNELS

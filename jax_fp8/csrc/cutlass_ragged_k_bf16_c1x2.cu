@@ -4,4 +4,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_bf16_c1x2, kKGrouped, cutlass::bfloat16_t, 2, false)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_bf16_c1x2, kKGrouped, cutlass::bfloat16_t, 2, kTileCoop)

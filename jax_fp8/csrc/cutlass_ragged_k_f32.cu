@@ -4,4 +4,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32, kKGrouped, float, 1, false)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32, kKGrouped, float, 1, kTileCoop)

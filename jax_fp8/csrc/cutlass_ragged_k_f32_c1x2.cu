@@ -4,4 +4,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32_c1x2, kKGrouped, float, 2, false)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32_c1x2, kKGrouped, float, 2, kTileCoop)

@@ -5,4 +5,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32_split, kKGrouped, float, 2, true)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_k_f32_split, kKGrouped, float, 2, kTileSplit)

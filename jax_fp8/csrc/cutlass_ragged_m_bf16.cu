@@ -4,4 +4,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1, false)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_bf16, kMGrouped, cutlass::bfloat16_t, 1, kTileCoop)

@@ -4,4 +4,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_f32, kMGrouped, float, 1, false)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_f32, kMGrouped, float, 1, kTileCoop)

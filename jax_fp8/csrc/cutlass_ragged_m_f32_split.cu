@@ -5,4 +5,4 @@
 #include "cutlass_gemm.cuh"
 #include "cutlass_ragged.cuh"
 
-JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_f32_split, kMGrouped, float, 2, true)
+JF_CUTLASS_DEFINE_RAGGED(run_ragged_m_f32_split, kMGrouped, float, 2, kTileSplit)
