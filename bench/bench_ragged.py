@@ -8,9 +8,9 @@ total rows (bf16 ``lax.dot_general`` and ``fp8_dot_general``). Shapes: DeepSeek-
 
 GB/s counts what the quantize must move: the input read once, the FP8 data and fp32 scales written once.
 
-  python bench/bench_ragged.py [--experts 8,32,256] [--rows 4096,16384] [--k 7168] [--n 2048] [--iters 20] [--tune [--configs 2,3]]
+  python bench/bench_ragged.py [--experts 8,32,256] [--rows 4096,16384] [--k 7168] [--n 2048] [--iters 20] [--tune]
 
-``--tune`` times the grouped GEMMs at every CUTLASS grouped-kernel configuration, raster order and swizzle
+``--tune`` times the grouped GEMMs at every CUTLASS grouped-kernel configuration and raster order
 (through the GEMM table's ``ragged_m`` / ``ragged_k`` rows) and prints the fastest as table rows, with its
 gain over the default timed again in turns (the figure to trust).
 """
@@ -137,9 +137,8 @@ def bench_gemms(M: int, K: int, N: int, sizes, iters: int) -> None:
                                                               for k, v in t.items()), flush=True)
 
 
-def tune_gemms(M: int, K: int, N: int, sizes, iters: int, configs=None, rounds: int = 3) -> None:
-    """The grouped GEMMs alone at each CUTLASS grouped-kernel option set (configuration (``configs``: their
-    indices, default all) x raster x swizzle),
+def tune_gemms(M: int, K: int, N: int, sizes, iters: int, rounds: int = 3) -> None:
+    """The grouped GEMMs alone at each CUTLASS grouped-kernel option set (configuration x raster order),
     set through the GEMM table's ``ragged_m`` / ``ragged_k`` rows; prints each time and the fastest rows.
     The fastest is then timed against the default in turns (``rounds``, the order alternating): the clocks
     drift over a sweep, and the fastest of many timings is the luckiest; its median gain is the one to trust."""
@@ -149,7 +148,7 @@ def tune_gemms(M: int, K: int, N: int, sizes, iters: int, configs=None, rounds: 
     _, _, calls = grouped_gemms(M, K, N, sizes)
     kind = table.local_device_kind()
     saved = dict(table.TABLE.get(kind, {}))
-    default = (("config", 0), ("raster", 1), ("swizzle", 1))
+    default = (("config", 0), ("raster", 0))
     try:
         for key, (mnk, f, operands) in calls.items():
             def timed(opts):
@@ -158,14 +157,12 @@ def tune_gemms(M: int, K: int, N: int, sizes, iters: int, configs=None, rounds: 
                 return jax_time(lambda *o: f(*o), [operands], iters)
 
             times = {}
-            for config in configs if configs is not None else range(len(cutlass.RAGGED_CONFIGS)):
-                for raster in (1, 2):
-                    for swizzle in (1, 4, 8):
-                        opts = (("config", config), ("raster", raster), ("swizzle", swizzle))
-                        times[opts] = t = timed(opts)
-                        print(f"  TUNE {key} {'x'.join(map(str, mnk))} G={len(sizes)} {cutlass.RAGGED_CONFIGS[config]} "
-                              f"raster {raster} swizzle {swizzle}: {t * 1e6:8.1f} us "
-                              f"({2 * M * K * N / t / 1e12:5.0f} TF/s)", flush=True)
+            for config in range(len(cutlass.RAGGED_CONFIGS)):
+                for raster in (0, 2):  # 0 and 1 are both along M
+                    opts = (("config", config), ("raster", raster))
+                    times[opts] = t = timed(opts)
+                    print(f"  TUNE {key} {'x'.join(map(str, mnk))} G={len(sizes)} {cutlass.RAGGED_CONFIGS[config]} "
+                          f"raster {raster}: {t * 1e6:8.1f} us ({2 * M * K * N / t / 1e12:5.0f} TF/s)", flush=True)
             best = min(times, key=times.get)
             gains = []
             for r in range(rounds if best != default else 0):
@@ -190,7 +187,6 @@ def main():
     ap.add_argument("--routing", choices=("both", "balanced", "skewed"), default="both")
     ap.add_argument("--tune", action="store_true",
                     help="also the grouped GEMMs at every CUTLASS grouped-kernel option set (the table's ragged rows)")
-    ap.add_argument("--configs", default=None, help="--tune's configurations (indices, e.g. 2,3; default all)")
     args = ap.parse_args()
     copy = jax.default_backend() == "gpu" and register_device_copy()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; routed rows padded to 128 per expert")
@@ -204,8 +200,7 @@ def main():
                       f"{sizes.max()}; layout bound {groups.layout_rows(rows, 1, experts, 128)})", flush=True)
                 bench_quantize(M, args.k, sizes, args.iters, copy)
                 if args.tune:
-                    tune_gemms(M, args.k, args.n, sizes, args.iters,
-                               configs=args.configs and [int(c) for c in args.configs.split(",")])
+                    tune_gemms(M, args.k, args.n, sizes, args.iters)
                 if not args.no_layer:
                     bench_gemms(M, args.k, args.n, sizes, args.iters)
                     bench_layer(M, args.k, args.n, sizes, args.iters)

@@ -126,9 +126,8 @@ def test_forward_and_gradients_within_the_bound(c):
 CONFIG_CASES = [c for c in CASES if c[0] in (129, 300) and c[1] <= 512 and c[3] in ("off_blocks", "zeros", "many")][::3]
 
 
-@pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2, "swizzle": 8},
-                                     {"config": 0, "raster": 2, "swizzle": 4}, {"config": 2},
-                                     {"config": 3, "raster": 2}], ids=str)
+@pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2}, {"config": 0, "raster": 2},
+                                     {"config": 2}, {"config": 3, "raster": 2}], ids=str)
 def test_every_grouped_configuration_within_the_bound(monkeypatch, options):
     """The sweep's bound on the grouped kernels' other configurations and scheduler options (chosen by the
     GEMM table's ragged rows; on the CPU the reference runs whatever they say)."""
@@ -337,14 +336,14 @@ def test_the_grouped_kernels_options_come_from_the_table(monkeypatch):
     from jax_fp8.gemm.backends import cutlass
 
     monkeypatch.setitem(table.TABLE, "GPU X", {
-        "ragged_m": [((4096, 2048, 7168), "cutlass", {"config": 1, "swizzle": 4}),
+        "ragged_m": [((4096, 2048, 7168), "cutlass", {"config": 1}),
                      ((65536, 2048, 7168), "cutlass", {"config": 1, "raster": 2})],
-        "ragged_k": [((7168, 2048, 16384), "cutlass", {"swizzle": 8})]})
+        "ragged_k": [((7168, 2048, 16384), "cutlass", {"raster": 2})]})
     assert cutlass.ragged_options("m", 16384, 2048, 7168, "GPU Y") == cutlass.DEFAULT_RAGGED_OPTIONS
-    assert cutlass.ragged_options("m", 8192, 2048, 7168, "GPU X") == {"config": 1, "raster": 0, "swizzle": 4}
-    assert cutlass.ragged_options("m", 60000, 2048, 7168, "GPU X") == {"config": 1, "raster": 2, "swizzle": 1}
-    assert cutlass.ragged_options("k", 7168, 2048, 100, "GPU X") == {"config": 0, "raster": 0, "swizzle": 8}
-    for bad, match in [({"config": len(cutlass.RAGGED_CONFIGS)}, "config must be in"), ({"swizzle": 3}, "swizzle must be"),
+    assert cutlass.ragged_options("m", 8192, 2048, 7168, "GPU X") == {"config": 1, "raster": 0}
+    assert cutlass.ragged_options("m", 60000, 2048, 7168, "GPU X") == {"config": 1, "raster": 2}
+    assert cutlass.ragged_options("k", 7168, 2048, 100, "GPU X") == {"config": 0, "raster": 2}
+    for bad, match in [({"config": len(cutlass.RAGGED_CONFIGS)}, "config must be in"), ({"swizzle": 8}, "unknown options"),
                        ({"raster": 5}, "raster must be"), ({"cluster": 2}, "unknown options")]:
         monkeypatch.setitem(table.TABLE, "GPU Z", {"ragged_m": [((1, 1, 1), "cutlass", bad)]})
         with pytest.raises(ValueError, match=match):

@@ -212,13 +212,13 @@ ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& buf, ffi::DataTy
 // group_offset (a device scalar) of the G in group_sizes (G,) int32. kind 0 (M-grouped): a (M, K), a_scale
 // (ceil(K/128), roundup(M, 4)), b (Gl, N, K), b_scale (Gl, ceil(N/128), roundup(ceil(K/128), 4)), out (M, N).
 // kind 1 (K-grouped): a (R, Mc), a_scale (S, R), b (N, Mc), b_scale (S, N), out (Gl, R, N), with `rows` the
-// M the groups are clipped to and S = block_slots(rows, G, 128). config, raster, swizzle: the kernel
-// configuration and its scheduler's options (cutlass_ragged.cuh).
+// M the groups are clipped to and S = block_slots(rows, G, 128). config, raster: the kernel
+// configuration and its scheduler's raster order (cutlass_ragged.cuh).
 ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
                          ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer group_sizes,
                          ffi::AnyBuffer group_offset, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> workspace, int64_t kind, int64_t rows, int64_t config,
-                         int64_t raster, int64_t swizzle) {
+                         int64_t raster) {
   if (kind != kMGrouped && kind != kKGrouped) return invalid("kind must be 0 (M-grouped) or 1 (K-grouped)");
   const auto ad = a.dimensions(), bd = b.dimensions(), gd = group_sizes.dimensions();
   if (group_sizes.element_type() != ffi::DataType::S32 || gd.size() != 1)
@@ -235,7 +235,6 @@ ffi::Error RaggedCutlass(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, 
   call.kind = int(kind);
   call.config = int(config);  // checked by run_ragged
   call.raster = int(raster);
-  call.swizzle = int(swizzle);
   call.G = gd[0];
   if (ad.size() != 2) return invalid("a must be 2-D, got " + shape_str(ad));
   if (kind == kMGrouped) {
@@ -355,9 +354,8 @@ static auto ragged_cutlass_binding() {
       .Ret<ffi::AnyBuffer>()  // workspace, uint8 (ragged_workspace_bytes)
       .Attr<int64_t>("kind")
       .Attr<int64_t>("rows")
-      .Attr<int64_t>("config")  // kRaggedConfigNames' index, the scheduler's raster order and swizzle
-      .Attr<int64_t>("raster")
-      .Attr<int64_t>("swizzle");
+      .Attr<int64_t>("config")  // kRaggedConfigNames' index and the scheduler's raster order
+      .Attr<int64_t>("raster");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfRaggedCutlass, jf::cutlass_gemm::RaggedCutlass, ragged_cutlass_binding(),

@@ -44,7 +44,9 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 // tile's MMAs and promotion one 64-row atom at a time (cutlass_split.cuh); "pingpong": the two consumer
 // warp groups take alternate tiles, so one's epilogue runs under the other's MMAs (the wgrad's groups of
 // few rows have short mainloops beside a 64 KB fp32 store per tile). The tile scheduler's raster order
-// (`raster`: 0 its default, along M; 1 along M; 2 along N) and swizzle (1, 2, 4, 8) are run-time arguments.
+// (`raster`: 0 and 1 along M, 2 along N) is a run-time argument. Its swizzle is not: CUTLASS's grouped
+// scheduler sizes the swizzle from the host's problem shapes, and with the shapes on the device only it
+// always takes 1 (PersistentTileSchedulerSm90Group: its problem blocks are then (SMs, 1)).
 constexpr int kNumRaggedConfigs = 4;
 constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop",
                                                                "256x128x128_c1x2_coop_split",
@@ -72,8 +74,7 @@ struct RaggedCall {
   int device = 0;
   int sm_count = 0;
   int config = 0;                 // index into kRaggedConfigNames
-  int raster = kRasterHeuristic;  // Raster (kRasterHeuristic: the grouped scheduler's default, along M)
-  int swizzle = 1;                // 1, 2, 4 or 8
+  int raster = kRasterHeuristic;  // Raster (kRasterHeuristic: along M, as kRasterAlongM)
   cudaStream_t stream = nullptr;
   bool dry_run = false;  // size the workspace only: no CUDA call
 };
@@ -97,13 +98,11 @@ GemmResult run_ragged_k_bf16_pingpong(const RaggedCall& call);
 GemmResult run_ragged_k_f32_pingpong(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
-  if (call.config < 0 || call.config >= kNumRaggedConfigs || call.swizzle < 1 || call.swizzle > 8 ||
-      (call.swizzle & (call.swizzle - 1)) || call.raster < kRasterHeuristic || call.raster > kRasterAlongN) {
+  if (call.config < 0 || call.config >= kNumRaggedConfigs || call.raster < kRasterHeuristic || call.raster > kRasterAlongN) {
     GemmResult r;
     r.status = kInvalid;
     r.message = "grouped GEMM options out of range: config " + std::to_string(call.config) + " (in [0, " +
-                std::to_string(kNumRaggedConfigs) + ")), raster " + std::to_string(call.raster) + " (0, 1 or 2), swizzle " +
-                std::to_string(call.swizzle) + " (1, 2, 4 or 8)";
+                std::to_string(kNumRaggedConfigs) + ")), raster " + std::to_string(call.raster) + " (0, 1 or 2)";
     return r;
   }
   const bool bf16 = out_type == kOutBF16, m = call.kind == kMGrouped;
@@ -371,7 +370,6 @@ GemmResult run_ragged_kernel(const RaggedCall& call) {
     args.hw_info = hw;
     using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
     args.scheduler.raster_order = call.raster == kRasterAlongN ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
-    args.scheduler.max_swizzle_size = call.swizzle;
   };
   fill_args(nullptr, RaggedLayout<K>(call, 0));
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);

@@ -112,7 +112,7 @@ def check_options(config: int = DEFAULT_OPTIONS["config"], raster: int = DEFAULT
     _check_kernel_options("jf_fp8_gemm", CONFIGS, config, raster, swizzle)
 
 
-def _check_kernel_options(who: str, configs: tuple, config, raster, swizzle) -> None:
+def _check_kernel_options(who: str, configs: tuple, config, raster, swizzle=1) -> None:
     """Raises ValueError naming the first option out of range, for ``who``'s kernels ``configs``."""
     if not 0 <= int(config) < len(configs):
         raise ValueError(f"{who} on cutlass: config must be in [0, {len(configs)}) ({configs}), got {config}")
@@ -157,9 +157,10 @@ _RAGGED_KINDS = {"m": 0, "k": 1}
 #: the other's MMAs.
 RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split",
                   "64x128x128_c1x1_pingpong")
-#: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`), the scheduler's
-#: ``raster`` (0: its default, along M; 1 along M; 2 along N) and ``swizzle`` (1, 2, 4, 8).
-DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
+#: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`) and the scheduler's
+#: ``raster`` (0 and 1: along M; 2 along N). No swizzle: CUTLASS's grouped scheduler sizes it from host
+#: problem shapes, and with the group sizes on the device it is always 1 (csrc/cutlass_ragged.cuh).
+DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0}
 
 
 def ragged_options(kind: str, M: int, N: int, K: int, device_kind: Optional[str] = None) -> dict:
@@ -173,8 +174,7 @@ def ragged_options(kind: str, M: int, N: int, K: int, device_kind: Optional[str]
     if unknown:
         raise ValueError(f"jf_fp8_ragged_gemm on cutlass: unknown options {sorted(unknown)} (the options: "
                          f"{sorted(DEFAULT_RAGGED_OPTIONS)})")
-    _check_kernel_options("jf_fp8_ragged_gemm", RAGGED_CONFIGS, options["config"], options["raster"],
-                          options["swizzle"])
+    _check_kernel_options("jf_fp8_ragged_gemm", RAGGED_CONFIGS, options["config"], options["raster"])
     return options
 
 
