@@ -106,9 +106,11 @@ def grouped_gemms(M: int, K: int, N: int, sizes):
     w = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / np.sqrt(K), BF16)
     xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
     wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
-    return x, w, {"ragged_m": ((M, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16),
+    per_group = -(-M // len(sizes))  # the table's key: one group's mean problem
+    return x, w, {"ragged_m": ((per_group, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16),
                                (*xq["rowwise"], *wq)),
-                  "ragged_k": ((K, N, M), lambda *o: ragged_gemm(*o, s, kind="k", rows=M, out_dtype=jnp.float32),
+                  "ragged_k": ((K, N, per_group), lambda *o: ragged_gemm(*o, s, kind="k", rows=M,
+                                                                          out_dtype=jnp.float32),
                                (*xq["colwise"], *dyq["colwise"]))}
 
 
@@ -161,7 +163,7 @@ def tune_gemms(M: int, K: int, N: int, sizes, iters: int, rounds: int = 3) -> No
                 for raster in (0, 2):  # 0 and 1 are both along M
                     opts = (("config", config), ("raster", raster))
                     times[opts] = t = timed(opts)
-                    print(f"  TUNE {key} {'x'.join(map(str, mnk))} G={len(sizes)} {cutlass.RAGGED_CONFIGS[config]} "
+                    print(f"  TUNE {key} {'x'.join(map(str, mnk))} per group, G={len(sizes)}, {cutlass.RAGGED_CONFIGS[config]} "
                           f"raster {raster}: {t * 1e6:8.1f} us ({2 * M * K * N / t / 1e12:5.0f} TF/s)", flush=True)
             best = min(times, key=times.get)
             gains = []

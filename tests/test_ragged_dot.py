@@ -331,26 +331,30 @@ def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):
 
 def test_the_grouped_kernels_options_come_from_the_table(monkeypatch):
     """The grouped kernels' options: the defaults where the GPU's table has no grouped rows, else the row
-    nearest to the problem for its kind; an option out of range raises, naming it."""
+    nearest to one group's mean problem for its kind; an option out of range raises, naming it."""
     from jax_fp8.gemm import table
     from jax_fp8.gemm.backends import cutlass
 
     monkeypatch.setitem(table.TABLE, "GPU X", {
-        "ragged_m": [((4096, 2048, 7168), "cutlass", {"config": 1}),
-                     ((65536, 2048, 7168), "cutlass", {"config": 1, "raster": 2})],
-        "ragged_k": [((7168, 2048, 16384), "cutlass", {"raster": 2})]})
-    assert cutlass.ragged_options("m", 16384, 2048, 7168, "GPU Y") == cutlass.DEFAULT_RAGGED_OPTIONS
-    assert cutlass.ragged_options("m", 8192, 2048, 7168, "GPU X") == {"config": 1, "raster": 0}
-    assert cutlass.ragged_options("m", 60000, 2048, 7168, "GPU X") == {"config": 1, "raster": 2}
-    assert cutlass.ragged_options("k", 7168, 2048, 100, "GPU X") == {"config": 0, "raster": 2}
+        "ragged_m": [((512, 2048, 7168), "cutlass", {"config": 3}),
+                     ((2048, 2048, 7168), "cutlass", {"config": 1, "raster": 2})],
+        "ragged_k": [((7168, 2048, 512), "cutlass", {"raster": 2}),
+                     ((7168, 2048, 2048), "cutlass", {"config": 2})]})
+    assert cutlass.ragged_options("m", 16384, 2048, 7168, 8, device_kind="GPU Y") == cutlass.DEFAULT_RAGGED_OPTIONS
+    # the same rows in all: 2048 rows per group at 8 groups, 512 at 32
+    assert cutlass.ragged_options("m", 16384, 2048, 7168, 8, device_kind="GPU X") == {"config": 1, "raster": 2}
+    assert cutlass.ragged_options("m", 16384, 2048, 7168, 32, device_kind="GPU X") == {"config": 3, "raster": 0}
+    assert cutlass.ragged_options("k", 7168, 2048, 16384, 8, device_kind="GPU X") == {"config": 2, "raster": 0}
+    assert cutlass.ragged_options("k", 7168, 2048, 16384, 32, device_kind="GPU X") == {"config": 0, "raster": 2}
+    assert cutlass.ragged_options("k", 7168, 2048, 16383, 32, device_kind="GPU X") == {"config": 0, "raster": 2}
     for bad, match in [({"config": len(cutlass.RAGGED_CONFIGS)}, "config must be in"), ({"swizzle": 8}, "unknown options"),
                        ({"raster": 5}, "raster must be"), ({"cluster": 2}, "unknown options")]:
         monkeypatch.setitem(table.TABLE, "GPU Z", {"ragged_m": [((1, 1, 1), "cutlass", bad)]})
         with pytest.raises(ValueError, match=match):
-            cutlass.ragged_options("m", 128, 128, 128, "GPU Z")
+            cutlass.ragged_options("m", 128, 128, 128, device_kind="GPU Z")
     table.load({"device_kind": "GPU W", "rows": {"ragged_k": [[[1, 2, 3], "cutlass", {"config": 1}]]}})
     try:
-        assert cutlass.ragged_options("k", 1, 2, 3, "GPU W")["config"] == 1
+        assert cutlass.ragged_options("k", 1, 2, 3, device_kind="GPU W")["config"] == 1
     finally:
         del table.TABLE["GPU W"]
 

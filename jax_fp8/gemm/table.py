@@ -13,8 +13,9 @@ A row: ``((M, N, K), backend name, options)`` for a pair of blocks, ``"1D2D"`` (
 fprop and dgrad) or ``"1D1D"`` (both 1x128: wgrad); a problem takes the row nearest to it in
 (log M, log N, log K), but a row naming one of cuBLASLt's heuristic candidates (``algo``: an index into
 the list cuBLASLt makes for each problem) only its own shape. The grouped GEMMs of ``fp8_ragged_dot`` have
-rows of their own, ``"ragged_m"`` (forward, dgrad: all groups' rows M x N x K) and ``"ragged_k"`` (wgrad:
-R x N per group, K the rows), naming the CUTLASS grouped kernels' options
+rows of their own, keyed by one group's mean problem (what sets a grouped kernel's best tile: how long
+each tile's mainloop runs, how often the groups change under a CTA), ``"ragged_m"`` (forward, dgrad:
+rows / G x N x K) and ``"ragged_k"`` (wgrad: R x N x rows / G), naming the CUTLASS grouped kernels' options
 (:func:`jax_fp8.gemm.backends.cutlass.ragged_options`).
 """
 from __future__ import annotations
@@ -50,23 +51,23 @@ TABLE: dict[str, dict[str, list]] = {
             ((14336, 4096, 16384), "cublaslt", {}),
         ],
         # ``bench_ragged.py --experts 8,256 --rows 16384 --tune --routing balanced``, 2026-12-07 (RESULTS,
-        # "Issues 48-49, ninth session"): 8 and 256 experts, K 7168, N 2048. The forward's best options were
-        # within 1% of its defaults (1.008x, 1.006x), so it keeps them.
+        # "Issues 48-49, ninth session"): 8 experts of 2048 rows and 256 of 128, K 7168, N 2048. The
+        # forward's best options were within 1% of its defaults (1.008x, 1.006x), so it keeps them.
         "ragged_k": [
-            ((7168, 2048, 16384), "cutlass", {"config": 1, "raster": 2}),  # 1.071x
-            ((7168, 2048, 32768), "cutlass", {"config": 0, "raster": 2}),  # 1.025x
+            ((7168, 2048, 2048), "cutlass", {"config": 1, "raster": 2}),  # 1.071x
+            ((7168, 2048, 128), "cutlass", {"config": 0, "raster": 2}),  # 1.025x
         ],
     },
     # The H100's grouped rows, ``bench_ragged.py --experts 8 --rows 16384 --routing balanced --tune``, 2026-12-07
-    # (RESULTS, "Issues 48-49, eleventh session"): 8 experts, K 7168, N 2048. Its dense rows would all name
+    # (RESULTS, "Issues 48-49, eleventh session"): 8 experts of 2048 rows, K 7168, N 2048. Its dense rows would all name
     # cuBLASLt's heuristic, the default. The forward keeps the 128-row tile: the 256-row one (config 2)
     # measured 0.3% faster at 2048 rows per expert but would run half empty where experts hold 128 rows.
     "NVIDIA H100 80GB HBM3": {
         "ragged_m": [
-            ((16384, 2048, 7168), "cutlass", {"config": 1, "raster": 2}),  # 1.088x
+            ((2048, 2048, 7168), "cutlass", {"config": 1, "raster": 2}),  # 1.088x
         ],
         "ragged_k": [
-            ((7168, 2048, 16384), "cutlass", {"config": 2, "raster": 1}),  # 1.304x
+            ((7168, 2048, 2048), "cutlass", {"config": 2, "raster": 1}),  # 1.304x
         ],
     },
 }

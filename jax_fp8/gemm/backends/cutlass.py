@@ -163,12 +163,14 @@ RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128
 DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0}
 
 
-def ragged_options(kind: str, M: int, N: int, K: int, device_kind: Optional[str] = None) -> dict:
+def ragged_options(kind: str, M: int, N: int, K: int, groups: int = 1, device_kind: Optional[str] = None) -> dict:
     """The grouped kernel's options for a problem of ``kind`` ("m": all groups' M rows x N x K; "k": each
-    group's R x N, K the rows): the GEMM table's row for ``"ragged_<kind>"`` nearest to it on this GPU
-    (:mod:`jax_fp8.gemm.table`), over :data:`DEFAULT_RAGGED_OPTIONS`. Raises ValueError naming an option
-    out of range."""
-    chosen = table.choose_for(f"ragged_{kind}", M, N, K, device_kind)
+    group's R x N, K the rows) over ``groups`` groups: the GEMM table's row for ``"ragged_<kind>"``
+    nearest to one group's mean problem (the rows / groups) on this GPU (:mod:`jax_fp8.gemm.table`), over
+    :data:`DEFAULT_RAGGED_OPTIONS`. Raises ValueError naming an option out of range."""
+    per_group = lambda rows: -(-rows // max(groups, 1))  # noqa: E731
+    chosen = table.choose_for(f"ragged_{kind}", per_group(M) if kind == "m" else M, N,
+                              K if kind == "m" else per_group(K), device_kind)
     options = dict(DEFAULT_RAGGED_OPTIONS, **(chosen[1] if chosen and chosen[0] == "cutlass" else {}))
     unknown = set(options) - set(DEFAULT_RAGGED_OPTIONS)
     if unknown:
@@ -209,7 +211,7 @@ def ragged_lowering(ctx, a, a_scale, b, b_scale, group_sizes, group_offset, *, k
         Mc = 0
     else:
         (K, Mc), N, M, Gl = a_shape, b_shape[0], rows, groups_out
-    opts = ragged_options(kind, M if kind == "m" else K, N, K if kind == "m" else M)
+    opts = ragged_options(kind, M if kind == "m" else K, N, K if kind == "m" else M, G)
     workspace = _MODULE[0].ragged_workspace_bytes(_RAGGED_KINDS[kind], M, N, K, G, Gl, Mc, jnp.dtype(out.dtype).name,
                                                   int(opts["config"]))
     return lower_with_workspace("jf_cutlass_ragged_gemm", ctx, workspace, a, a_scale, b, b_scale, group_sizes,
