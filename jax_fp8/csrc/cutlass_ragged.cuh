@@ -40,19 +40,18 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 
 // The grouped kernels' configurations, in index order (the `config` attribute; cutlass.py's
 // RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
-// loads, TMA multicast), schedule: "coop", two consumer warp groups split each tile; "_split": the 256-row
-// tile's MMAs and promotion one 64-row atom at a time (cutlass_split.cuh); "pingpong": the two consumer
-// warp groups take alternate tiles, so one's epilogue runs under the other's MMAs (the wgrad's groups of
-// few rows have short mainloops beside a 64 KB fp32 store per tile). The tile scheduler's raster order
+// loads, TMA multicast), cooperative schedule; "_split": the 256-row tile's MMAs and promotion one 64-row
+// atom at a time (cutlass_split.cuh). (A 64x128 ping-pong tile, one consumer warp group's epilogue under
+// the other's MMAs, ran 1.3-1.7x slower than the best of these on an H100 at 512 and 2048 rows per
+// group, forward and wgrad: bench/RESULTS.md, "Issues 48-49, thirteenth session".) The tile scheduler's raster order
 // (`raster`: 0 and 1 along M, 2 along N) is a run-time argument. Its swizzle is not: CUTLASS's grouped
 // scheduler sizes the swizzle from the host's problem shapes, and with the shapes on the device only it
 // always takes 1 (PersistentTileSchedulerSm90Group: its problem blocks are then (SMs, 1)).
-constexpr int kNumRaggedConfigs = 4;
+constexpr int kNumRaggedConfigs = 3;
 constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop",
-                                                               "256x128x128_c1x2_coop_split",
-                                                               "64x128x128_c1x1_pingpong"};
-// The kernels' tile and schedule, one per configuration beside its cluster shape
-enum RaggedTile : int { kTileCoop = 0, kTileSplit = 1, kTilePingpong = 2 };
+                                                               "256x128x128_c1x2_coop_split"};
+// The kernels' tile: 128 rows on CUTLASS's mainloop, or 256 with the split promotion
+enum RaggedTile : int { kTileCoop = 0, kTileSplit = 1 };
 
 struct RaggedCall {
   int kind = kMGrouped;
@@ -92,10 +91,6 @@ GemmResult run_ragged_m_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_m_f32_split(const RaggedCall& call);
 GemmResult run_ragged_k_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_k_f32_split(const RaggedCall& call);
-GemmResult run_ragged_m_bf16_pingpong(const RaggedCall& call);
-GemmResult run_ragged_m_f32_pingpong(const RaggedCall& call);
-GemmResult run_ragged_k_bf16_pingpong(const RaggedCall& call);
-GemmResult run_ragged_k_f32_pingpong(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
   if (call.config < 0 || call.config >= kNumRaggedConfigs || call.raster < kRasterHeuristic || call.raster > kRasterAlongN) {
@@ -111,8 +106,6 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
                      : (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call));
     case 2: return m ? (bf16 ? run_ragged_m_bf16_split(call) : run_ragged_m_f32_split(call))
                      : (bf16 ? run_ragged_k_bf16_split(call) : run_ragged_k_f32_split(call));
-    case 3: return m ? (bf16 ? run_ragged_m_bf16_pingpong(call) : run_ragged_m_f32_pingpong(call))
-                     : (bf16 ? run_ragged_k_bf16_pingpong(call) : run_ragged_k_f32_pingpong(call));
     default: return m ? (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call))
                       : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
   }
@@ -132,9 +125,8 @@ namespace cutlass_gemm {
 template <int Kind, class ElementOut, int ClusterN, int Tile>
 struct RaggedKernel {
   static constexpr int kKind = Kind;
-  static constexpr bool kPingpong = Tile == kTilePingpong;
   using E4 = cutlass::float_e4m3_t;
-  using TileShape = cute::Shape<cute::Int<Tile == kTileSplit ? 256 : kPingpong ? 64 : 128>, cute::_128, cute::_128>;
+  using TileShape = cute::Shape<cute::Int<Tile == kTileSplit ? 256 : 128>, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<ClusterN>, cute::_1>;
   // M-grouped: a 1x128 (K-major scales), b 128x128 tiles (K-major); K-grouped: both 1x128 along the
   // contraction, scales MN-major (one row per block slot)
@@ -149,8 +141,7 @@ struct RaggedKernel {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, cutlass::layout::RowMajor*, kAlignOut,  // no C
       ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>,
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementOut, float>>::CollectiveOp;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -158,8 +149,7 @@ struct RaggedKernel {
       E4, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, 16,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>>::CollectiveOp;
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
   using Mainloop = std::conditional_t<Tile == kTileSplit, SplitPromotionMma<BuiltMainloop>, BuiltMainloop>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;

@@ -59,11 +59,13 @@ TABLE: dict[str, dict[str, list]] = {
         ],
     },
     # The H100's grouped rows, ``bench_ragged.py --experts 8 --rows 16384 --routing balanced --tune``, 2026-12-07
-    # (RESULTS, "Issues 48-49, eleventh session"): 8 experts of 2048 rows, K 7168, N 2048. Its dense rows would all name
+    # (RESULTS, "Issues 48-49, eleventh session"): 8 experts of 2048 rows, K 7168, N 2048; and at 32 experts of
+    # 512 rows (thirteenth session; its wgrad's best, the 256-row tile, is the 2048-row row's). Its dense rows would all name
     # cuBLASLt's heuristic, the default. The forward keeps the 128-row tile: the 256-row one (config 2)
     # measured 0.3% faster at 2048 rows per expert but would run half empty where experts hold 128 rows.
     "NVIDIA H100 80GB HBM3": {
         "ragged_m": [
+            ((512, 2048, 7168), "cutlass", {"config": 0, "raster": 0}),  # the default: 1.043x the next row's options
             ((2048, 2048, 7168), "cutlass", {"config": 1, "raster": 2}),  # 1.088x
         ],
         "ragged_k": [

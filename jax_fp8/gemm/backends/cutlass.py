@@ -151,12 +151,9 @@ CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower},
 # ---- the grouped GEMMs of fp8_ragged_dot (jax_fp8.gemm.ragged_primitive; csrc/cutlass_ragged.cuh) ----------
 _RAGGED_KINDS = {"m": 0, "k": 1}
 #: The grouped kernels' configurations, in ``config`` index order (the module's ``ragged_configs``): CTA
-#: tile M x N x K and cluster shape M x N; 1x2: two CTAs of a row of tiles share a's loads; ``coop``: two
-#: consumer warp groups split each tile; ``_split``: the 256-row tile's MMAs and promotion one 64-row atom at
-#: a time (csrc/cutlass_split.cuh); ``pingpong``: the warp groups take alternate tiles, one's epilogue under
-#: the other's MMAs.
-RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split",
-                  "64x128x128_c1x1_pingpong")
+#: tile M x N x K and cluster shape M x N, cooperative; 1x2: two CTAs of a row of tiles share a's loads;
+#: ``_split``: the 256-row tile's MMAs and promotion one 64-row atom at a time (csrc/cutlass_split.cuh).
+RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split")
 #: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`) and the scheduler's
 #: ``raster`` (0 and 1: along M; 2 along N). No swizzle: CUTLASS's grouped scheduler sizes it from host
 #: problem shapes, and with the group sizes on the device it is always 1 (csrc/cutlass_ragged.cuh).
