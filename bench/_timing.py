@@ -21,3 +21,13 @@ def jax_time(fn, arg_sets, iters: int, reps: int = 5) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
+
+
+def in_turns(time_of, base, pick, rounds: int) -> tuple[list, list]:
+    """``base`` and ``pick`` timed by ``time_of`` in turns, ``rounds`` times, each round's order the other
+    way round (a drift of the clocks over the rounds favours neither): (base's times, pick's times)."""
+    t = {0: [], 1: []}
+    for r in range(rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t[i].append(time_of((base, pick)[i]))
+    return t[0], t[1]

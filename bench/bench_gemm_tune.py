@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp8 as jf
-from _timing import jax_time
+from _timing import in_turns, jax_time
 from jax_fp8 import gemm as G
 from jax_fp8.gemm.backends import cublaslt
 from jax_fp8.gemm.backends.cublaslt import CANDIDATES, CUBLASLT
@@ -234,13 +234,10 @@ class Tuner:
         rounds = self.args.confirm
         if pick is heur or rounds <= 0 or self.out_of_time():
             return pick
-        t = {id(heur): [], id(pick): []}
-        for r in range(rounds):
-            for c in ((heur, pick) if r % 2 == 0 else (pick, heur)):
-                t[id(c)].append(self.us(c))
-        gains = [h / p for h, p in zip(t[id(heur)], t[id(pick)])]
+        t_heur, t_pick = in_turns(self.us, heur, pick, rounds)
+        gains = [h / p for h, p in zip(t_heur, t_pick)]
         gain = statistics.median(gains)
-        heur.us, pick.us = statistics.median(t[id(heur)]), statistics.median(t[id(pick)])
+        heur.us, pick.us = statistics.median(t_heur), statistics.median(t_pick)
         kept = gain >= 1 + self.args.min_gain
         say(f"  confirm {pick.name} against cuBLASLt's heuristic in turns: "
             + ", ".join(f"{g:.3f}x" for g in gains) + f"; median {gain:.3f}x: " + ("kept" if kept else "the heuristic"))

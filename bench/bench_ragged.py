@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 import jax_fp8 as jf
+from _timing import in_turns
 from _timing import jax_time as _jax_time
 from bench_kernels import device_copy, leaves_equal, register_device_copy
 from jax_fp8 import contracts, groups
@@ -97,6 +98,7 @@ def grouped_gemms(M: int, K: int, N: int, sizes):
     """Seeded bf16 x (M, K) and w (G, K, N), and the grouped GEMMs on them, operands quantized beforehand:
     ``{"ragged_m": (table shape, call, operands), "ragged_k": ...}`` (the forward, M-grouped, bf16 out;
     the weight gradient, K-grouped, fp32 out), keyed as the GEMM table's rows."""
+    from jax_fp8.gemm.backends.cutlass import ragged_key
     from jax_fp8.gemm.ragged_primitive import ragged_gemm
     from jax_fp8.quantization import quantize_each
 
@@ -106,11 +108,11 @@ def grouped_gemms(M: int, K: int, N: int, sizes):
     w = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / np.sqrt(K), BF16)
     xq, dyq = quantize_grouped(x, s, LHS), quantize_grouped(dy, s, RECIPE.scheme("grad"))
     wq = quantize_each(w, RECIPE.scheme("rhs", rowwise=False))["colwise"]
-    per_group = -(-M // len(sizes))  # the table's key: one group's mean problem
-    return x, w, {"ragged_m": ((per_group, N, K), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16),
+    G = len(sizes)
+    return x, w, {"ragged_m": (ragged_key("m", M, N, K, G), lambda *o: ragged_gemm(*o, s, kind="m", out_dtype=BF16),
                                (*xq["rowwise"], *wq)),
-                  "ragged_k": ((K, N, per_group), lambda *o: ragged_gemm(*o, s, kind="k", rows=M,
-                                                                          out_dtype=jnp.float32),
+                  "ragged_k": (ragged_key("k", K, N, M, G), lambda *o: ragged_gemm(*o, s, kind="k", rows=M,
+                                                                                    out_dtype=jnp.float32),
                                (*xq["colwise"], *dyq["colwise"]))}
 
 
@@ -166,10 +168,7 @@ def tune_gemms(M: int, K: int, N: int, sizes, iters: int, rounds: int = 3) -> No
                     print(f"  TUNE {key} {'x'.join(map(str, mnk))} per group, G={len(sizes)}, {cutlass.RAGGED_CONFIGS[config]} "
                           f"raster {raster}: {t * 1e6:8.1f} us ({2 * M * K * N / t / 1e12:5.0f} TF/s)", flush=True)
             best = min(times, key=times.get)
-            gains = []
-            for r in range(rounds if best != default else 0):
-                t = {o: timed(o) for o in ((default, best) if r % 2 == 0 else (best, default))}
-                gains.append(t[default] / t[best])
+            gains = [d / b for d, b in zip(*in_turns(timed, default, best, rounds if best != default else 0))]
             turns = f", {float(np.median(gains)):.3f}x in {rounds} turns" if gains else ""
             print(f"  BEST {key}: ({mnk}, \"cutlass\", {dict(best)}),  # {times[default] / times[best]:.3f}x the default"
                   f"{turns}", flush=True)

@@ -160,14 +160,19 @@ RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128
 DEFAULT_RAGGED_OPTIONS = {"config": 0, "raster": 0}
 
 
-def ragged_options(kind: str, M: int, N: int, K: int, groups: int = 1, device_kind: Optional[str] = None) -> dict:
-    """The grouped kernel's options for a problem of ``kind`` ("m": all groups' M rows x N x K; "k": each
-    group's R x N, K the rows) over ``groups`` groups: the GEMM table's row for ``"ragged_<kind>"``
-    nearest to one group's mean problem (the rows / groups) on this GPU (:mod:`jax_fp8.gemm.table`), over
-    :data:`DEFAULT_RAGGED_OPTIONS`. Raises ValueError naming an option out of range."""
+def ragged_key(kind: str, M: int, N: int, K: int, groups: int = 1) -> tuple:
+    """The GEMM table's key of a grouped problem of ``kind`` ("m": all groups' M rows x N x K; "k": each
+    group's R x N, K the rows) over ``groups`` groups: one group's mean problem (its rows: rows / groups,
+    rounded up)."""
     per_group = lambda rows: -(-rows // max(groups, 1))  # noqa: E731
-    chosen = table.choose_for(f"ragged_{kind}", per_group(M) if kind == "m" else M, N,
-                              K if kind == "m" else per_group(K), device_kind)
+    return (per_group(M), N, K) if kind == "m" else (M, N, per_group(K))
+
+
+def ragged_options(kind: str, M: int, N: int, K: int, groups: int = 1, device_kind: Optional[str] = None) -> dict:
+    """The grouped kernel's options for a problem of ``kind`` (as :func:`ragged_key` takes it): the GEMM
+    table's row for ``"ragged_<kind>"`` nearest to its key on this GPU (:mod:`jax_fp8.gemm.table`), over
+    :data:`DEFAULT_RAGGED_OPTIONS`. Raises ValueError naming an option out of range."""
+    chosen = table.choose_for(f"ragged_{kind}", *ragged_key(kind, M, N, K, groups), device_kind)
     options = dict(DEFAULT_RAGGED_OPTIONS, **(chosen[1] if chosen and chosen[0] == "cutlass" else {}))
     unknown = set(options) - set(DEFAULT_RAGGED_OPTIONS)
     if unknown:
