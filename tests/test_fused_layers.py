@@ -25,7 +25,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8 as jf
 from jax_fp8 import fused, producers
-from helpers import assert_bits_equal, stable_seed, xla_rounds_as_written
+from jax_fp8.gemm.backends import cudnn
+from helpers import assert_bits_equal, assert_within_steps, stable_seed, xla_rounds_as_written
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 U32 = 2.0 ** -24
@@ -259,17 +260,31 @@ def test_dx_bound_holds_and_can_fail(norm):
         _assert_dx_close(got * np.float32(1 + 2.0 ** -10), want, x, gamma, dn, EPS, norm, exact=False)
 
 
-def _assert_weight_grad(dw_fused, dw_unfused, w, x_dtype, what, rows=2):
+def _xla_sums_gemms(recipe) -> bool:
+    """Whether XLA's GPU GEMMs run the recipe's products (the MXFP8 reference off Blackwell): the fused
+    layer's fp32 dW and the unfused layer's x-dtype dW are then two GEMMs of different output dtypes,
+    each autotuned on its own, which may sum the same exact FP8 products in different orders (split-K)."""
+    return (jax.default_backend() == "gpu" and isinstance(recipe, jf.MXFP8BlockScaling)
+            and cudnn.unavailable("cuda") is not None)
+
+
+def _assert_weight_grad(dw_fused, dw_unfused, w, x_dtype, what, rows=2, recipe=None):
     """The fused layer's dW is in the weight's dtype, the unfused one is x's dtype's, upcast: equal once
     the fused one is rounded to x's dtype; an fp32 master's keeps bits the rounding drops (a sum over
     ``rows`` > 1 products of FP8 values; one such product fits in bf16). (The unfused dW is x's dtype's
     only where XLA rounds as the program says: on a GPU, XLA's excess precision may keep its float32
-    bits, seen on an H100 for the MXFP8 recipe's reference GEMM; both still round to the same x dtype.)"""
+    bits, seen on an H100 for the MXFP8 recipe's reference GEMM; both still round to the same x dtype.)
+    Where XLA's GPU GEMMs sum the products (``_xla_sums_gemms``), the two fp32 sums differ by at most
+    2 n u sum|a b| (u = 2**-24), far below one step of x's dtype unless the sum cancels: rounded to x's
+    dtype they agree or are adjacent values (seen: 6 of 32766 elements, 1 step, on an H100)."""
     assert dw_fused.dtype == w.dtype and dw_unfused.dtype == w.dtype, (what, dw_fused.dtype, dw_unfused.dtype)
     if xla_rounds_as_written():
         assert_bits_equal(np.asarray(dw_unfused.astype(x_dtype).astype(w.dtype)), np.asarray(dw_unfused),
                           f"{what} unfused")
-    assert_bits_equal(dw_fused.astype(x_dtype), dw_unfused.astype(x_dtype), what)
+    if recipe is not None and _xla_sums_gemms(recipe):
+        assert_within_steps(dw_fused.astype(x_dtype), dw_unfused.astype(x_dtype), 1, what)
+    else:
+        assert_bits_equal(dw_fused.astype(x_dtype), dw_unfused.astype(x_dtype), what)
     if jnp.dtype(w.dtype) == jnp.dtype(F32) and jnp.dtype(x_dtype) != jnp.dtype(F32) and rows > 1:
         assert (np.asarray(dw_fused) != np.asarray(dw_fused.astype(x_dtype).astype(F32))).any(), what
 
@@ -330,7 +345,8 @@ def _check_case(c, mlp):
     else:
         _assert_dx_close(grads[0], grads_ref[0], x, gamma, out["dn"], EPS, norm)
     for i, w in enumerate(ws):
-        _assert_weight_grad(grads[2 + nb + i], grads_ref[2 + nb + i], w, x.dtype, f"dW{i}", rows=x.size // x.shape[-1])
+        _assert_weight_grad(grads[2 + nb + i], grads_ref[2 + nb + i], w, x.dtype, f"dW{i}", rows=x.size // x.shape[-1],
+                            recipe=recipe)
     if gamma is None:
         assert grads[1] is None
     else:
