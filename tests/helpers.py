@@ -90,20 +90,6 @@ def assert_bits_equal(a, b, what=""):
                            f"{ba.flat[bad[0]]:#x} vs {bb.flat[bad[0]]:#x}")
 
 
-def assert_within_steps(a, b, steps: int, what=""):
-    """Two float arrays of one dtype at most ``steps`` representable values apart elementwise (the same
-    NaNs; +0 and -0 one apart), by their bits as ordered integers."""
-    ba, bb = bits(a).astype(np.int64), bits(b).astype(np.int64)
-    assert ba.shape == bb.shape, f"{what}: shape {ba.shape} != {bb.shape}"
-    sign = 1 << (8 * bits(a).dtype.itemsize - 1)
-    oa, ob = (np.where(v & sign, -(v & (sign - 1)) - 1, v) for v in (ba, bb))  # -0 just below +0
-    na, nb = np.isnan(np.asarray(jax.device_get(a), np.float64)), np.isnan(np.asarray(jax.device_get(b), np.float64))
-    assert (na == nb).all(), f"{what}: NaNs differ"
-    far = np.flatnonzero((np.abs(oa - ob) > steps) & ~na)
-    assert far.size == 0, (f"{what}: {far.size} of {ba.size} more than {steps} steps apart; first at "
-                           f"{np.unravel_index(far[0], ba.shape)}: {ba.flat[far[0]]:#x} vs {bb.flat[far[0]]:#x}")
-
-
 def assert_tensors_equal(q, r):
     """Every leaf of two quantized tensors equal bit for bit, and the same static layout."""
     assert type(q) is type(r)
