@@ -24,8 +24,7 @@ import numpy as np
 from jax import lax
 
 import jax_fp8 as jf
-from _timing import in_turns
-from _timing import jax_time as _jax_time
+from _timing import in_turns, jax_time as _jax_time
 from bench_kernels import device_copy, leaves_equal, register_device_copy
 from jax_fp8 import contracts, groups
 from jax_fp8.quantization import quantize, quantize_grouped

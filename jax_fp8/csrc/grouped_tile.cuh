@@ -369,15 +369,16 @@ inline ffi::Error quantize_grouped(cudaStream_t stream, const QuantizeArgs& a, i
   const int64_t n_x = S + cdiv(col_count(a.M, G), kGroupTile), items = n_x * cdiv(a.K, kGroupTile);
   if (a.B == 0 || items == 0) return ffi::Error::Success();
   if (a.B > 65535) return bad("quantize_grouped: more than 65535 matrices in one launch");
-  const int sms = current_sm_count();
   return with_loader(a.in, [&](auto ld) {
     using L = decltype(ld);
     return with_block_rule(a, [&](auto rule) {
       const auto kernel = grouped_tile_kernel<L, decltype(rule)>;
-      int per_sm = 0;  // CTAs resident per SM (registers, shared memory): one wave of them walks every item
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-      const int64_t wave = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
-      const int64_t ctas = G <= kItemPerCtaGroups ? std::min<int64_t>(items, 0x7FFFFFFF) : std::min(items, wave);
+      int64_t ctas = std::min<int64_t>(items, 0x7FFFFFFF);  // a CTA per item (the kernel walks any rest)
+      if (G > kItemPerCtaGroups) {
+        int per_sm = 0;  // CTAs resident per SM (registers, shared memory): one wave of them walks every item
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+        ctas = std::min(ctas, int64_t(std::max(current_sm_count(), 1)) * std::max(per_sm, 1));
+      }
       const dim3 grid(unsigned(ctas), 1, unsigned(a.B));
       kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename L::T*>(x), sizes, a.M, a.K, G, S, n_x, rule,
                                             a.fp8, o);
