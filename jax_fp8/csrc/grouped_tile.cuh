@@ -197,6 +197,23 @@ struct RowsBy4 {
     const uint32_t word = e < 2 ? w[i].x : w[i].y;
     return L::get(uint16_t(e % 2 ? word >> 16 : word & 0xFFFFu));
   }
+  // Row i's 1x128 amax over the warp, and each of the 4 columns' amax over the thread's rows: packed
+  // (L::max_abs2, folded from +0 as amax_step's fmaxf from 0), unpacked once at the end.
+  __device__ __forceinline__ float row_amax(int i) const {
+    uint32_t p = L::max_abs2(L::max_abs2(0u, w[i].x), w[i].y);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) p = L::max_abs2(p, __shfl_xor_sync(0xFFFFFFFFu, p, off));
+    p &= L::kAbs;
+    return fmaxf(L::get(uint16_t(p & 0xFFFFu)), L::get(uint16_t(p >> 16)));
+  }
+  __device__ __forceinline__ void col_amax(float (&a)[4]) const {
+    uint32_t lo = 0u, hi = 0u;  // columns 0, 1 and 2, 3
+#pragma unroll
+    for (int i = 0; i < kGroupRowsPerWarp; ++i) lo = L::max_abs2(lo, w[i].x), hi = L::max_abs2(hi, w[i].y);
+    lo &= L::kAbs, hi &= L::kAbs;
+    a[0] = L::get(uint16_t(lo & 0xFFFFu)), a[1] = L::get(uint16_t(lo >> 16));
+    a[2] = L::get(uint16_t(hi & 0xFFFFu)), a[3] = L::get(uint16_t(hi >> 16));
+  }
 };
 
 template <class L>
@@ -213,6 +230,22 @@ struct RowsBy4<L, false> {
     }
   }
   __device__ __forceinline__ float operator()(int i, int e) const { return v[i][e]; }
+  __device__ __forceinline__ float row_amax(int i) const {
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) amax = amax_step(amax, v[i][e]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    return amax;
+  }
+  __device__ __forceinline__ void col_amax(float (&a)[4]) const {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGroupRowsPerWarp; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = amax_step(a[e], v[i][e]);
+  }
 };
 
 // Four FP8 bytes of v_k * m (the hardware's satfinite cast, equal to fp8_from_float_sw), byte k from v_k.
@@ -250,22 +283,25 @@ __device__ __forceinline__ void grouped_tile(const typename L::T* __restrict__ x
 #pragma unroll
   for (int i = 0; i < kGroupRowsPerWarp; ++i) v.load(i, x + (rw + i) * K + c, in_groups && rw + i < r1 && c < K, vec, c, K);
 
-  // Rowwise: each row's 1x128 block (rows in no group: data 0, the padding scale)
+  // Rowwise: each row's 1x128 block (rows in no group: data 0, the padding scale). Lane i < 16 takes row
+  // i's scale rule (one rule a thread, not 16) and stores its scale: the warp's 16 in one store.
   if (row_data) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGroupRowsPerWarp; ++i) {
+      const float a = v.row_amax(i);
+      if (lane == i) amax = a;
+    }
+    float s = kGemmScalePad, m = 0.0f;
+    if (in_groups) rule(amax, s, m);
+    if (lane < kGroupRowsPerWarp && rw + lane < r1) row_scale[kb * o.row_ld + rw + lane] = s;
 #pragma unroll
     for (int i = 0; i < kGroupRowsPerWarp; ++i) {
       const int64_t r = rw + i;
-      float amax = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) amax = amax_step(amax, v(i, e));
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-      if (r >= r1) continue;  // warp-uniform
-      float s = kGemmScalePad, m = 0.0f;
-      if (in_groups) rule(amax, s, m);
-      if (lane == 0) row_scale[kb * o.row_ld + r] = s;
+      if (r >= r1) break;  // warp-uniform
+      const float mi = __shfl_sync(0xFFFFFFFFu, m, i);
       if (c >= K) continue;
-      const uint32_t q = fp8x4(v(i, 0), v(i, 1), v(i, 2), v(i, 3), m, fp8);
+      const uint32_t q = fp8x4(v(i, 0), v(i, 1), v(i, 2), v(i, 3), mi, fp8);
       if (vec) {
         *reinterpret_cast<uint32_t*>(row_data + r * K + c) = q;
       } else {
@@ -278,11 +314,8 @@ __device__ __forceinline__ void grouped_tile(const typename L::T* __restrict__ x
   if (!col_data) return;
 
   // Columnwise: each column's 128x1 block of the slot's rows
-  float amax4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kGroupRowsPerWarp; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) amax4[e] = amax_step(amax4[e], v(i, e));
+  float amax4[4];
+  v.col_amax(amax4);
   *reinterpret_cast<float4*>(&red[warp][4 * lane]) = make_float4(amax4[0], amax4[1], amax4[2], amax4[3]);
   __syncthreads();
   if (threadIdx.x < kGroupTile) {
