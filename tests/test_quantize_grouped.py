@@ -3,7 +3,8 @@ blocks restarting at every group start): the kernel against its contract
 (``jax_fp8.contracts.quantize_grouped_usages``) evaluated on NumPy inputs, bit for bit; the contract
 against the dense contract applied to each group's rows alone (the layout checked independently of
 ``jax_fp8.groups``); ``jit`` with one compile for every routing, ``vmap``, the default ``jax.shard_map``
-and sharded ``jax.jit``; bad arguments.
+and sharded ``jax.jit``; bad arguments. Long walks: inputs large enough that the CUDA kernels' CTAs each
+take several work items, every usage alone and both, batches.
 
 The sweep is generated: every row count of ``MS`` (residues against the 128-row blocks) meets every
 width of ``KS`` (residues against the 1x128 blocks; the common widths) and every group pattern of
@@ -157,6 +158,31 @@ def test_block_slots_bound_every_routing(M, G):
             assert Mc == cols, (Mc, cols)
     _, _, rows = groups.slot_blocks(np.asarray(worst, np.int32), M, 128)
     assert (rows > 0).sum() == S
+
+
+# Long walks (the CUDA kernels' CTAs take several items each: a one-wave grid has a few hundred CTAs),
+# 16-bit inputs with K % 4 == 0 (vector loads), each usage alone and both, one matrix and a batch of two:
+# generated as usage x input dtype x batch, each case its own rows (off the 128-row blocks) and routing.
+USAGES = ("both", "rowwise", "colwise")
+LONG = [(u, dt, B) for u in USAGES for dt in (jnp.bfloat16, jnp.float16) for B in (1, 2)]
+
+
+@pytest.mark.parametrize("usage,dt,B", LONG, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_kernel_matches_contract_on_long_walks(usage, dt, B):
+    rng = np.random.default_rng(stable_seed("quantize_grouped long", usage, jnp.dtype(dt).name, B))
+    M, K = int(rng.integers(1500, 2048)), 4096
+    x = random_input(rng, (B, M, K), dt)
+    # per matrix: 8 or 40 groups, zeros among them, some rows past the total
+    G = 8 if B == 1 else 40
+    sizes = np.stack([np.diff(np.sort(np.r_[0, rng.integers(0, M - 50, G - 1), M - 50])) for _ in range(B)])
+    sizes[:, 1] = 0
+    scheme = _scheme(jnp.float8_e4m3fn, rowwise=usage != "colwise", colwise=usage != "rowwise")
+    got = jax.jit(lambda x, s: quantize_grouped_p.bind(x, s, scheme=scheme))(x, sizes.astype(np.int32))
+    for b in range(B):
+        want = contracts.quantize_grouped_usages(np.asarray(x[b]), sizes[b].astype(np.int32), scheme=scheme)
+        assert len(got) == len(want) == (2 if usage != "both" else 4)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bits_equal(g[b], w, f"matrix {b}, output {i}")
 
 
 def test_one_compile_serves_every_routing():
