@@ -263,6 +263,21 @@ def test_vmap_over_leading_dims(strict):
     assert_within(dw, dw_sum, dw_bound, "dW summed over the vmapped examples")
 
 
+@pytest.mark.parametrize("in_axes", [(0, None), (0, 0), (None, 0)], ids=str)
+def test_vmap_over_no_entries(in_axes):
+    """A batch of no entries (either operand, or both): empty results and gradients of lax.dot_general's
+    shapes and dtypes, as jax.vmap of lax.dot_general gives them."""
+    x, w = jnp.zeros((24, 256), BF16), jnp.zeros((256, 136), BF16)
+    x, w = (jnp.zeros((0, *v.shape), v.dtype) if a == 0 else v for v, a in zip((x, w), in_axes))
+
+    def run(dot):
+        f = jax.vmap(lambda a, b: dot(a, b, KN), in_axes)
+        return f(x, w), jax.grad(lambda a, b: f(a, b).astype(F32).sum(), argnums=(0, 1))(x, w)
+
+    got, want = run(jf.fp8_dot_general), run(lax.dot_general)
+    assert [(v.shape, v.dtype) for v in jax.tree.leaves(got)] == [(v.shape, v.dtype) for v in jax.tree.leaves(want)]
+
+
 def test_shard_map_equals_per_shard(strict):
     """Inside jax.shard_map with its default checks (rows of x on 4 devices, W replicated): y and dx
     are each shard's own FP8 linear layer; dW, the cotangent of a replicated W, is replicated and is

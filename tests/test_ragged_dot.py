@@ -248,24 +248,29 @@ def test_default_shard_map_expert_weights_replicated():
 _loss_and_grads = jax.jit(jax.value_and_grad(lambda x, w, s: (jf.fp8_ragged_dot(x, w, s) ** 2).sum(), (0, 1)))
 
 
-@pytest.mark.parametrize("construction", ["make_mesh", "Mesh"])
-@pytest.mark.parametrize("spec", ["rows", "experts"])
+@pytest.mark.parametrize("construction", ["make_mesh", "Mesh", "explicit"])
+@pytest.mark.parametrize("spec", ["rows", "experts", "both"])
 def test_sharded_jit_gives_the_unsharded_result(spec, construction):
-    """On Auto axes: jax.make_mesh's, or a plain Mesh (on an Explicit mesh lax.ragged_dot itself fails)."""
-    mesh = (jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,), devices=CPUS) if construction == "make_mesh"
-            else jax.sharding.Mesh(np.asarray(CPUS), ("d",)))
+    """On Auto axes (jax.make_mesh's, or a plain Mesh) and on Explicit ones, where lax.ragged_dot itself
+    fails in jax 0.10 (it asks for an out_sharding): the unsharded results, the gradients typed as their
+    operands."""
+    mesh = (jax.sharding.Mesh(np.asarray(CPUS), ("d",)) if construction == "Mesh" else
+            jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit if construction == "explicit" else AxisType.Auto,),
+                          devices=CPUS))
     rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = rng.integers(0, 40, 8).astype(np.int32)
     with jax.default_device(CPUS[0]):  # the mesh's kind of device (a GPU's GEMM sums in another order)
         want = _loss_and_grads(x, w, sizes)
-    x_spec, w_spec = (P("d"), P()) if spec == "rows" else (P(), P("d"))
+    x_spec, w_spec = dict(rows=(P("d"), P()), experts=(P(), P("d")), both=(P("d"), P("d")))[spec]
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     args = put(x, x_spec), put(w, w_spec), put(sizes, P())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jf.ShardingWarning)  # the grouped quantize gathers split rows
         compiled = _loss_and_grads.lower(*args).compile()  # one compile: run it, read its HLO
     got = compiled(*args)
+    if construction == "explicit":
+        assert [jax.typeof(v).sharding.spec for v in got[1]] == [jax.typeof(a).sharding.spec for a in args[:2]]
     # the same products; XLA may split a partitioned fp32 sum differently (a few ulps of the largest terms)
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         h = np.asarray(h)
@@ -306,6 +311,80 @@ def test_any_integer_group_sizes_as_lax():
     x, w = jnp.ones((10, 128)), jnp.ones((3, 128, 16))
     got = jf.fp8_ragged_dot(x, w, np.asarray([3, 3, 4], np.int64))
     np.testing.assert_array_equal(got, jf.fp8_ragged_dot(x, w, jnp.asarray([3, 3, 4], jnp.int32)))
+
+
+F16 = jnp.float16
+
+
+@pytest.mark.parametrize("xt,wt,pref", [(F16, F16, None), (F32, F32, F16), (F16, F32, F16), (F32, F16, None)],
+                         ids=lambda v: "none" if v is None else jnp.dtype(v).name)
+def test_float16_results_are_the_float32_ones_rounded(xt, wt, pref):
+    """Results of lax.ragged_dot's dtype where the kernels give float32 or bfloat16 only: a float16 result
+    (and float16 gradients) is the float32 one rounded, bit for bit, forward and backward. (The float32
+    results are held to the bound by the sweep.)"""
+    rng = np.random.default_rng(stable_seed("ragged f16", jnp.dtype(xt).name, jnp.dtype(wt).name, str(pref)))
+    M, K, N, sizes = 300, 256, 136, jnp.asarray([100, 0, 150, 20], jnp.int32)  # 30 rows past the total
+    x, w = data(rng, (M, K), xt, spread=2), data(rng, (4, K, N), wt, spread=2)
+    out = jax.eval_shape(lambda a, b: lax.ragged_dot(a, b, sizes, preferred_element_type=pref), x, w).dtype
+    dy = data(rng, (M, N), F32, spread=2).astype(out)
+
+    def step(dy, pref):
+        y, vjp = jax.vjp(lambda a, b: jf.fp8_ragged_dot(a, b, sizes, preferred_element_type=pref), x, w)
+        return y, *vjp(dy)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
+        got, want = jax.jit(step, static_argnums=1)(dy, pref), jax.jit(step, static_argnums=1)(dy.astype(F32), F32)
+    assert [v.dtype for v in got] == [out, xt, wt]
+    for name, g, v in zip(("y", "dx", "dw"), got, want):
+        assert_bits_equal(g, v.astype(g.dtype), name)
+
+
+def test_result_dtypes_the_grouped_gemm_cannot_give_fall_back():
+    x, w, sizes = jnp.ones((8, 128)), jnp.ones((2, 128, 16)), jnp.asarray([4, 4], jnp.int32)
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="result dtype int32") as rec:
+        y = jf.fp8_ragged_dot(x, w, sizes, preferred_element_type=jnp.int32)
+    assert len(rec) == 1 and y.dtype == jnp.int32 and y.shape == (8, 16)
+
+
+def test_wide_group_sizes_count_rows_not_their_low_bits():
+    """Sizes of dtypes wider than int32 are cut to [0, M] before they are used as int32: 2**32 - 1 rows is
+    every row (as lax.ragged_dot has it), not -1."""
+    rng = np.random.default_rng(stable_seed("ragged wide sizes"))
+    x, w = data(rng, (300, 128), F32), data(rng, (3, 128, 16), F32)
+    want = jf.fp8_ragged_dot(x, w, jnp.asarray([300, 0, 0], jnp.int32))
+    assert_bits_equal(jf.fp8_ragged_dot(x, w, jnp.asarray([2**32 - 1, 0, 0], jnp.uint32)), want, "uint32")
+    with jax.enable_x64(True):
+        for sizes in ([2**31, 0, 0], [2**32 + 10, 5, 0]):
+            assert_bits_equal(jf.fp8_ragged_dot(x, w, jnp.asarray(sizes, jnp.int64)), want, str(sizes))
+        got = jf.fp8_ragged_dot(x, w, jnp.asarray([-(2**32) + 5, 300, 0], jnp.int64))  # negative: 0 rows
+        assert_bits_equal(got, jf.fp8_ragged_dot(x, w, jnp.asarray([0, 300, 0], jnp.int32)), "negative int64")
+
+
+def test_numpy_operands_take_jax_dtypes():
+    """float64 NumPy operands without x64 are float32 to jax, as to lax.ragged_dot: the FP8 path, no warning."""
+    rng = np.random.default_rng(stable_seed("ragged numpy"))
+    x, w, sizes = rng.standard_normal((64, 128)), rng.standard_normal((2, 128, 16)), np.asarray([30, 34])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
+        got = jf.fp8_ragged_dot(x, w, sizes)
+    assert_bits_equal(got, jf.fp8_ragged_dot(jnp.asarray(x, F32), jnp.asarray(w, F32), jnp.asarray(sizes)))
+
+
+def test_vmap_over_no_entries():
+    """A batch of no entries: an empty result of lax.ragged_dot's shape (every operand batched, or the rhs)."""
+    x, sizes = jnp.zeros((8, 128)), jnp.asarray([4, 4], jnp.int32)
+    y = jax.vmap(jf.fp8_ragged_dot)(jnp.zeros((0, 8, 128)), jnp.zeros((0, 2, 128, 16)), jnp.zeros((0, 2), jnp.int32))
+    assert y.shape == (0, 8, 16) and y.dtype == F32
+    y = jax.vmap(jf.fp8_ragged_dot, in_axes=(None, 0, None))(x, jnp.zeros((0, 2, 128, 16)), sizes)
+    assert y.shape == (0, 8, 16)
+
+
+def test_a_derivative_of_a_derivative_says_what_is_supported():
+    x, w, sizes = jnp.ones((8, 128)), jnp.ones((2, 128, 16)), jnp.asarray([4, 4], jnp.int32)
+    inner = jax.grad(lambda a: (jf.fp8_ragged_dot(a, w, sizes) ** 2).sum())
+    with pytest.raises(TypeError, match=r"fp8_ragged_dot: .*jax\.grad of jax\.grad"):
+        jax.grad(lambda a: inner(a).sum())(x)
 
 
 def test_the_grouped_kernels_say_what_they_cannot_take(monkeypatch):

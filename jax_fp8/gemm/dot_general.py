@@ -169,7 +169,7 @@ def linear_backward(cfg: Linear, saved: tuple, dyq, x_dtype, w_dtype):
         x_grad = step.name == "dgrad"
         dtype = x_dtype if x_grad else w_dtype
         sharding = cfg.x_sharding if x_grad else cfg.w_sharding
-        grads[step.name] = _retyped(run_gemm(a, b, dtype, step.gemm), sharding)
+        grads[step.name] = retyped(run_gemm(a, b, dtype, step.gemm), sharding)
     return grads.get("dgrad"), grads.get("wgrad")
 
 
@@ -192,7 +192,7 @@ def _lax_sharding(lhs, rhs, dimension_numbers):
     return typed[0]
 
 
-def _retyped(v, sharding):
+def retyped(v, sharding):
     """``v`` placed as ``sharding`` (a NamedSharding, or a PartitionSpec of the mesh in context), as lax's
     ``out_sharding``: a type on an Explicit mesh (``reshard``), a constraint on an Auto one."""
     if sharding is None or jax.typeof(v).sharding == sharding:
@@ -211,11 +211,12 @@ def reverse_mode_only(where: str = "fp8_dot_general"):
     except TypeError as e:
         if "forward-mode" in str(e) or "is not differentiable" in str(e):
             raise TypeError(
-                f"{where}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not "
-                "supported on the FP8 GEMM path: its derivative is a custom VJP whose backward "
-                "GEMMs run in FP8 on the operands quantized in the forward, a rule for reverse mode only. Use "
-                f"reverse mode (jax.grad, jax.vjp, jax.jacrev), or the lax function it replaces where forward mode "
-                "is needed."
+                f"{where}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian), and a derivative "
+                "of a derivative (jax.grad of jax.grad), are not supported on the FP8 GEMM path: its "
+                "derivative is a custom VJP whose backward GEMMs run in FP8 on the operands quantized in the "
+                "forward, a rule for first-order reverse mode only. Use reverse mode once (jax.grad, jax.vjp, "
+                "jax.jacrev), or the lax function it replaces where forward mode or higher derivatives are "
+                "needed."
             ) from e
         raise
 
@@ -244,13 +245,14 @@ def fallback_operand(x, scheme: Scheme) -> tuple[Any, str]:
     return jnp.where(jnp.isfinite(x), qdq, x), f"quantize-dequantized ({blocks})"
 
 
-def _what_is_computed(lhs_done: str, rhs_done: str) -> str:
-    """The fallback's computation in words, from what was done to each operand."""
+def what_is_computed(lhs_done: str, rhs_done: str, op: str = "lax.dot_general") -> str:
+    """The fallback's computation (``op`` of the operands) in words, from what was done to each operand
+    (:func:`fallback_operand`)."""
     as_is = "as it is ("
     if lhs_done.startswith(as_is) and rhs_done.startswith(as_is):
         whys = dict.fromkeys(d[len(as_is):-1] for d in (lhs_done, rhs_done))
-        return f"lax.dot_general on the operands as they are ({'; '.join(whys)})"
-    return f"lax.dot_general of the lhs {lhs_done} and the rhs {rhs_done}"
+        return f"{op} on the operands as they are ({'; '.join(whys)})"
+    return f"{op} of the lhs {lhs_done} and the rhs {rhs_done}"
 
 
 def _call_str(lhs, rhs, dimension_numbers) -> str:
@@ -419,13 +421,13 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
             y = fold.unfold_out(_linear(x, w, cfg))
         # typed as lax.dot_general's result (out_sharding, or what an Explicit mesh infers for it): a
         # dim the GEMM had to gather (misaligned shards, padding) is split again
-        return _retyped(y, out_sharding if out_sharding is not None else _lax_sharding(lhs, rhs, dimension_numbers))
+        return retyped(y, out_sharding if out_sharding is not None else _lax_sharding(lhs, rhs, dimension_numbers))
     # the fallback, and empty products (nothing to quantize, no warning)
     (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")),
                                 fallback_operand(rhs, recipe.scheme("rhs")))
     if plan.fallback is not None:
         _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): not on the FP8 GEMM: {plan.fallback}; "
-              f"computing {_what_is_computed(a_done, b_done)} instead")
+              f"computing {what_is_computed(a_done, b_done)} instead")
     kw = {} if out_sharding is None else {"out_sharding": out_sharding}
     return lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type=out_dtype, **kw)
 

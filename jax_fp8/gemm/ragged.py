@@ -32,7 +32,8 @@ from ..formats import HIGH_DTYPES
 from ..quantization import quantize_each, quantize_grouped
 from ..tensors import QUANTIZED_TENSORS
 from ..warn import Fp8GemmFallbackWarning, warn
-from .dot_general import fallback_operand, reverse_mode_only
+from ..primitives.partitioning import explicit_sharding
+from .dot_general import fallback_operand, retyped, reverse_mode_only, what_is_computed
 from .recipes import RECIPES, Float8BlockScaling
 from .ragged_primitive import ragged_gemm
 
@@ -41,10 +42,13 @@ Array = Any
 
 @dataclasses.dataclass(frozen=True)
 class _Grouped:
-    """Static description of one ``ragged_dot``: the recipe and the output dtype."""
+    """Static description of one ``ragged_dot``: the recipe, the output dtype, and on an Explicit mesh
+    the shardings that lhs's and rhs's types name (their gradients are typed alike; else None)."""
 
     recipe: Float8BlockScaling
     out_dtype: np.dtype
+    x_sharding: Any = None
+    w_sharding: Any = None
 
 
 def _weights(w, recipe, rowwise: bool = True) -> dict:
@@ -74,13 +78,13 @@ def _ragged_bwd(cfg: _Grouped, res, dy):
         dyq = quantize_grouped(dy, group_sizes, cfg.recipe.scheme("grad"))  # rowwise (dgrad), columnwise (wgrad)
     dx = ragged_gemm(*dyq["rowwise"], *w_rows, group_sizes, kind="m", out_dtype=x_dtype.dtype)
     dw = ragged_gemm(*x_cols, *dyq["colwise"], group_sizes, kind="k", rows=dy.shape[0], out_dtype=w_dtype.dtype)
-    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return retyped(dx, cfg.x_sharding), retyped(dw, cfg.w_sharding), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset) -> Optional[str]:
+def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, out_dtype) -> Optional[str]:
     """Why a call does not run on the FP8 grouped GEMM (None: it does)."""
     if not isinstance(recipe, Float8BlockScaling):
         return f"the grouped FP8 GEMM takes the Float8BlockScaling recipe, not {type(recipe).__name__}"
@@ -93,6 +97,8 @@ def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset) -> Optional[st
     bad = [n for n, v in (("lhs", lhs), ("rhs", rhs)) if jnp.dtype(v.dtype) not in HIGH_DTYPES]
     if bad:
         return f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not float32, bfloat16 or float16"
+    if jnp.dtype(out_dtype) not in HIGH_DTYPES:  # its gradient could not be quantized either
+        return f"the result dtype {jnp.dtype(out_dtype).name} (the grouped GEMM gives float32, bfloat16 or float16)"
     return None
 
 
@@ -104,9 +110,9 @@ def _call_str(lhs, rhs) -> str:
 def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why: str):
     """``lax.ragged_dot`` of the operands as ``fp8_dot_general``'s fallback takes them (quantize-dequantized,
     straight-through), with one warning."""
+    (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")), fallback_operand(rhs, recipe.scheme("rhs")))
     warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): not on the FP8 grouped GEMM: {why}; computing "
-         "lax.ragged_dot of the quantize-dequantized operands instead", Fp8GemmFallbackWarning)
-    (a, _), (b, _) = (fallback_operand(lhs, recipe.scheme("lhs")), fallback_operand(rhs, recipe.scheme("rhs")))
+         f"{what_is_computed(a_done, b_done, 'lax.ragged_dot')} instead", Fp8GemmFallbackWarning)
     return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset)
 
 
@@ -135,17 +141,23 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"fp8_ragged_dot: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
-    lhs, rhs, group_sizes = (v if isinstance(v, QUANTIZED_TENSORS) or hasattr(v, "shape") else jnp.asarray(v)
+    # jax arrays (tracers) and quantized tensors as given; anything else (NumPy arrays included) as jax.numpy
+    # takes it: dtypes canonical (float64 NumPy operands are float32 without x64, as lax.ragged_dot has them)
+    lhs, rhs, group_sizes = (v if isinstance(v, (jax.Array, *QUANTIZED_TENSORS)) else jnp.asarray(v)
                              for v in (lhs, rhs, group_sizes))
     out = jax.eval_shape(  # lax.ragged_dot's checks and result type
         lambda a, b, g: lax.ragged_dot(a, b, g, precision, preferred_element_type, group_offset),
         *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (lhs, rhs, group_sizes)))
-    why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset)
+    why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, out.dtype)
     if why is not None:
         return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
     if lhs.size == 0 or rhs.size == 0:
         return jnp.zeros(out.shape, out.dtype)
-    # any integer dtype, as lax takes it (sizes count rows of one array: they fit int32)
+    # any integer dtype, as lax takes it, used as int32: sizes of wider dtypes cut to [0, M] first (a size
+    # past M counts as M, not as what its low 32 bits say)
+    if jnp.iinfo(group_sizes.dtype).max > np.iinfo(np.int32).max:
+        group_sizes = jnp.clip(group_sizes, 0, lhs.shape[0])
     lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):
-        return _ragged(lhs, rhs, group_sizes, _Grouped(recipe, jnp.dtype(out.dtype)))
+        return _ragged(lhs, rhs, group_sizes,
+                       _Grouped(recipe, jnp.dtype(out.dtype), explicit_sharding(lhs), explicit_sharding(rhs)))

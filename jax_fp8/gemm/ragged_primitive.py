@@ -175,7 +175,8 @@ def ragged_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=None, *, kind:
     """Bind ``jf_fp8_ragged_gemm`` (see the module docstring); ``group_offset`` default 0, ``groups_out``
     (kind "k") default G. Widths off the grouped kernels' alignment (kind "m": K % 16; N % 8; kind "k":
     R % 4) are padded with zeros inside the last scale block (no scale grid changes; no product does),
-    and the result cut back."""
+    and the result cut back. ``out_dtype`` float32 or bfloat16 (the kernels'), or another float dtype
+    (float16): computed in float32 and cast, as the dense GEMM's."""
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     Gl = group_sizes.shape[0] if groups_out is None else int(groups_out)
     if kind == "m":
@@ -191,6 +192,7 @@ def ragged_gemm(a, a_scale, b, b_scale, group_sizes, group_offset=None, *, kind:
         b = jnp.pad(b, ((0, dn), (0, 0)))
         b_scale = jnp.pad(b_scale[:, :N], ((0, 0), (0, dn)), constant_values=GEMM_SCALE_PAD)
         cut = (slice(None), slice(0, R), slice(0, N))
+    gemm_dtype = np.dtype(out_dtype) if np.dtype(out_dtype) in OUT_DTYPES else np.dtype(np.float32)
     out = ragged_gemm_p.bind(a, a_scale, b, b_scale, group_sizes, offset, kind=kind, rows=int(rows),
-                             groups_out=Gl if kind == "k" else None, out_dtype=np.dtype(out_dtype))
-    return out[cut]
+                             groups_out=Gl if kind == "k" else None, out_dtype=gemm_dtype)
+    return out[cut].astype(out_dtype)
