@@ -296,11 +296,13 @@ def test_fallback_warns_once_and_says_why():
         jf.fp8_ragged_dot(x.astype(jnp.int8), w, sizes)
 
 
-@pytest.mark.parametrize("bad", ["lhs_rank", "rhs_groups", "sizes_rank", "sizes_float"])
+@pytest.mark.parametrize("bad", ["lhs_rank", "rhs_groups", "sizes_rank", "sizes_float", "lhs_none", "sizes_none",
+                                 "lhs_list", "sizes_list"])
 def test_bad_arguments_raise_what_lax_raises(bad):
     x, w, s = jnp.ones((10, 4)), jnp.ones((3, 4, 5)), jnp.asarray([3, 3, 4], jnp.int32)
     args = dict(lhs_rank=(x[0], w, s), rhs_groups=(x, w[:2], s), sizes_rank=(x, w, s[None]),
-                sizes_float=(x, w, s.astype(F32)))[bad]
+                sizes_float=(x, w, s.astype(F32)), lhs_none=(None, w, s), sizes_none=(x, w, None),
+                lhs_list=(np.asarray(x).tolist(), w, s), sizes_list=(x, w, [3, 3, 4]))[bad]
     with pytest.raises(Exception) as want:
         lax.ragged_dot(*args)
     with pytest.raises(type(want.value), match=str(want.value)[:30].replace("(", r"\(").replace(")", r"\)")):

@@ -141,13 +141,15 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"fp8_ragged_dot: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
-    # jax arrays (tracers) and quantized tensors as given; anything else (NumPy arrays included) as jax.numpy
-    # takes it: dtypes canonical (float64 NumPy operands are float32 without x64, as lax.ragged_dot has them)
+    # lax.ragged_dot's checks and result type: arrays by their shapes and jax's dtypes (float64 NumPy
+    # operands are float32 without x64), anything else as given (a Python list or None raises what lax raises)
+    out = jax.eval_shape(
+        lambda *ops: lax.ragged_dot(*ops, precision, preferred_element_type, group_offset),
+        *(jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+          if hasattr(v, "shape") and hasattr(v, "dtype") else v for v in (lhs, rhs, group_sizes)))
+    # jax arrays (tracers) and quantized tensors as given; NumPy arrays and scalars as jax.numpy takes them
     lhs, rhs, group_sizes = (v if isinstance(v, (jax.Array, *QUANTIZED_TENSORS)) else jnp.asarray(v)
                              for v in (lhs, rhs, group_sizes))
-    out = jax.eval_shape(  # lax.ragged_dot's checks and result type
-        lambda a, b, g: lax.ragged_dot(a, b, g, precision, preferred_element_type, group_offset),
-        *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (lhs, rhs, group_sizes)))
     why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, out.dtype)
     if why is not None:
         return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
