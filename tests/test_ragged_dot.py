@@ -254,9 +254,9 @@ def test_sharded_jit_gives_the_unsharded_result(spec, construction):
     """On Auto axes (jax.make_mesh's, or a plain Mesh) and on Explicit ones, where lax.ragged_dot itself
     fails in jax 0.10 (it asks for an out_sharding): the unsharded results, the gradients typed as their
     operands."""
+    axis = AxisType.Explicit if construction == "explicit" else AxisType.Auto
     mesh = (jax.sharding.Mesh(np.asarray(CPUS), ("d",)) if construction == "Mesh" else
-            jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit if construction == "explicit" else AxisType.Auto,),
-                          devices=CPUS))
+            jax.make_mesh((8,), ("d",), axis_types=(axis,), devices=CPUS))
     rng = np.random.default_rng(stable_seed("ragged sharded", spec, construction))
     x, w = data(rng, (256, 128), F32, spread=1), data(rng, (8, 128, 256), F32, spread=1)
     sizes = rng.integers(0, 40, 8).astype(np.int32)

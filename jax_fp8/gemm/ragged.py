@@ -110,7 +110,8 @@ def _call_str(lhs, rhs) -> str:
 def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why: str):
     """``lax.ragged_dot`` of the operands as ``fp8_dot_general``'s fallback takes them (quantize-dequantized,
     straight-through), with one warning."""
-    (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")), fallback_operand(rhs, recipe.scheme("rhs")))
+    (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")),
+                                fallback_operand(rhs, recipe.scheme("rhs")))
     warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): not on the FP8 grouped GEMM: {why}; computing "
          f"{what_is_computed(a_done, b_done, 'lax.ragged_dot')} instead", Fp8GemmFallbackWarning)
     return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset)
@@ -122,8 +123,8 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     drop-in for a mixture-of-experts layer's grouped GEMM.
 
     ``lhs`` (M, K): rows sorted by group; ``rhs`` (G, K, N): one weight per group (expert);
-    ``group_sizes`` (G,) of an integer dtype (used as int32), read on the device (no host sync: one compile serves every routing, and
-    the call captures into CUDA graphs). Group g holds the next ``group_sizes[g]`` rows; rows past the
+    ``group_sizes`` (G,) of an integer dtype (used as int32; wider dtypes cut to [0, M] first), read on
+    the device (no host sync: one compile serves every routing, and the call captures into CUDA graphs). Group g holds the next ``group_sizes[g]`` rows; rows past the
     total give zeros, as in ``lax.ragged_dot``; a negative size counts as 0 and sizes past M are cut at M
     (``lax.ragged_dot`` leaves both undefined). The result (M, N) has ``preferred_element_type`` (default:
     the operands' promoted dtype); ``precision`` is ignored on the FP8 path (it accumulates in fp32).
@@ -134,8 +135,10 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     gradient x and dy in blocks of 128 rows that restart at every group start (see the module doc).
     Gradients come back in the operands' dtypes; ``group_sizes`` gets none.
 
-    Other calls (another recipe, ``group_offset``, other ranks or dtypes) compute ``lax.ragged_dot`` of
-    quantize-dequantized operands with one :class:`~jax_fp8.Fp8GemmFallbackWarning` saying why.
+    Other calls (another recipe, ``group_offset``, other ranks or dtypes, a result dtype other than
+    float32, bfloat16 or float16) compute ``lax.ragged_dot`` of quantize-dequantized operands (non-float
+    ones as they are) with one :class:`~jax_fp8.Fp8GemmFallbackWarning` saying why. A float16 result is
+    the float32 one rounded. On an Explicit mesh the gradients are typed as their operands.
     Arguments ``lax.ragged_dot`` rejects raise what it raises.
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
