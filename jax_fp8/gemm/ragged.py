@@ -124,9 +124,10 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
 
     ``lhs`` (M, K): rows sorted by group; ``rhs`` (G, K, N): one weight per group (expert);
     ``group_sizes`` (G,) of an integer dtype (used as int32; wider dtypes cut to [0, M] first), read on
-    the device (no host sync: one compile serves every routing, and the call captures into CUDA graphs). Group g holds the next ``group_sizes[g]`` rows; rows past the
-    total give zeros, as in ``lax.ragged_dot``; a negative size counts as 0 and sizes past M are cut at M
-    (``lax.ragged_dot`` leaves both undefined). The result (M, N) has ``preferred_element_type`` (default:
+    the device (no host sync: one compile serves every routing, and the call captures into CUDA graphs).
+    Group g holds the next ``group_sizes[g]`` rows; rows past the total give zeros, as in
+    ``lax.ragged_dot``; a negative size counts as 0 and sizes past M are cut at M (``lax.ragged_dot``
+    leaves both undefined). The result (M, N) has ``preferred_element_type`` (default:
     the operands' promoted dtype); ``precision`` is ignored on the FP8 path (it accumulates in fp32).
 
     Quantized with ``recipe`` (default :class:`Float8BlockScaling`, the only one taken): lhs in 1x128
