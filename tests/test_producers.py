@@ -788,6 +788,11 @@ def test_vmap_equals_per_slice(producer):
         for v in range(V):
             want = single(*[a[v] if m is not None else a for a, m in zip(args, mapped)])
             _assert_outputs_equal([o[v] for o in got], want, f"axis {axis} slice {v}")
+    # a batch of no entries: empty results of one slice's types
+    got = jax.vmap(fn, in_axes=mapped)(*[a[:0] if m is not None else a for a, m in zip(args, mapped)])
+    want = single(*[a[0] if m is not None else a for a, m in zip(args, mapped)])
+    assert [(o.shape, o.dtype) for o in jax.tree.leaves(got)] == [((0, *w.shape), w.dtype)
+                                                                   for w in jax.tree.leaves(want)]
     if producer == "swiglu_grad":  # one mapped input, the other shared
         h0 = args[1][0]
         got = jax.jit(jax.vmap(fn, in_axes=(0, None)))(args[0], h0)

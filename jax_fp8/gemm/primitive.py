@@ -251,11 +251,6 @@ def _gemm_batch(args, dims, **params):
     accumulate = params["accumulate"]
     a_block, b_block = params["a_block"], params["b_block"]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    if size == 0:  # a batch of no entries: one example's result type, none of them
-        one = jax.eval_shape(lambda *ops: gemm_p.bind(*ops, **params),
-                             *(x if d is None else jax.ShapeDtypeStruct(x.shape[:d] + x.shape[d + 1:], x.dtype)
-                               for x, d in zip(args, dims)))
-        return jnp.zeros((0, *one.shape), one.dtype), 0
     stack = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
     batched = [d is not None for d in dims]

@@ -8,7 +8,6 @@ to the local twins, which run on each device's shard.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -123,12 +122,8 @@ def _quantize_batch(args, dims, *, scheme, **stacked):
     (x,), (d,) = args, dims
     x = jnp.moveaxis(x, d, 0)
     b, B = x.shape[:2]
-    ats = _stacked_ats(scheme, stacked.get("stacked", False))
-    if b == 0:  # a batch of no entries: each output empty along its batch dim (nothing to fold)
-        one = jax.eval_shape(lambda y: quantize_p.bind(y, scheme=scheme, **stacked),
-                             jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
-        return [jnp.zeros((*o.shape[:at], 0, *o.shape[at:]), o.dtype) for o, at in zip(one, ats)], ats
     outs = quantize_p.bind(x.reshape(b * B, *x.shape[2:]), scheme=scheme, **stacked)
+    ats = _stacked_ats(scheme, stacked.get("stacked", False))
     return [_unfold(o, at, b) for o, at in zip(outs, ats)], ats
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi
@@ -22,6 +24,21 @@ from .partitioning import Rule
 def _no_jvp(name: str, hint: str):
     def rule(primals, tangents, **params):
         raise TypeError(f"{name} is not differentiable: FP8 data cannot carry a gradient. {hint}")
+    return rule
+
+
+def _batch_of_none(prim: Primitive, batch: Callable) -> Callable:
+    """The batching rule ``batch``, and for a batch of no entries (which its folds and maps cannot take:
+    nothing to divide into examples) each result empty along a leading batch dim, of one example's type."""
+    def rule(args, dims, **params):
+        if next(x.shape[d] for x, d in zip(args, dims) if d is not None):
+            return batch(args, dims, **params)
+        example = [x if d is None else jax.ShapeDtypeStruct(x.shape[:d] + x.shape[d + 1:], x.dtype)
+                   for x, d in zip(args, dims)]
+        one = jax.eval_shape(lambda *ops: prim.bind(*ops, **params), *example)
+        if prim.multiple_results:
+            return [jnp.zeros((0, *o.shape), o.dtype) for o in one], [0] * len(one)
+        return jnp.zeros((0, *one.shape), one.dtype), 0
     return rule
 
 
@@ -39,7 +56,8 @@ def define_primitive(name: str, *, abstract: Callable, reference: Callable, ffi_
     - ``unavailable(platform, params, devices, avals)``: asked at lowering time, why the FFI kernel
       cannot run on ``devices`` (:func:`lowering_devices`) or take operands of ``avals`` after all (None:
       it can); then the reference lowers it, with one ``fallback_warning`` saying why;
-    - ``batch``: its batching rule; ``rule``: how it partitions under ``jax.jit`` (None: it does not);
+    - ``batch``: its batching rule (a batch of no entries is answered here); ``rule``: how it partitions
+      under ``jax.jit`` (None: it does not);
     - ``no_jvp_hint``: what the error of a differentiation attempt recommends.
     """
     if rule is None:
@@ -50,7 +68,7 @@ def define_primitive(name: str, *, abstract: Callable, reference: Callable, ffi_
     else:
         prim, local = partitioned_primitive(name, abstract, rule, multiple_results, local_abstract)
     if batch is not None:
-        batching.primitive_batchers[prim] = batch
+        batching.primitive_batchers[prim] = _batch_of_none(prim, batch)
     ad.primitive_jvps[prim] = _no_jvp(name, no_jvp_hint)
 
     reference_rule = mlir.lower_fun(reference, multiple_results=multiple_results)
