@@ -1,6 +1,7 @@
 """Shared test helpers: fresh random data with special values, bitwise comparison, CPU reference."""
 from __future__ import annotations
 
+import inspect
 import os
 import zlib
 
@@ -172,3 +173,19 @@ def replicated(fn, mesh, in_specs, axis):
         return jax.tree.map(lambda v: v[0], out)
 
     return call, f
+
+
+def assert_drop_in_signature(ours, theirs) -> None:
+    """``ours`` takes every parameter of ``theirs`` (a lax function, as this jax has it): its positional
+    ones in the same order, each with the same name, kind and default; our own ones keyword-only."""
+    import inspect
+    mine, lax_params = (list(inspect.signature(f).parameters.values()) for f in (ours, theirs))
+    positional = [p for p in lax_params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert [(p.name, p.default, p.kind) for p in mine[:len(positional)]] == \
+        [(p.name, p.default, p.kind) for p in positional]
+    by_name = {p.name: p for p in mine}
+    for p in lax_params[len(positional):]:
+        assert p.name in by_name, f"{ours.__name__} lacks {theirs.__name__}'s keyword {p.name!r}"
+        assert (by_name[p.name].kind, by_name[p.name].default) == (p.kind, p.default), p.name
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in mine[len(positional):])
+

@@ -2,6 +2,7 @@
 that point at the caller's line, non-finite values that propagate like lax's, and forward-mode
 autodiff that fails with a message naming it (the GEMM path has a reverse-mode rule only)."""
 import functools
+import inspect
 import warnings
 from functools import partial
 
@@ -12,7 +13,7 @@ import pytest
 from jax import lax
 
 import jax_fp8 as jf
-from helpers import assert_bits_equal, stable_seed
+from helpers import assert_bits_equal, assert_drop_in_signature, stable_seed
 
 KN, NK = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))
 
@@ -63,6 +64,39 @@ def test_valid_forms_that_lax_accepts_are_accepted():
         warnings.simplefilter("error")  # the GEMM path: no fallback warning
         got = jf.fp8_dot_general(x, w, ((1, 0), ((), ())), precision="highest")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+#: each drop-in, the lax function it replaces, and arguments for both (a seeded generator's operands)
+DROP_INS = {
+    "dot_general": (jf.fp8_dot_general, lax.dot_general,
+                    lambda rng: (rng.standard_normal((16, 128), np.float32),
+                                 rng.standard_normal((128, 256), np.float32), KN)),
+    "ragged_dot": (jf.fp8_ragged_dot, lax.ragged_dot,
+                   lambda rng: (rng.standard_normal((64, 128), np.float32),
+                                rng.standard_normal((2, 128, 32), np.float32), np.array([30, 34], np.int32))),
+}
+
+
+@pytest.mark.parametrize("op", DROP_INS)
+def test_signature_is_laxs(op):
+    ours, theirs, _ = DROP_INS[op]
+    assert_drop_in_signature(ours, theirs)
+
+
+@pytest.mark.parametrize("op", DROP_INS)
+def test_reduction_order_is_the_fallbacks(op):
+    """jax 0.12's ``reduction_order`` goes to the lax function with the fallback's warning (jax 0.10 and
+    0.11's lax has none: TypeError, as lax raises)."""
+    ours, theirs, make = DROP_INS[op]
+    args = make(np.random.default_rng(stable_seed("reduction_order", op)))
+    if "reduction_order" not in inspect.signature(theirs).parameters:
+        with pytest.raises(TypeError, match="reduction_order"):
+            ours(*args, reduction_order="unordered")
+        return
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="reduction_order is given"):
+        got = ours(*args, reduction_order="unordered")
+    want = np.asarray(theirs(*args))  # of the unquantized operands: FP8's error apart
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0.1, atol=0.1 * np.abs(want).max())
 
 
 def _line_of(marker: str) -> int:

@@ -15,6 +15,7 @@ psummed), sharded ``jax.jit``, the fallback and bad arguments.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -283,6 +284,114 @@ def test_sharded_jit_gives_the_unsharded_result(spec, construction):
         # each device its experts' rows: the forward's and dgrad's outputs summed over the devices
         reduced = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-reduce\(", hlo)
         assert {"256,256", "256,128"} <= set(reduced), reduced
+
+
+#: meshes of the sharded-jit sweep: (shape, axis names); sizes 8 and 6, whose shard counts the widths'
+#: block counts divide or not
+SWEEP_MESHES = {"8": ((8,), ("a",)), "4x2": ((4, 2), ("a", "b")), "6": ((6,), ("a",)), "3x2": ((3, 2), ("a", "b"))}
+#: (x, w) specs by the first and last axis: rows, experts (expert parallel), the contraction K, the
+#: weights' columns N (tensor parallel), and mixes
+SWEEP_SPECS = {"replicated": lambda a, b: (P(), P()), "rows": lambda a, b: (P(a), P()),
+               "experts": lambda a, b: (P(), P(a)), "both": lambda a, b: (P(a), P(a)),
+               "K": lambda a, b: (P(None, b), P(None, b)), "N": lambda a, b: (P(), P(None, None, b)),
+               "rows+N": lambda a, b: (P(a), P(None, None, b)), "experts+N": lambda a, b: (P(), P(a, None, b if b != a else None))}
+#: Mesh(...) and make_mesh with Auto axes (operands placed with device_put, a split they cannot take
+#: made inside the jit by a sharding constraint); make_mesh with Explicit axes, used as it is or inside
+#: jax.set_mesh (there lax.ragged_dot itself cannot type its result), operands it cannot split replicated
+SWEEP_CONSTRUCTIONS = ("Mesh", "auto", "explicit", "set_mesh")
+
+
+def _sharded_sweep():
+    """One case for each (mesh, spec), the constructions cycled: K = 128 c + 32 o and N alike (o = 0 or 1:
+    a partial block), where c walks every residue modulo the mesh's size over its specs (0 as the size
+    itself or twice it, so the common widths 512, 1024, 2048 come by construction); rows and group counts
+    cycled, G dividing the mesh's first axis or not."""
+    cases = []
+    for i, (m, (shape, _)) in enumerate(SWEEP_MESHES.items()):
+        L = math.prod(shape)
+        for j, spec in enumerate(SWEEP_SPECS):
+            rK, rN = (i + j) % L, (5 * j + i + 1) % L  # the widths of residue 0 whole
+            K = 128 * (rK or L * (1 + i % 2)) + 32 * (rK > 0 and (i + j) % 3 == 2)
+            N = 128 * (rN or 2 * L) + 32 * (rN > 0 and (i + j) % 4 == 3)
+            M = (256, 300, 512, 129)[j % 4] if K * N <= 1 << 20 else 130
+            cases.append((m, spec, SWEEP_CONSTRUCTIONS[(i + j) % 4], M, K, N, (4, 6, 8, 3)[(j + L) % 4]))
+    return cases
+
+
+SHARDED_SWEEP = _sharded_sweep()
+
+
+def test_sharded_sweep_covers_every_class():
+    for m, (shape, _) in SWEEP_MESHES.items():
+        L, mine = math.prod(shape), [c for c in SHARDED_SWEEP if c[0] == m]
+        assert {c[1] for c in mine} == set(SWEEP_SPECS)
+        assert {c[4] // 128 % L for c in mine} == set(range(L)) == {c[5] // 128 % L for c in mine}
+        assert {c[2] for c in mine} == set(SWEEP_CONSTRUCTIONS)
+    widths = {w for c in SHARDED_SWEEP for w in c[4:6]}
+    assert {512, 1024, 2048} <= widths and any(w % 128 for w in widths)
+
+
+@pytest.mark.parametrize("case", SHARDED_SWEEP, ids=lambda c: "-".join(map(str, c)))
+def test_sharded_jit_sweep(case):
+    """Forward and both gradients of a sharded program equal the one-device program's (within a
+    reassociated fp32 sum), on every kind of mesh; on Explicit meshes each gradient typed as its operand
+    and the result as ``out_sharding`` asks."""
+    m, spec, construction, M, K, N, G = case
+    shape, names = SWEEP_MESHES[m]
+    devices = CPUS[:math.prod(shape)]
+    explicit = construction in ("explicit", "set_mesh")
+    mesh = (jax.sharding.Mesh(np.asarray(devices).reshape(shape), names) if construction == "Mesh" else
+            jax.make_mesh(shape, names, axis_types=(AxisType.Explicit if explicit else AxisType.Auto,) * len(shape),
+                          devices=devices))
+    rng = np.random.default_rng(stable_seed("ragged sharded sweep", case))
+    x, w = data(rng, (M, K), F32, spread=1), data(rng, (G, K, N), F32, spread=1)
+    sizes = rng.multinomial(M - int(rng.integers(0, 3)), np.ones(G) / G).astype(np.int32)
+    with jax.default_device(CPUS[0]):
+        want = _loss_and_grads(x, w, sizes)
+    x_spec, w_spec = SWEEP_SPECS[spec](names[0], names[-1])
+    fits = lambda a, sp: all(d is None or a.shape[i] % mesh.shape[d] == 0 for i, d in enumerate(sp))  # noqa: E731
+    put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp if fits(a, sp) else P()))  # noqa: E731
+    args = put(x, x_spec), put(w, w_spec), put(sizes, P())
+    out_spec = P(names[0] if M % mesh.shape[names[0]] == 0 else None)  # set_mesh: the result's rows split
+
+    def program(x, w, s):
+        if not explicit:  # the split an operand's shards cannot take, made as an intermediate's
+            x, w = (lax.with_sharding_constraint(v, NamedSharding(mesh, sp)) for v, sp in ((x, x_spec), (w, w_spec)))
+
+        def loss(x, w):
+            y = jf.fp8_ragged_dot(x, w, s, out_sharding=out_spec if construction == "set_mesh" else None)
+            if construction == "set_mesh":
+                assert _padded(jax.typeof(y).sharding.spec, 2) == _padded(out_spec, 2)
+            return (y ** 2).sum()
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    with warnings.catch_warnings(), (jax.set_mesh(mesh) if construction == "set_mesh" else contextlib.nullcontext()):
+        warnings.simplefilter("ignore", jf.ShardingWarning)  # a rule that cannot split a dim gathers it
+        got = jax.jit(program)(*args)
+    if explicit:
+        assert [_padded(jax.typeof(v).sharding.spec, v.ndim) for v in got[1]] == \
+            [_padded(jax.typeof(a).sharding.spec, a.ndim) for a in args[:2]]
+    for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        h = np.asarray(h)
+        np.testing.assert_allclose(np.asarray(g), h, rtol=1e-5, atol=1e-5 * float(np.abs(h).max()))
+
+
+def _padded(spec, ndim: int) -> tuple:
+    """A PartitionSpec as a tuple of ``ndim`` entries (trailing Nones spelled out)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def test_fallback_takes_out_sharding_as_lax():
+    """The fallback passes ``out_sharding`` to lax.ragged_dot: the result typed so on an Explicit mesh."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2, devices=CPUS)
+    rng = np.random.default_rng(stable_seed("ragged fallback out_sharding"))
+    x, w = data(rng, (64, 128), F32), data(rng, (2, 128, 32), F32)
+    sizes = np.array([30, 34], np.int32)
+    with jax.set_mesh(mesh), pytest.warns(jf.Fp8GemmFallbackWarning, match="MXFP8BlockScaling"):
+        args = [jax.device_put(v, P()) for v in (x, w, sizes)]
+        y = jax.jit(lambda x, w, s: jf.fp8_ragged_dot(x, w, s, out_sharding=P("a", "b"),
+                                                      recipe=jf.MXFP8BlockScaling()))(*args)
+    assert _padded(jax.typeof(y).sharding.spec, 2) == ("a", "b")
 
 
 def test_fallback_warns_once_and_says_why():

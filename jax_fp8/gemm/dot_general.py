@@ -192,6 +192,16 @@ def _lax_sharding(lhs, rhs, dimension_numbers):
     return typed[0]
 
 
+#: the fallback's reason where a ``reduction_order`` is given
+REDUCTION_ORDER_GIVEN = "reduction_order is given (the FP8 GEMM sums in an order of its own)"
+
+
+def lax_keywords(**kw) -> dict:
+    """The keyword arguments given (not None), for the lax function a fallback calls: one that this jax's
+    lax lacks (``reduction_order`` before jax 0.12) is passed only where the caller gave it."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def retyped(v, sharding):
     """``v`` placed as ``sharding`` (a NamedSharding, or a PartitionSpec of the mesh in context), as lax's
     ``out_sharding``: a type on an Explicit mesh (``reshard``), a constraint on an Auto one."""
@@ -314,7 +324,7 @@ def _implementation(implementation: Optional[str], recipe) -> Optional[GemmBacke
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
                     recipe: Optional[Float8BlockScaling | MXFP8BlockScaling] = None, out_sharding=None,
-                    implementation: Optional[str] = None):
+                    reduction_order: Any = None, implementation: Optional[str] = None):
     """``lax.dot_general`` on the FP8 GEMM, with ``lax.dot_general``'s signature: a drop-in for
     ``flax.linen.Dense(dot_general=...)``, ``flax.nnx.Linear(dot_general=...)`` and
     ``jnp.einsum(..., _dot_general=...)``.
@@ -357,7 +367,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     and wgrad included, decided by the GEMM plan at the call, :func:`~jax_fp8.gemm.plan.plan_dot_general`).
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
-    ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. Arguments that
+    ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. A ``reduction_order``
+    (jax 0.12's) is the fallback's, which passes it on: the FP8 GEMM sums in an order of its own. Arguments that
     ``lax.dot_general`` rejects (dimension numbers out of range, negative or malformed, mismatched
     contracted dims, an unknown ``precision``) raise what it raises.
 
@@ -399,6 +410,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
                  and _sequences_may_split(lhs, fold.lhs_free))
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split, backend)
+    if reduction_order is not None and plan.fallback is None:
+        plan = DotPlan(fallback=REDUCTION_ORDER_GIVEN)
     if plan.fallback is not None and backend not in (None, REFERENCE):
         raise ValueError(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): implementation="
                          f"{implementation!r} cannot run this call, which is no FP8 GEMM: {plan.fallback}")
@@ -428,8 +441,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if plan.fallback is not None:
         _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): not on the FP8 GEMM: {plan.fallback}; "
               f"computing {what_is_computed(a_done, b_done)} instead")
-    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-    return lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type=out_dtype, **kw)
+    return lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type=out_dtype,
+                           **lax_keywords(out_sharding=out_sharding, reduction_order=reduction_order))
 
 
 def _warn(msg: str) -> None:

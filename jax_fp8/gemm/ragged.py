@@ -33,7 +33,8 @@ from ..quantization import quantize_each, quantize_grouped
 from ..tensors import QUANTIZED_TENSORS
 from ..warn import Fp8GemmFallbackWarning, warn
 from ..primitives.partitioning import explicit_sharding
-from .dot_general import fallback_operand, retyped, reverse_mode_only, what_is_computed
+from .dot_general import (REDUCTION_ORDER_GIVEN, fallback_operand, lax_keywords, retyped, reverse_mode_only,
+                          what_is_computed)
 from .recipes import RECIPES, Float8BlockScaling
 from .ragged_primitive import ragged_gemm
 
@@ -84,12 +85,14 @@ def _ragged_bwd(cfg: _Grouped, res, dy):
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, out_dtype) -> Optional[str]:
+def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, reduction_order, out_dtype) -> Optional[str]:
     """Why a call does not run on the FP8 grouped GEMM (None: it does)."""
     if not isinstance(recipe, Float8BlockScaling):
         return f"the grouped FP8 GEMM takes the Float8BlockScaling recipe, not {type(recipe).__name__}"
     if group_offset is not None:
         return "group_offset is given"
+    if reduction_order is not None:
+        return REDUCTION_ORDER_GIVEN
     if isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
         return "an operand is a quantized tensor (fp8_ragged_dot quantizes its high-precision operands itself)"
     if lhs.ndim != 2 or rhs.ndim != 3:
@@ -107,17 +110,20 @@ def _call_str(lhs, rhs) -> str:
     return f"lhs {jnp.dtype(lhs.dtype).name}{list(lhs.shape)}, rhs {jnp.dtype(rhs.dtype).name}{list(rhs.shape)}"
 
 
-def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why: str):
+def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding,
+              reduction_order, recipe, why: str):
     """``lax.ragged_dot`` of the operands as ``fp8_dot_general``'s fallback takes them (quantize-dequantized,
     straight-through), with one warning."""
     (a, a_done), (b, b_done) = (fallback_operand(lhs, recipe.scheme("lhs")),
                                 fallback_operand(rhs, recipe.scheme("rhs")))
     warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): not on the FP8 grouped GEMM: {why}; computing "
          f"{what_is_computed(a_done, b_done, 'lax.ragged_dot')} instead", Fp8GemmFallbackWarning)
-    return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset)
+    return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset,
+                          **lax_keywords(out_sharding=out_sharding, reduction_order=reduction_order))
 
 
-def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
+                   out_sharding=None, *, reduction_order: Any = None,
                    recipe: Optional[Float8BlockScaling] = None):
     """``lax.ragged_dot`` in Float8 blockwise FP8, with ``lax.ragged_dot``'s signature and semantics: a
     drop-in for a mixture-of-experts layer's grouped GEMM.
@@ -139,31 +145,39 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     Other calls (another recipe, ``group_offset``, other ranks or dtypes, a result dtype other than
     float32, bfloat16 or float16) compute ``lax.ragged_dot`` of quantize-dequantized operands (non-float
     ones as they are) with one :class:`~jax_fp8.Fp8GemmFallbackWarning` saying why. A float16 result is
-    the float32 one rounded. On an Explicit mesh the gradients are typed as their operands.
+    the float32 one rounded. ``out_sharding`` places the result as ``lax.ragged_dot``'s does: its type on
+    an Explicit mesh, a sharding constraint on an Auto one. On an Explicit mesh the gradients are typed
+    as their operands. A ``reduction_order`` (jax 0.12's) is the fallback's, which passes it on: the FP8
+    GEMMs sum in an order of their own.
     Arguments ``lax.ragged_dot`` rejects raise what it raises.
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"fp8_ragged_dot: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
     # lax.ragged_dot's checks and result type: arrays by their shapes and jax's dtypes (float64 NumPy
-    # operands are float32 without x64), anything else as given (a Python list or None raises what lax raises)
-    out = jax.eval_shape(
-        lambda *ops: lax.ragged_dot(*ops, precision, preferred_element_type, group_offset),
-        *(jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
-          if hasattr(v, "shape") and hasattr(v, "dtype") else v for v in (lhs, rhs, group_sizes)))
+    # operands are float32 without x64), anything else as given (a Python list or None raises what lax raises).
+    # Outside any mesh: inside jax.set_mesh of Explicit axes lax.ragged_dot cannot type its result's sharding.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        out = jax.eval_shape(
+            lambda *ops: lax.ragged_dot(*ops, precision, preferred_element_type, group_offset,
+                                        **lax_keywords(reduction_order=reduction_order)),
+            *(jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+              if hasattr(v, "shape") and hasattr(v, "dtype") else v for v in (lhs, rhs, group_sizes)))
     # jax arrays (tracers) and quantized tensors as given; NumPy arrays and scalars as jax.numpy takes them
     lhs, rhs, group_sizes = (v if isinstance(v, (jax.Array, *QUANTIZED_TENSORS)) else jnp.asarray(v)
                              for v in (lhs, rhs, group_sizes))
-    why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, out.dtype)
+    why = _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, reduction_order, out.dtype)
     if why is not None:
-        return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, recipe, why)
+        return _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding,
+                         reduction_order, recipe, why)
     if lhs.size == 0 or rhs.size == 0:
-        return jnp.zeros(out.shape, out.dtype)
+        return retyped(jnp.zeros(out.shape, out.dtype), out_sharding)
     # any integer dtype, as lax takes it, used as int32: sizes of wider dtypes cut to [0, M] first (a size
     # past M counts as M, not as what its low 32 bits say)
     if jnp.iinfo(group_sizes.dtype).max > np.iinfo(np.int32).max:
         group_sizes = jnp.clip(group_sizes, 0, lhs.shape[0])
     lhs, rhs, group_sizes = vma.match(lhs, rhs, group_sizes.astype(jnp.int32))
     with reverse_mode_only("fp8_ragged_dot"):
-        return _ragged(lhs, rhs, group_sizes,
-                       _Grouped(recipe, jnp.dtype(out.dtype), explicit_sharding(lhs), explicit_sharding(rhs)))
+        y = _ragged(lhs, rhs, group_sizes,
+                    _Grouped(recipe, jnp.dtype(out.dtype), explicit_sharding(lhs), explicit_sharding(rhs)))
+    return retyped(y, out_sharding)
