@@ -294,7 +294,8 @@ SWEEP_MESHES = {"8": ((8,), ("a",)), "4x2": ((4, 2), ("a", "b")), "6": ((6,), ("
 SWEEP_SPECS = {"replicated": lambda a, b: (P(), P()), "rows": lambda a, b: (P(a), P()),
                "experts": lambda a, b: (P(), P(a)), "both": lambda a, b: (P(a), P(a)),
                "K": lambda a, b: (P(None, b), P(None, b)), "N": lambda a, b: (P(), P(None, None, b)),
-               "rows+N": lambda a, b: (P(a), P(None, None, b)), "experts+N": lambda a, b: (P(), P(a, None, b if b != a else None))}
+               "rows+N": lambda a, b: (P(a), P(None, None, b)),
+               "experts+N": lambda a, b: (P(), P(a, None, b if b != a else None))}  # one axis: experts alone
 #: Mesh(...) and make_mesh with Auto axes (operands placed with device_put, a split they cannot take
 #: made inside the jit by a sharding constraint); make_mesh with Explicit axes, used as it is or inside
 #: jax.set_mesh (there lax.ragged_dot itself cannot type its result), operands it cannot split replicated
@@ -367,13 +368,19 @@ def test_sharded_jit_sweep(case):
 
     with warnings.catch_warnings(), (jax.set_mesh(mesh) if construction == "set_mesh" else contextlib.nullcontext()):
         warnings.simplefilter("ignore", jf.ShardingWarning)  # a rule that cannot split a dim gathers it
-        got = jax.jit(program)(*args)
+        compiled = jax.jit(program).lower(*args).compile()  # one compile: run it, read its HLO
+        got = compiled(*args)
     if explicit:
         assert [_padded(jax.typeof(v).sharding.spec, v.ndim) for v in got[1]] == \
             [_padded(jax.typeof(a).sharding.spec, a.ndim) for a in args[:2]]
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         h = np.asarray(h)
         np.testing.assert_allclose(np.asarray(g), h, rtol=1e-5, atol=1e-5 * float(np.abs(h).max()))
+    if w_spec and w_spec[0] is not None and fits(w, w_spec):  # expert parallel: no device gathers every
+        # expert's weight (or its FP8 data): no all-gather result of G experts holding a whole expert or more
+        gathered = [[int(d) for d in dims.split(",")] for dims in
+                    re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", compiled.as_text())]
+        assert not [g for g in gathered if len(g) == 3 and g[0] == G and g[1] * g[2] >= K * N], gathered
 
 
 def _padded(spec, ndim: int) -> tuple:
