@@ -178,7 +178,6 @@ def replicated(fn, mesh, in_specs, axis):
 def assert_drop_in_signature(ours, theirs) -> None:
     """``ours`` takes every parameter of ``theirs`` (a lax function, as this jax has it): its positional
     ones in the same order, each with the same name, kind and default; our own ones keyword-only."""
-    import inspect
     mine, lax_params = (list(inspect.signature(f).parameters.values()) for f in (ours, theirs))
     positional = [p for p in lax_params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     assert [(p.name, p.default, p.kind) for p in mine[:len(positional)]] == \

@@ -84,19 +84,29 @@ def test_signature_is_laxs(op):
 
 
 @pytest.mark.parametrize("op", DROP_INS)
-def test_reduction_order_is_the_fallbacks(op):
-    """jax 0.12's ``reduction_order`` goes to the lax function with the fallback's warning (jax 0.10 and
-    0.11's lax has none: TypeError, as lax raises)."""
+def test_reduction_order_as_lax_takes_it(op):
+    """jax 0.12's ``reduction_order``: "unordered" (any order) on the FP8 path, the same bits as without it;
+    another order goes to the lax function (in its jaxpr) with the fallback's warning; a bad one raises
+    lax's error before any warning. jax 0.10 and 0.11's lax has none: the TypeError lax raises."""
     ours, theirs, make = DROP_INS[op]
     args = make(np.random.default_rng(stable_seed("reduction_order", op)))
     if "reduction_order" not in inspect.signature(theirs).parameters:
         with pytest.raises(TypeError, match="reduction_order"):
             ours(*args, reduction_order="unordered")
         return
-    with pytest.warns(jf.Fp8GemmFallbackWarning, match="reduction_order is given"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the FP8 path: no fallback warning
         got = ours(*args, reduction_order="unordered")
-    want = np.asarray(theirs(*args))  # of the unquantized operands: FP8's error apart
-    np.testing.assert_allclose(np.asarray(got), want, rtol=0.1, atol=0.1 * np.abs(want).max())
+    assert_bits_equal(got, ours(*args))
+    with pytest.warns(jf.Fp8GemmFallbackWarning, match="reduction_order='linear'"):
+        jaxpr = jax.make_jaxpr(lambda x, w: ours(x, w, *args[2:], reduction_order="linear"))(*args[:2])
+    orders = [str(e.params.get("reduction_order")) for e in jaxpr.eqns if "dot_general" in e.primitive.name]
+    assert orders and all("linear" in o for o in orders), orders
+    want = _raised(lambda: theirs(*args, reduction_order="bogus"))
+    assert want is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _raised(lambda: ours(*args, reduction_order="bogus")) == want
 
 
 def _line_of(marker: str) -> int:

@@ -335,8 +335,8 @@ def test_sharded_sweep_covers_every_class():
 @pytest.mark.parametrize("case", SHARDED_SWEEP, ids=lambda c: "-".join(map(str, c)))
 def test_sharded_jit_sweep(case):
     """Forward and both gradients of a sharded program equal the one-device program's (within a
-    reassociated fp32 sum), on every kind of mesh; on Explicit meshes each gradient typed as its operand
-    and the result as ``out_sharding`` asks."""
+    reassociated fp32 sum), on every kind of mesh, the result's rows split by ``out_sharding`` where they
+    can be; on Explicit meshes each gradient typed as its operand and the result as ``out_sharding`` asks."""
     m, spec, construction, M, K, N, G = case
     shape, names = SWEEP_MESHES[m]
     devices = CPUS[:math.prod(shape)]
@@ -353,15 +353,16 @@ def test_sharded_jit_sweep(case):
     fits = lambda a, sp: all(d is None or a.shape[i] % mesh.shape[d] == 0 for i, d in enumerate(sp))  # noqa: E731
     put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp if fits(a, sp) else P()))  # noqa: E731
     args = put(x, x_spec), put(w, w_spec), put(sizes, P())
-    out_spec = P(names[0] if M % mesh.shape[names[0]] == 0 else None)  # set_mesh: the result's rows split
+    out_spec = P(names[0] if M % mesh.shape[names[0]] == 0 else None)  # the result's rows split where they can
+    out_sharding = NamedSharding(mesh, out_spec)  # outside set_mesh: a constraint on Auto axes, a type on Explicit
 
     def program(x, w, s):
         if not explicit:  # the split an operand's shards cannot take, made as an intermediate's
             x, w = (lax.with_sharding_constraint(v, NamedSharding(mesh, sp)) for v, sp in ((x, x_spec), (w, w_spec)))
 
         def loss(x, w):
-            y = jf.fp8_ragged_dot(x, w, s, out_sharding=out_spec if construction == "set_mesh" else None)
-            if construction == "set_mesh":
+            y = jf.fp8_ragged_dot(x, w, s, out_sharding=out_spec if construction == "set_mesh" else out_sharding)
+            if explicit:
                 assert _padded(jax.typeof(y).sharding.spec, 2) == _padded(out_spec, 2)
             return (y ** 2).sum()
         return jax.value_and_grad(loss, (0, 1))(x, w)
@@ -388,17 +389,23 @@ def _padded(spec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
-def test_fallback_takes_out_sharding_as_lax():
-    """The fallback passes ``out_sharding`` to lax.ragged_dot: the result typed so on an Explicit mesh."""
-    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2, devices=CPUS)
-    rng = np.random.default_rng(stable_seed("ragged fallback out_sharding"))
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("axis", [AxisType.Explicit, AxisType.Auto])
+def test_out_sharding_on_either_path(axis, fallback):
+    """``out_sharding`` on the FP8 path and on the fallback alike: the result's type on an Explicit mesh
+    (lax takes it there), its placement on an Auto one (where lax rejects it)."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(axis,) * 2, devices=CPUS)
+    rng = np.random.default_rng(stable_seed("ragged out_sharding", str(axis), fallback))
     x, w = data(rng, (64, 128), F32), data(rng, (2, 128, 32), F32)
     sizes = np.array([30, 34], np.int32)
-    with jax.set_mesh(mesh), pytest.warns(jf.Fp8GemmFallbackWarning, match="MXFP8BlockScaling"):
+    kw = {"recipe": jf.MXFP8BlockScaling()} if fallback else {}
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", jf.Fp8GemmFallbackWarning)
         args = [jax.device_put(v, P()) for v in (x, w, sizes)]
-        y = jax.jit(lambda x, w, s: jf.fp8_ragged_dot(x, w, s, out_sharding=P("a", "b"),
-                                                      recipe=jf.MXFP8BlockScaling()))(*args)
-    assert _padded(jax.typeof(y).sharding.spec, 2) == ("a", "b")
+        y = jax.jit(lambda x, w, s: jf.fp8_ragged_dot(x, w, s, out_sharding=P("a", "b"), **kw))(*args)
+    assert y.sharding.spec == P("a", "b")
+    if axis == AxisType.Explicit:
+        assert _padded(jax.typeof(y).sharding.spec, 2) == ("a", "b")
 
 
 def test_fallback_warns_once_and_says_why():

@@ -29,7 +29,7 @@ from jax import lax
 from .. import vma
 from ..arrays import view_2d
 from ..formats import HIGH_DTYPES, MXFP8
-from ..primitives.partitioning import explicit_sharding
+from ..primitives.partitioning import explicit_sharding, spec_axes
 from ..quantization import dequantize, quantize, quantize_dequantize, quantize_stacked
 from ..scheme import Scheme
 from ..tensors import QUANTIZED_TENSORS
@@ -192,8 +192,12 @@ def _lax_sharding(lhs, rhs, dimension_numbers):
     return typed[0]
 
 
-#: the fallback's reason where a ``reduction_order`` is given
-REDUCTION_ORDER_GIVEN = "reduction_order is given (the FP8 GEMM sums in an order of its own)"
+def reduction_order_reason(reduction_order) -> Optional[str]:
+    """Why a call with jax 0.12's ``reduction_order`` cannot run on the FP8 GEMMs (None where they satisfy
+    it: none given, or "unordered", any order): they sum in an order of their own."""
+    if reduction_order is None or getattr(reduction_order, "name", reduction_order) == "unordered":
+        return None
+    return f"reduction_order={reduction_order!r} is given (the FP8 GEMM sums in an order of its own)"
 
 
 def lax_keywords(**kw) -> dict:
@@ -202,12 +206,35 @@ def lax_keywords(**kw) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def _mesh_and_spec(sharding):
+    """(mesh, PartitionSpec) of a NamedSharding, or of a PartitionSpec of the mesh in context."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.mesh, sharding.spec
+    return jax.sharding.get_abstract_mesh(), sharding
+
+
+def lax_takes_out_sharding(sharding) -> bool:
+    """Whether lax's functions take ``sharding`` as their ``out_sharding``: it names Explicit mesh axes only
+    (lax rejects Auto and Manual ones; :func:`retyped` places a result on them instead)."""
+    mesh, spec = _mesh_and_spec(sharding)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return all(types.get(a) == jax.sharding.AxisType.Explicit for dim in spec_axes(spec, len(spec)) for a in dim)
+
+
+def lax_call(f, *args, out_sharding=None, reduction_order=None, **kw):
+    """``f(*args, **kw)`` of a fallback, with ``out_sharding`` as lax takes it (Explicit axes) or, where lax
+    rejects it (Auto axes), as :func:`retyped` places it; ``reduction_order`` only where given."""
+    to_lax = out_sharding if out_sharding is not None and lax_takes_out_sharding(out_sharding) else None
+    y = f(*args, **kw, **lax_keywords(out_sharding=to_lax, reduction_order=reduction_order))
+    return y if to_lax is not None else retyped(y, out_sharding)
+
+
 def retyped(v, sharding):
     """``v`` placed as ``sharding`` (a NamedSharding, or a PartitionSpec of the mesh in context), as lax's
     ``out_sharding``: a type on an Explicit mesh (``reshard``), a constraint on an Auto one."""
     if sharding is None or jax.typeof(v).sharding == sharding:
         return v
-    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else jax.sharding.get_abstract_mesh()
+    mesh, _ = _mesh_and_spec(sharding)
     if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
         return jax.sharding.reshard(v, sharding)
     return lax.with_sharding_constraint(v, sharding)
@@ -275,7 +302,7 @@ def _call_str(lhs, rhs, dimension_numbers) -> str:
     return f"lhs {operand(lhs)}, rhs {operand(rhs)}, dimension_numbers {dimension_numbers_tuple(dimension_numbers)}"
 
 
-def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type) -> None:
+def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type, reduction_order) -> None:
     """Raise what ``lax.dot_general`` raises for these arguments (dimension numbers out of range or
     malformed, mismatched shapes, a bad precision or dtype): evaluate it abstractly on the operands'
     shapes and (high-precision) dtypes."""
@@ -287,7 +314,8 @@ def _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_ty
         args = list(ops)
         for i, a in zip(shaped, avals):
             args[i] = a
-        return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type=preferred_element_type)
+        return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type=preferred_element_type,
+                               **lax_keywords(reduction_order=reduction_order))
 
     jax.eval_shape(dot, *(ops[i] for i in shaped))
 
@@ -368,7 +396,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
 
     The result has ``preferred_element_type`` (default: the operands' promoted dtype); ``precision`` is
     ignored by the FP8 GEMM (it accumulates in fp32) and passed on by the fallback. A ``reduction_order``
-    (jax 0.12's) is the fallback's, which passes it on: the FP8 GEMM sums in an order of its own. Arguments that
+    (jax 0.12's) other than "unordered" is the fallback's, which passes it on: the FP8 GEMM sums in an
+    order of its own. ``out_sharding`` types the result on an Explicit mesh, as lax's, and where lax
+    rejects it (Auto axes) constrains it instead, on the GEMM and the fallback alike. Arguments that
     ``lax.dot_general`` rejects (dimension numbers out of range, negative or malformed, mismatched
     contracted dims, an unknown ``precision``) raise what it raises.
 
@@ -400,7 +430,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"fp8_dot_general: recipe must be a Float8BlockScaling or MXFP8BlockScaling, got {recipe!r}")
     backend = _implementation(implementation, recipe)
-    _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    _check_like_lax(lhs, rhs, dimension_numbers, precision, preferred_element_type, reduction_order)
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     quantized_lhs = isinstance(lhs, QUANTIZED_TENSORS)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
@@ -410,8 +440,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
                  and _sequences_may_split(lhs, fold.lhs_free))
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split, backend)
-    if reduction_order is not None and plan.fallback is None:
-        plan = DotPlan(fallback=REDUCTION_ORDER_GIVEN)
+    if reduction_order_reason(reduction_order) and plan.fallback is None:
+        plan = DotPlan(fallback=reduction_order_reason(reduction_order))
     if plan.fallback is not None and backend not in (None, REFERENCE):
         raise ValueError(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): implementation="
                          f"{implementation!r} cannot run this call, which is no FP8 GEMM: {plan.fallback}")
@@ -441,8 +471,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if plan.fallback is not None:
         _warn(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): not on the FP8 GEMM: {plan.fallback}; "
               f"computing {what_is_computed(a_done, b_done)} instead")
-    return lax.dot_general(a, b, dimension_numbers, precision, preferred_element_type=out_dtype,
-                           **lax_keywords(out_sharding=out_sharding, reduction_order=reduction_order))
+    return lax_call(lax.dot_general, a, b, dimension_numbers, precision, preferred_element_type=out_dtype,
+                    out_sharding=out_sharding, reduction_order=reduction_order)
 
 
 def _warn(msg: str) -> None:

@@ -33,8 +33,8 @@ from ..quantization import quantize_each, quantize_grouped
 from ..tensors import QUANTIZED_TENSORS
 from ..warn import Fp8GemmFallbackWarning, warn
 from ..primitives.partitioning import explicit_sharding
-from .dot_general import (REDUCTION_ORDER_GIVEN, fallback_operand, lax_keywords, retyped, reverse_mode_only,
-                          what_is_computed)
+from .dot_general import (fallback_operand, lax_call, lax_keywords, reduction_order_reason, retyped,
+                          reverse_mode_only, what_is_computed)
 from .recipes import RECIPES, Float8BlockScaling
 from .ragged_primitive import ragged_gemm
 
@@ -91,8 +91,8 @@ def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, reduction_orde
         return f"the grouped FP8 GEMM takes the Float8BlockScaling recipe, not {type(recipe).__name__}"
     if group_offset is not None:
         return "group_offset is given"
-    if reduction_order is not None:
-        return REDUCTION_ORDER_GIVEN
+    if reduction_order_reason(reduction_order):
+        return reduction_order_reason(reduction_order)
     if isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
         return "an operand is a quantized tensor (fp8_ragged_dot quantizes its high-precision operands itself)"
     if lhs.ndim != 2 or rhs.ndim != 3:
@@ -118,8 +118,8 @@ def _fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_of
                                 fallback_operand(rhs, recipe.scheme("rhs")))
     warn(f"fp8_ragged_dot ({_call_str(lhs, rhs)}): not on the FP8 grouped GEMM: {why}; computing "
          f"{what_is_computed(a_done, b_done, 'lax.ragged_dot')} instead", Fp8GemmFallbackWarning)
-    return lax.ragged_dot(a, b, group_sizes, precision, preferred_element_type, group_offset,
-                          **lax_keywords(out_sharding=out_sharding, reduction_order=reduction_order))
+    return lax_call(lax.ragged_dot, a, b, group_sizes, precision, preferred_element_type, group_offset,
+                    out_sharding=out_sharding, reduction_order=reduction_order)
 
 
 def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
@@ -145,10 +145,10 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type
     Other calls (another recipe, ``group_offset``, other ranks or dtypes, a result dtype other than
     float32, bfloat16 or float16) compute ``lax.ragged_dot`` of quantize-dequantized operands (non-float
     ones as they are) with one :class:`~jax_fp8.Fp8GemmFallbackWarning` saying why. A float16 result is
-    the float32 one rounded. ``out_sharding`` places the result as ``lax.ragged_dot``'s does: its type on
-    an Explicit mesh, a sharding constraint on an Auto one. On an Explicit mesh the gradients are typed
-    as their operands. A ``reduction_order`` (jax 0.12's) is the fallback's, which passes it on: the FP8
-    GEMMs sum in an order of their own.
+    the float32 one rounded. ``out_sharding`` types the result on an Explicit mesh, as lax's, and where
+    lax rejects it (Auto axes) constrains it instead, on the FP8 path and the fallback alike. On an
+    Explicit mesh the gradients are typed as their operands. A ``reduction_order`` (jax 0.12's) other than
+    "unordered" is the fallback's, which passes it on: the FP8 GEMMs sum in an order of their own.
     Arguments ``lax.ragged_dot`` rejects raise what it raises.
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
