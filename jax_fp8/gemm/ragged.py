@@ -91,8 +91,9 @@ def _fallback_reason(lhs, rhs, group_sizes, recipe, group_offset, reduction_orde
         return f"the grouped FP8 GEMM takes the Float8BlockScaling recipe, not {type(recipe).__name__}"
     if group_offset is not None:
         return "group_offset is given"
-    if reduction_order_reason(reduction_order):
-        return reduction_order_reason(reduction_order)
+    why = reduction_order_reason(reduction_order)
+    if why:
+        return why
     if isinstance(lhs, QUANTIZED_TENSORS) or isinstance(rhs, QUANTIZED_TENSORS):
         return "an operand is a quantized tensor (fp8_ragged_dot quantizes its high-precision operands itself)"
     if lhs.ndim != 2 or rhs.ndim != 3:
