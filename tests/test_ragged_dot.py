@@ -401,6 +401,7 @@ def test_out_sharding_on_either_path(axis, fallback):
     kw = {"recipe": jf.MXFP8BlockScaling()} if fallback else {}
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore", jf.Fp8GemmFallbackWarning)
+        warnings.simplefilter("ignore", jf.ShardingWarning)  # 16-column shards: the rules gather them
         args = [jax.device_put(v, P()) for v in (x, w, sizes)]
         y = jax.jit(lambda x, w, s: jf.fp8_ragged_dot(x, w, s, out_sharding=P("a", "b"), **kw))(*args)
     assert y.sharding.spec == P("a", "b")
