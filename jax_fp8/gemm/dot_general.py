@@ -440,8 +440,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     may_split = (fold is not None and len(fold.lhs_free) >= 2 and not quantized_lhs
                  and _sequences_may_split(lhs, fold.lhs_free))
     plan = plan_dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe, may_split, backend)
-    if plan.fallback is None and reduction_order_reason(reduction_order):
-        plan = DotPlan(fallback=reduction_order_reason(reduction_order))
+    order_why = reduction_order_reason(reduction_order)
+    if plan.fallback is None and order_why:
+        plan = DotPlan(fallback=order_why)
     if plan.fallback is not None and backend not in (None, REFERENCE):
         raise ValueError(f"fp8_dot_general ({_call_str(lhs, rhs, dimension_numbers)}): implementation="
                          f"{implementation!r} cannot run this call, which is no FP8 GEMM: {plan.fallback}")
