@@ -19,7 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TUS=(gemm_1d2d_bf16 gemm_1d2d_f32 gemm_1d1d_bf16 gemm_1d1d_f32 ragged_m_bf16 ragged_m_f32 ragged_k_bf16 ragged_k_f32
      ragged_m_bf16_c1x2 ragged_m_f32_c1x2 ragged_k_bf16_c1x2 ragged_k_f32_c1x2
-     ragged_m_bf16_split ragged_m_f32_split ragged_k_bf16_split ragged_k_f32_split)
+     ragged_m_bf16_split ragged_m_f32_split ragged_k_bf16_split ragged_k_f32_split
+     ragged_m_bf16_ordered ragged_m_f32_ordered ragged_k_bf16_ordered ragged_k_f32_ordered)
 
 if [ "${1:-}" = "--list" ]; then
   for i in "${!TUS[@]}"; do echo "$i cutlass_${TUS[$i]}"; done

@@ -21,7 +21,7 @@ from jax_fp8.gemm import backends, plan as gemm_plan, table as gemm_table
 from jax_fp8 import gemm as G
 from jax_fp8.gemm.backends.cublaslt import CANDIDATES, CUBLASLT, WORKSPACE_BYTES
 from jax_fp8.gemm.contract import GemmBackend
-from helpers import deq, stable_seed
+from helpers import assert_bits_equal, deq, stable_seed
 from test_gemm import BF16, F32, B1, B2, assert_within, data, f64, gemm_bound
 
 try:
@@ -128,6 +128,26 @@ def test_backends_agree(shape_id, pair_id):
         y = f64(_RUN(qa, qb, out_dtype=F32, backend=CUTLASS))
     assert np.all(np.abs(x - y) <= 2 * bound), f"{shape_id} {pair_id}: backends apart by more than their bounds"
     assert np.abs(x - exact).max() <= bound.max() and np.abs(y - exact).max() <= bound.max()
+
+
+@pytest.mark.parametrize("pair_id", PAIRS)
+@pytest.mark.parametrize("shape_id", SHAPES)
+def test_ordered_mainloop_has_the_cooperative_bits(shape_id, pair_id):
+    """The "_ordered" mainloop (csrc/cutlass_ordered.cuh) only reorders when the two consumer warp groups
+    issue their WGMMAs: the same products, promoted in the same order, so the bits of CUTLASS's own
+    cooperative kernel of the same tile and cluster, with and without c, every k-tile count here."""
+    if CUTLASS is None:
+        pytest.skip("no CUTLASS backend")
+    _runs(CUTLASS)
+    qa, qb, c, _ = _problem(shape_id, pair_id)
+    coop = CUTLASS.with_options(config=CONFIGS.index("128x128x128_c1x2_coop"))
+    ordered = CUTLASS.with_options(config=CONFIGS.index("128x128x128_c1x2_coop_ordered"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # both kernels, never the reference
+        for out_dtype, acc in ((BF16, None), (F32, None), (F32, c)):
+            assert_bits_equal(_RUN(qa, qb, out_dtype=out_dtype, c=acc, backend=ordered),
+                              _RUN(qa, qb, out_dtype=out_dtype, c=acc, backend=coop),
+                              f"{shape_id} {pair_id} {jax.numpy.dtype(out_dtype).name} accumulate={acc is not None}")
 
 
 # ---- the choice of a kernel per shape ---------------------------------------------------------------

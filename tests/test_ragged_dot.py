@@ -127,20 +127,53 @@ def test_forward_and_gradients_within_the_bound(c):
 CONFIG_CASES = [c for c in CASES if c[0] in (129, 300) and c[1] <= 512 and c[3] in ("off_blocks", "zeros", "many")][::3]
 
 
-@pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2}, {"config": 0, "raster": 2},
-                                     {"config": 2}], ids=str)
-def test_every_grouped_configuration_within_the_bound(monkeypatch, options):
-    """The sweep's bound on the grouped kernels' other configurations and scheduler options (chosen by the
-    GEMM table's ragged rows; on the CPU the reference runs whatever they say)."""
+def _with_grouped_options(monkeypatch, options):
+    """Makes the GEMM table's ragged rows choose ``options`` for every grouped GEMM on this device; returns
+    a fresh jitted step (lowered with them)."""
     from jax_fp8.gemm import table
 
     kind = table.local_device_kind()
     monkeypatch.setitem(table.TABLE, kind, {**table.TABLE.get(kind, {}),
                                             **{k: [((1, 1, 1), "cutlass", options)] for k in ("ragged_m", "ragged_k")}})
+    return jax.jit(_step)
+
+
+@pytest.mark.parametrize("options", [{"config": 1}, {"config": 1, "raster": 2}, {"config": 0, "raster": 2},
+                                     {"config": 2}, {"config": 3}], ids=str)
+def test_every_grouped_configuration_within_the_bound(monkeypatch, options):
+    """The sweep's bound on the grouped kernels' other configurations and scheduler options (chosen by the
+    GEMM table's ragged rows; on the CPU the reference runs whatever they say)."""
+    run = _with_grouped_options(monkeypatch, options)
     assert len(CONFIG_CASES) >= 4
-    run = jax.jit(_step)  # a fresh cache: lowered with these options
     for c in CONFIG_CASES:
         _check_within_the_bound(c, run)
+
+
+def test_ordered_grouped_kernels_have_the_cooperative_bits(monkeypatch):
+    """The "_ordered" grouped kernels (csrc/cutlass_ordered.cuh) reorder only when the two consumer warp
+    groups issue their WGMMAs: forward, dgrad and wgrad with the bits of the cooperative kernels of the
+    same tile and cluster."""
+    from jax_fp8.gemm.backends import cutlass
+
+    why = cutlass.CUTLASS.unavailable("cuda") if jax.default_backend() == "gpu" else "no GPU backend"
+    if why is not None:
+        pytest.skip(f"CUTLASS's grouped kernels do not run here: {why}")
+    problems = []
+    for c in CONFIG_CASES:
+        M, K, N, pattern, xt, wt = c
+        rng = np.random.default_rng(stable_seed("ragged ordered", c))
+        sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
+        dy = data(rng, (M, N), F32).astype(jnp.result_type(xt, wt))
+        problems.append((data(rng, (M, K), xt), data(rng, (len(sizes), K, N), wt), sizes, dy))
+    results = {}
+    for config in ("128x128x128_c1x2_coop", "128x128x128_c1x2_coop_ordered"):  # the table is read when tracing
+        run = _with_grouped_options(monkeypatch, {"config": cutlass.RAGGED_CONFIGS.index(config)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
+            results[config] = [run(*p) for p in problems]
+    for c, want, got in zip(CONFIG_CASES, *results.values()):
+        for name, a, b in zip(("y", "dx", "dw"), got, want):
+            assert_bits_equal(a, b, f"{_id(c)}: {name}")
 
 
 def _check_within_the_bound(c, run):

@@ -54,15 +54,18 @@ enum Raster : int { kRasterHeuristic = 0, kRasterAlongM = 1, kRasterAlongN = 2 }
 // cluster shape along M and N; "coop": cooperative (two consumer warp groups split a tile along M),
 // "pingpong": two consumer warp groups alternate between tiles; "_overlap": each k tile's scale promotion
 // overlapped with the next tile's MMAs (cutlass_overlap.cuh); "_split": a 256-row tile whose MMAs and
-// promotion run one 64-row atom at a time (cutlass_split.cuh). Both, for calls without c, an epilogue with
-// no C operand (Kernel's HasC).
+// promotion run one 64-row atom at a time (cutlass_split.cuh); "_ordered": the two consumer warp groups
+// issue each k tile's MMAs in turn, so that one's promotion runs under the other's MMAs
+// (cutlass_ordered.cuh; the base's bits). Each, for calls without c, an epilogue with no C operand
+// (Kernel's HasC).
 // (256x128x128 cluster 1x2, example 67's, on CUTLASS 4.2's own mainloop spilled 546 bytes and ran at
 // 0.2-0.5x cuBLASLt on the H200: bench/RESULTS.md, section "GEMM backends, the kernel table, CUDA graphs,
 // where="auto""; the "_split" mainloop is that tile without the spills.)
-constexpr int kNumConfigs = 6;
+constexpr int kNumConfigs = 7;
 constexpr const char* kConfigNames[kNumConfigs] = {
     "128x128x128_c1x1_coop",          "128x128x128_c1x2_coop",          "64x128x128_c1x1_pingpong",
     "128x128x128_c1x1_coop_overlap",  "128x128x128_c1x2_coop_overlap",  "256x128x128_c1x2_coop_split",
+    "128x128x128_c1x2_coop_ordered",
 };
 
 // Operand type pairs with kernels: E4M3 x E4M3 always; with JF_CUTLASS_E5M2 (CMake: JAX_FP8_CUTLASS_E5M2)
@@ -130,6 +133,7 @@ inline GemmResult run(int pair, int out_type, const GemmCall& call) {
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/numeric_types.h"
+#include "cutlass_ordered.cuh"
 #include "cutlass_overlap.cuh"
 #include "cutlass_split.cuh"
 
@@ -143,9 +147,9 @@ namespace jf {
 namespace cutlass_gemm {
 
 // A configuration: CTA tile (M, N; K is always 128, one scale block per k tile), cluster shape, kernel
-// schedule, and the mainloop's promotion: CUTLASS's, overlapped with the MMAs (OverlappedPromotionMma) or
-// split along M (SplitPromotionMma).
-enum Promotion : int { kPromoteBase = 0, kPromoteOverlap = 1, kPromoteSplit = 2 };
+// schedule, and the mainloop's promotion: CUTLASS's, overlapped with the MMAs (OverlappedPromotionMma),
+// split along M (SplitPromotionMma) or in the two consumer warp groups' turns (OrderedPromotionMma).
+enum Promotion : int { kPromoteBase = 0, kPromoteOverlap = 1, kPromoteSplit = 2, kPromoteOrdered = 3 };
 template <int TileM, int TileN, int ClusterM, int ClusterN, bool Cooperative, int Promote = kPromoteBase>
 struct Config {
   static constexpr int kPromotion = Promote;
@@ -158,10 +162,31 @@ struct Config {
   using EpilogueSchedule = std::conditional_t<Cooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                               cutlass::epilogue::TmaWarpSpecialized>;
 };
+// A Promotion's mainloop on the one CUTLASS's builder gives (cutlass_ragged.cuh's grouped kernels too).
+template <int Promote>
+struct PromotionOf {
+  template <class Built>
+  using Mma = Built;
+};
+template <>
+struct PromotionOf<kPromoteOverlap> {
+  template <class Built>
+  using Mma = OverlappedPromotionMma<Built>;
+};
+template <>
+struct PromotionOf<kPromoteSplit> {
+  template <class Built>
+  using Mma = SplitPromotionMma<Built>;
+};
+template <>
+struct PromotionOf<kPromoteOrdered> {
+  template <class Built>
+  using Mma = OrderedPromotionMma<Built>;
+};
 // kConfigNames, in the same order
 using Configs = std::tuple<Config<128, 128, 1, 1, true>, Config<128, 128, 1, 2, true>, Config<64, 128, 1, 1, false>,
                            Config<128, 128, 1, 1, true, kPromoteOverlap>, Config<128, 128, 1, 2, true, kPromoteOverlap>,
-                           Config<256, 128, 1, 2, true, kPromoteSplit>>;
+                           Config<256, 128, 1, 2, true, kPromoteSplit>, Config<128, 128, 1, 2, true, kPromoteOrdered>>;
 static_assert(std::tuple_size_v<Configs> == kNumConfigs);
 // Which configurations are compiled: all, or only the I-th with -DJF_CUTLASS_ONLY_CONFIG=I (the quick
 // compile check of bench/check_cutlass_kernel.sh, CI's); the others then fail at run time, saying so.
@@ -225,9 +250,7 @@ struct Kernel {
       float, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::MainloopSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<Cfg::kPromotion == kPromoteOverlap, OverlappedPromotionMma<BuiltMainloop>,
-                                      std::conditional_t<Cfg::kPromotion == kPromoteSplit,
-                                                         SplitPromotionMma<BuiltMainloop>, BuiltMainloop>>;
+  using Mainloop = typename PromotionOf<Cfg::kPromotion>::template Mma<BuiltMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                           cutlass::gemm::PersistentScheduler>;

@@ -41,17 +41,19 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 // The grouped kernels' configurations, in index order (the `config` attribute; cutlass.py's
 // RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
 // loads, TMA multicast), cooperative schedule; "_split": the 256-row tile's MMAs and promotion one 64-row
-// atom at a time (cutlass_split.cuh). (A 64x128 ping-pong tile, one consumer warp group's epilogue under
+// atom at a time (cutlass_split.cuh); "_ordered": the two consumer warp groups issue each k tile's MMAs in
+// turn (cutlass_ordered.cuh; the "_coop" kernels' bits). (A 64x128 ping-pong tile, one consumer warp group's epilogue under
 // the other's MMAs, ran 1.07-1.69x slower than the best of these on an H100 at 512 and 2048 rows per group,
 // forward and wgrad: bench/RESULTS.md, "Issues 48-49, thirteenth session".) The tile scheduler's raster
 // order (`raster`: 0 and 1 along M, 2 along N) is a run-time argument. Its swizzle is not: CUTLASS's
 // grouped scheduler sizes the swizzle from the host's problem shapes, and with the shapes on the device
 // only it always takes 1 (PersistentTileSchedulerSm90Group: its problem blocks are then (SMs, 1)).
-constexpr int kNumRaggedConfigs = 3;
+constexpr int kNumRaggedConfigs = 4;
 constexpr const char* kRaggedConfigNames[kNumRaggedConfigs] = {"128x128x128_c1x1_coop", "128x128x128_c1x2_coop",
-                                                               "256x128x128_c1x2_coop_split"};
-// The kernels' tile: 128 rows on CUTLASS's mainloop, or 256 with the split promotion
-enum RaggedTile : int { kTileCoop = 0, kTileSplit = 1 };
+                                                               "256x128x128_c1x2_coop_split",
+                                                               "128x128x128_c1x2_coop_ordered"};
+// The kernels' tile and mainloop: 128 rows on CUTLASS's mainloop or in turns, or 256 with the split promotion
+enum RaggedTile : int { kTileCoop = 0, kTileSplit = 1, kTileOrdered = 2 };
 
 struct RaggedCall {
   int kind = kMGrouped;
@@ -91,6 +93,10 @@ GemmResult run_ragged_m_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_m_f32_split(const RaggedCall& call);
 GemmResult run_ragged_k_bf16_split(const RaggedCall& call);
 GemmResult run_ragged_k_f32_split(const RaggedCall& call);
+GemmResult run_ragged_m_bf16_ordered(const RaggedCall& call);
+GemmResult run_ragged_m_f32_ordered(const RaggedCall& call);
+GemmResult run_ragged_k_bf16_ordered(const RaggedCall& call);
+GemmResult run_ragged_k_f32_ordered(const RaggedCall& call);
 
 inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
   if (call.config < 0 || call.config >= kNumRaggedConfigs || call.raster < kRasterHeuristic || call.raster > kRasterAlongN) {
@@ -106,6 +112,8 @@ inline GemmResult run_ragged(int out_type, const RaggedCall& call) {
                      : (bf16 ? run_ragged_k_bf16_c1x2(call) : run_ragged_k_f32_c1x2(call));
     case 2: return m ? (bf16 ? run_ragged_m_bf16_split(call) : run_ragged_m_f32_split(call))
                      : (bf16 ? run_ragged_k_bf16_split(call) : run_ragged_k_f32_split(call));
+    case 3: return m ? (bf16 ? run_ragged_m_bf16_ordered(call) : run_ragged_m_f32_ordered(call))
+                     : (bf16 ? run_ragged_k_bf16_ordered(call) : run_ragged_k_f32_ordered(call));
     default: return m ? (bf16 ? run_ragged_m_bf16(call) : run_ragged_m_f32(call))
                       : (bf16 ? run_ragged_k_bf16(call) : run_ragged_k_f32(call));
   }
@@ -150,7 +158,9 @@ struct RaggedKernel {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Mainloop = std::conditional_t<Tile == kTileSplit, SplitPromotionMma<BuiltMainloop>, BuiltMainloop>;
+  using Mainloop = typename PromotionOf<Tile == kTileSplit     ? kPromoteSplit
+                                        : Tile == kTileOrdered ? kPromoteOrdered
+                                                               : kPromoteBase>::template Mma<BuiltMainloop>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;

@@ -11,11 +11,14 @@ Options (``CUTLASS.with_options(...)``; each absent one takes its default):
 - ``config`` (default 0): the kernel configuration, an index into :data:`CONFIGS`
   (``"128x128x128_c1x1_coop"``, ``"128x128x128_c1x2_coop"``, ``"64x128x128_c1x1_pingpong"``,
   ``"128x128x128_c1x1_coop_overlap"``, ``"128x128x128_c1x2_coop_overlap"``,
-  ``"256x128x128_c1x2_coop_split"``: CTA tile M x N x K, cluster shape M x N, cooperative or ping-pong
-  warp-specialized schedule; ``_overlap``: each k tile's scale promotion runs while the next tile's MMAs
-  do (csrc/cutlass_overlap.cuh); ``_split``: the MMAs and promotion of a 256-row tile one 64-row atom at a
-  time, so its temporaries fit in registers (csrc/cutlass_split.cuh); with either, a call without ``c``
-  runs a kernel whose epilogue has no C operand);
+  ``"256x128x128_c1x2_coop_split"``, ``"128x128x128_c1x2_coop_ordered"``: CTA tile M x N x K, cluster
+  shape M x N, cooperative or ping-pong warp-specialized schedule; ``_overlap``: each k tile's scale
+  promotion runs while the next tile's MMAs do (csrc/cutlass_overlap.cuh); ``_split``: the MMAs and
+  promotion of a 256-row tile one 64-row atom at a time, so its temporaries fit in registers
+  (csrc/cutlass_split.cuh); ``_ordered``: the two consumer warp groups issue each k tile's MMAs in turn,
+  so one's promotion runs under the other's MMAs, with the ``_coop`` kernels' bits
+  (csrc/cutlass_ordered.cuh); with any of these three, a call without ``c`` runs a kernel whose epilogue
+  has no C operand);
 - ``raster`` (default 0): the persistent tile scheduler's raster order, 0 CUTLASS's heuristic (along M
   when the problem has more tiles along N than along M, else along N), 1 along M, 2 along N;
 - ``swizzle`` (default 1): the scheduler's swizzle size, 1, 2, 4 or 8 (tiles walked in groups of that
@@ -40,7 +43,8 @@ from ..contract import BLOCK_1D, BLOCK_2D, GemmBackend, cuda_capabilities, lower
 #: The kernel configurations, in ``config`` index order: a copy of the module's ``configs`` (checked
 #: against it when the module loads; a mismatch makes the backend unavailable: a stale build).
 CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "64x128x128_c1x1_pingpong",
-           "128x128x128_c1x1_coop_overlap", "128x128x128_c1x2_coop_overlap", "256x128x128_c1x2_coop_split")
+           "128x128x128_c1x1_coop_overlap", "128x128x128_c1x2_coop_overlap", "256x128x128_c1x2_coop_split",
+           "128x128x128_c1x2_coop_ordered")
 #: Options and their defaults (see the module docstring).
 DEFAULT_OPTIONS = {"config": 0, "raster": 0, "swizzle": 1}
 RASTERS = {0: "heuristic", 1: "along M", 2: "along N"}
@@ -152,8 +156,11 @@ CUTLASS = GemmBackend("cutlass", sizes, unavailable, lowerings={"cuda": _lower},
 _RAGGED_KINDS = {"m": 0, "k": 1}
 #: The grouped kernels' configurations, in ``config`` index order (the module's ``ragged_configs``): CTA
 #: tile M x N x K and cluster shape M x N, cooperative; 1x2: two CTAs of a row of tiles share a's loads;
-#: ``_split``: the 256-row tile's MMAs and promotion one 64-row atom at a time (csrc/cutlass_split.cuh).
-RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split")
+#: ``_split``: the 256-row tile's MMAs and promotion one 64-row atom at a time (csrc/cutlass_split.cuh);
+#: ``_ordered``: the two consumer warp groups' MMAs in turns, the ``_coop`` kernels' bits
+#: (csrc/cutlass_ordered.cuh).
+RAGGED_CONFIGS = ("128x128x128_c1x1_coop", "128x128x128_c1x2_coop", "256x128x128_c1x2_coop_split",
+                  "128x128x128_c1x2_coop_ordered")
 #: The grouped kernels' options and defaults: ``config`` (:data:`RAGGED_CONFIGS`) and the scheduler's
 #: ``raster`` (0 and 1: along M; 2 along N). No swizzle: CUTLASS's grouped scheduler sizes it from host
 #: problem shapes, and with the group sizes on the device it is always 1 (csrc/cutlass_ragged.cuh).
