@@ -35,6 +35,9 @@ except ImportError:  # pragma: no cover - the module ships with the package
 SHAPES = {"aligned": (256, 384, 512), "padded": (37, 50, 300), "partial": (130, 257, 200), "tiny_m": (1, 256, 512),
           "tiny_n": (256, 8, 384), "k128": (192, 136, 128), "k7": (64, 128, 896), "k10_partial": (136, 264, 1200)}
 PAIRS = {"1D2D": (B1, B2), "1D1D": (B1, B1)}
+#: and one with more 128x128 tiles than two per SM of an H100/H200 (288): the persistent kernels' CTAs
+#: walk several tiles, where state carried from one tile to the next would show
+MANY_TILES = {"many_tiles": (2048, 2304, 384)}
 
 
 def _variants():
@@ -61,7 +64,7 @@ def _problem(shape_id: str, pair_id: str):
     """Operands and, once per problem, the fp64 result and bound of each output dtype (and accumulate)."""
     key = (shape_id, pair_id)
     if key not in _PROBLEMS:
-        M, N, K = SHAPES[shape_id]
+        M, N, K = {**SHAPES, **MANY_TILES}[shape_id]
         rng = np.random.default_rng(stable_seed("backends", shape_id, pair_id))
         a_block, b_block = PAIRS[pair_id]
         qa = jf.quantize_blockwise(data(rng, (M, K), F32, outliers=True), block=a_block, layout="gemm_ready")
@@ -131,11 +134,12 @@ def test_backends_agree(shape_id, pair_id):
 
 
 @pytest.mark.parametrize("pair_id", PAIRS)
-@pytest.mark.parametrize("shape_id", SHAPES)
+@pytest.mark.parametrize("shape_id", [*SHAPES, *MANY_TILES])
 def test_ordered_mainloop_has_the_cooperative_bits(shape_id, pair_id):
     """The "_ordered" mainloop (csrc/cutlass_ordered.cuh) only reorders when the two consumer warp groups
     issue their WGMMAs: the same products, promoted in the same order, so the bits of CUTLASS's own
-    cooperative kernel of the same tile and cluster, with and without c, every k-tile count here."""
+    cooperative kernel of the same tile and cluster, with and without c, every k-tile count here, and
+    CTAs walking several tiles."""
     if CUTLASS is None:
         pytest.skip("no CUTLASS backend")
     _runs(CUTLASS)

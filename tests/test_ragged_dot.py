@@ -158,20 +158,25 @@ def test_ordered_grouped_kernels_have_the_cooperative_bits(monkeypatch):
     why = cutlass.CUTLASS.unavailable("cuda") if jax.default_backend() == "gpu" else "no GPU backend"
     if why is not None:
         pytest.skip(f"CUTLASS's grouped kernels do not run here: {why}")
+    # the configuration cases, and one whose CTAs walk several tiles (4096 rows in 5 groups x 1024 columns:
+    # about 270 tiles of the forward, the wgrad's (5, 512, 1024) out 160)
+    cases = CONFIG_CASES + [(4096, 512, 1024, "off_blocks", F32, BF16)]
     problems = []
-    for c in CONFIG_CASES:
+    for c in cases:
         M, K, N, pattern, xt, wt = c
         rng = np.random.default_rng(stable_seed("ragged ordered", c))
         sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
         dy = data(rng, (M, N), F32).astype(jnp.result_type(xt, wt))
         problems.append((data(rng, (M, K), xt), data(rng, (len(sizes), K, N), wt), sizes, dy))
     results = {}
-    for config in ("128x128x128_c1x2_coop", "128x128x128_c1x2_coop_ordered"):  # the table is read when tracing
-        run = _with_grouped_options(monkeypatch, {"config": cutlass.RAGGED_CONFIGS.index(config)})
+    for config in ("128x128x128_c1x2_coop", "128x128x128_c1x2_coop_ordered"):  # the table is read when lowering
+        index = cutlass.RAGGED_CONFIGS.index(config)
+        run = _with_grouped_options(monkeypatch, {"config": index})
         with warnings.catch_warnings():
             warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)
+            assert f"config = {index} : i64" in run.lower(*problems[0]).as_text(), f"not lowered with {config}"
             results[config] = [run(*p) for p in problems]
-    for c, want, got in zip(CONFIG_CASES, *results.values()):
+    for c, want, got in zip(cases, *results.values()):
         for name, a, b in zip(("y", "dx", "dw"), got, want):
             assert_bits_equal(a, b, f"{_id(c)}: {name}")
 

@@ -55,8 +55,11 @@ struct OrderedPromotionMma : Base {
     static_assert(is_rmem<FrgTensorC>::value, "the accumulators live in registers");
     constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     static_assert(kWarpGroups == 2, "turns are taken by the cooperative kernel's two consumer warp groups");
-    // b's scales: one per tile and k tile (1D2D: 128x128 blocks), or one per column (1D1D)
+    // b's scales: one per tile and k tile (1D2D: 128x128 blocks), or one per column (1D1D); a's always one
+    // per row (1x128), and one scale block per k tile: the base's two promotions this one reproduces
     constexpr bool kOneScaleB = Base::ScaleNsPerTile == 1;
+    static_assert(Base::ScaleMsPerTile > 1, "a in 1x128 blocks only (1D2D, 1D1D)");
+    static_assert(Base::ScalePromotionInterval == 4, "one 128-wide scale block per k tile");
 
     TiledMma tiled_mma;
     auto views = stage_views<Base>(tiled_mma, shared_tensors, thread_idx);
