@@ -10,6 +10,7 @@
 #   bash bench/check_cutlass_kernel.sh 1d1d_f32   # by name (ragged_m_bf16: a grouped GEMM's)
 #   bash bench/check_cutlass_kernel.sh all        # every one, one after the other (~2 min each on 2 cores)
 #   bash bench/check_cutlass_kernel.sh --list
+#   bash bench/check_cutlass_kernel.sh --headers  # print the CUTLASS include directory it would use
 #   NVCC_FLAGS=-DJF_CUTLASS_ONLY_CONFIG=4 bash bench/check_cutlass_kernel.sh 2   # one configuration only (CI)
 #
 # CUTLASS's headers (>= 4.2): $CUTLASS_INCLUDE_DIR (the dir holding cutlass/cutlass.h), else those of an
@@ -45,6 +46,7 @@ if [ -z "$inc" ] || [ ! -f "$inc/cutlass/cutlass.h" ]; then
 fi
 [ -n "$inc" ] && [ -f "$inc/cutlass/cutlass.h" ] || {
   echo "check_cutlass_kernel: no CUTLASS headers (set CUTLASS_INCLUDE_DIR, or pip install nvidia-cutlass)"; exit 1; }
+[ "${1:-}" = "--headers" ] && { echo "$inc"; exit 0; }  # where they are (bench/prebuild.sh)
 echo "CUTLASS headers: $inc"
 
 sel=${1:-0}

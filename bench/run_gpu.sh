@@ -15,6 +15,7 @@
 # build call's CUTLASS setting); CUTLASS=1 builds the CUTLASS
 # module too (the nvidia-cutlass wheel from .whl/: carry .whl); BACKENDS=1 tests/test_gemm_backends.py and
 # tests/test_command_buffers.py and tests/test_compiled_for_gpu.py;
+# PREBUILT=1 the modules of bench/prebuild.sh instead of a build (carry .prebuilt);
 # TUNE=1 bench_gemm_tune.py (then GEMM=1 benches with its table); NCU=1 Nsight Compute on one GEMM per pair
 # (NCU_PAIRS) and backend (each at the table's best options when there is one); MODEL=1 bench_model.py;
 # PRODUCERS=1 the fused producers: their tests on the GPU, then bench_producers.py (PRODUCERS_ARGS);
@@ -58,6 +59,16 @@ install() {
     || { tail -50 "$1" | tee -a "$OUT/run.log"; exit 1; }
   find jax_fp8/csrc CMakeLists.txt -type f -print0 | xargs -0 md5sum > $sums
 }
+# PREBUILT=1: the CPU, CUDA and CUTLASS modules bench/prebuild.sh built from this tree on the CPU machine (carry
+# .prebuilt): checked, put beside the package, which runs from the tree; no build (not with PATCHES or KB).
+if [ "${PREBUILT:-0}" != 0 ]; then
+  stage prebuilt
+  bash bench/prebuild.sh --check 2>&1 | log build.log
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  cp .prebuilt/_jax_fp8_*.so jax_fp8/
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  BUILD=0
+fi
 if [ "${BUILD:-1}" != 0 ]; then
   stage build
   rm -rf build
