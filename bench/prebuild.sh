@@ -7,7 +7,7 @@
 #   bash bench/prebuild.sh            # build: about 20 minutes on 2 cores
 #   bash bench/prebuild.sh --check    # the modules are this tree's and this python3's (run_gpu.sh runs it)
 #
-# DEVICE_PYTHON (python3.12) and DEVICE_JAX (0.11.2): the device's Python and the jax whose XLA FFI headers
+# DEVICE_PYTHON (python3.12, or pyenv's 3.12) and DEVICE_JAX (0.11.2): the device's Python and the jax whose XLA FFI headers
 # the modules are built against; a venv of them is made under $TMPDIR. CUTLASS's headers: those that
 # bench/check_cutlass_kernel.sh finds (the nvidia-cutlass wheel in .whl/, unpacked).
 set -euo pipefail
@@ -26,7 +26,13 @@ if [ "${1:-}" = "--check" ]; then
   exit 0
 fi
 
-py=${DEVICE_PYTHON:-python3.12} jax=${DEVICE_JAX:-0.11.2}
+jax=${DEVICE_JAX:-0.11.2} py=${DEVICE_PYTHON:-}
+if [ -z "$py" ]; then  # python3.12 on the PATH, else pyenv's 3.12 (its shim answers only for the active version)
+  for c in python3.12 "$(pyenv root 2>/dev/null)/versions/$(pyenv versions --bare 2>/dev/null | grep -m1 '^3\.12')/bin/python"; do
+    "$c" -c "" 2>/dev/null && { py=$c; break; }
+  done
+  [ -n "$py" ] || { echo "prebuild: no Python 3.12 found (set DEVICE_PYTHON)"; exit 1; }
+fi
 venv=${TMPDIR:-/tmp}/jf_prebuild_$($py -c 'import sys; print("%d%d" % sys.version_info[:2])')_jax$jax
 [ -x $venv/bin/python ] || { $py -m venv $venv && $venv/bin/pip install -q "jax==$jax" nanobind cmake ninja; }
 inc=$(bash bench/check_cutlass_kernel.sh --headers)
