@@ -162,7 +162,7 @@ struct Config {
   using EpilogueSchedule = std::conditional_t<Cooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                               cutlass::epilogue::TmaWarpSpecialized>;
 };
-// A Promotion's mainloop on the one CUTLASS's builder gives (cutlass_ragged.cuh's grouped kernels too).
+// The mainloop of a Promotion, on the one CUTLASS's builder makes (cutlass_ragged.cuh's grouped kernels too).
 template <int Promote>
 struct PromotionOf {
   template <class Built>

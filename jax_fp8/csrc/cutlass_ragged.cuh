@@ -42,9 +42,9 @@ enum RaggedKind : int { kMGrouped = 0, kKGrouped = 1 };
 // RAGGED_CONFIGS): CTA tile M x N x K, cluster shape M x N (1x2: two CTAs of one row of tiles share a's
 // loads, TMA multicast), cooperative schedule; "_split": the 256-row tile's MMAs and promotion one 64-row
 // atom at a time (cutlass_split.cuh); "_ordered": the two consumer warp groups issue each k tile's MMAs in
-// turn (cutlass_ordered.cuh; the "_coop" kernels' bits). (A 64x128 ping-pong tile, one consumer warp group's epilogue under
-// the other's MMAs, ran 1.07-1.69x slower than the best of these on an H100 at 512 and 2048 rows per group,
-// forward and wgrad: bench/RESULTS.md, "Issues 48-49, thirteenth session".) The tile scheduler's raster
+// turn (cutlass_ordered.cuh; the "_coop" kernels' bits). (A 64x128 ping-pong tile, one consumer warp
+// group's epilogue under the other's MMAs, ran 1.07-1.69x slower than the best of these on an H100 at 512
+// and 2048 rows per group, forward and wgrad: bench/RESULTS.md, "Issues 48-49, thirteenth session".) The tile scheduler's raster
 // order (`raster`: 0 and 1 along M, 2 along N) is a run-time argument. Its swizzle is not: CUTLASS's
 // grouped scheduler sizes the swizzle from the host's problem shapes, and with the shapes on the device
 // only it always takes 1 (PersistentTileSchedulerSm90Group: its problem blocks are then (SMs, 1)).
