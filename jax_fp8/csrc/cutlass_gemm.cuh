@@ -162,7 +162,7 @@ struct Config {
   using EpilogueSchedule = std::conditional_t<Cooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                               cutlass::epilogue::TmaWarpSpecialized>;
 };
-// The mainloop of a Promotion, on the one CUTLASS's builder makes (cutlass_ragged.cuh's grouped kernels too).
+// Each Promotion's mainloop around the one CUTLASS's builder makes (the grouped kernels use it too).
 template <int Promote>
 struct PromotionOf {
   template <class Built>
