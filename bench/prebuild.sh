@@ -4,7 +4,7 @@
 # device call runs this tree's kernels without its own build, about 4 of its minutes (bench/run_gpu.sh
 # PREBUILT=1, carrying .prebuilt).
 #
-#   bash bench/prebuild.sh            # build: about 20 minutes on 2 cores
+#   bash bench/prebuild.sh            # build: about 10 minutes on 2 cores
 #   bash bench/prebuild.sh --check    # the modules are this tree's and this python3's (run_gpu.sh runs it)
 #
 # DEVICE_PYTHON (python3.12, or pyenv's 3.12) and DEVICE_JAX (0.11.2): the device's Python and the jax whose XLA FFI headers
