@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the package's modules (CPU, CUDA and CUTLASS) on this machine (nvcc compiles for sm_90 / sm_90a without a GPU) for
-# the device machine's Python and jax, into .prebuilt/ (keep it out of git: .git/info/exclude), so that a
+# the device machine's Python and jax, into .prebuilt/ (git-ignored), so that a
 # device call runs this tree's kernels without its own build, about 4 of its minutes (bench/run_gpu.sh
 # PREBUILT=1, carrying .prebuilt).
 #
