@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the package's modules (CPU, CUDA and CUTLASS) on this machine (nvcc compiles for sm_90 / sm_90a without a GPU) for
-# the device machine's Python and jax, into .prebuilt/ (git-ignored), so that a
-# device call runs this tree's kernels without its own build, about 4 of its minutes (bench/run_gpu.sh
-# PREBUILT=1, carrying .prebuilt).
+# Builds the package's modules (CPU, CUDA and CUTLASS) on this machine, for the device machine's Python and
+# jax (nvcc compiles for sm_90 / sm_90a without a GPU), into .prebuilt/ (git-ignored), so that a device call
+# runs this tree's kernels without its own build, about 4 of its minutes (bench/run_gpu.sh PREBUILT=1,
+# carrying .prebuilt).
 #
 #   bash bench/prebuild.sh            # build: about 10 minutes on 2 cores
 #   bash bench/prebuild.sh --check    # the modules are this tree's and this python3's (run_gpu.sh runs it)
