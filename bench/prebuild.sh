@@ -6,6 +6,7 @@
 #
 #   bash bench/prebuild.sh            # build: about 10 minutes on 2 cores
 #   bash bench/prebuild.sh --check    # the modules are this tree's and this python3's (run_gpu.sh runs it)
+#   bash bench/prebuild.sh --sources  # md5 of the sources the modules are built from (run_gpu.sh's too)
 #
 # DEVICE_PYTHON (python3.12, or pyenv's 3.12) and DEVICE_JAX (0.11.2): the device's Python and the jax whose XLA FFI headers
 # the modules are built against; a venv of them is made under $TMPDIR. CUTLASS's headers: those that
@@ -14,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.prebuilt
 sources() { find jax_fp8/csrc CMakeLists.txt -type f -print0 | sort -z | xargs -0 md5sum; }
+[ "${1:-}" = "--sources" ] && { sources; exit 0; }
 
 if [ "${1:-}" = "--check" ]; then
   [ -f $out/sources.md5 ] || { echo "prebuild: no $out/sources.md5 (build with bench/prebuild.sh)"; exit 1; }

@@ -57,7 +57,7 @@ install() {
   [ -f $sums ] && md5sum --quiet -c $sums 2>/dev/null | sed -n 's/: FAILED$//p' | xargs -r touch
   env ${build_env[@]+"${build_env[@]}"} python3 -m pip install --no-build-isolation --no-deps -e . -v >> "$1" 2>&1 \
     || { tail -50 "$1" | tee -a "$OUT/run.log"; exit 1; }
-  find jax_fp8/csrc CMakeLists.txt -type f -print0 | xargs -0 md5sum > $sums
+  bash bench/prebuild.sh --sources > $sums
 }
 # PREBUILT=1: the CPU, CUDA and CUTLASS modules bench/prebuild.sh built from this tree on the CPU machine (carry
 # .prebuilt): checked, put beside the package, which runs from the tree; no build (not with PATCHES or KB).
