@@ -161,13 +161,7 @@ def test_ordered_grouped_kernels_have_the_cooperative_bits(monkeypatch):
     # the configuration cases, and one whose CTAs walk several tiles (4096 rows in 5 groups x 1024 columns:
     # about 270 tiles of the forward, the wgrad's (5, 512, 1024) out 160)
     cases = CONFIG_CASES + [(4096, 512, 1024, "off_blocks", F32, BF16)]
-    problems = []
-    for c in cases:
-        M, K, N, pattern, xt, wt = c
-        rng = np.random.default_rng(stable_seed("ragged ordered", c))
-        sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
-        dy = data(rng, (M, N), F32).astype(jnp.result_type(xt, wt))
-        problems.append((data(rng, (M, K), xt), data(rng, (len(sizes), K, N), wt), sizes, dy))
+    problems = [_operands(c, "ragged ordered") for c in cases]
     results = {}
     for config in ("128x128x128_c1x2_coop", "128x128x128_c1x2_coop_ordered"):  # the table is read when lowering
         index = cutlass.RAGGED_CONFIGS.index(config)
@@ -181,13 +175,19 @@ def test_ordered_grouped_kernels_have_the_cooperative_bits(monkeypatch):
             assert_bits_equal(a, b, f"{_id(c)}: {name}")
 
 
+def _operands(c, salt: str):
+    """(x, w, group sizes, dy) of case ``c``, fresh from a seed of the case and ``salt``."""
+    M, K, N, pattern, xt, wt = c
+    rng = np.random.default_rng(stable_seed(salt, c))
+    sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
+    out = jnp.result_type(xt, wt)
+    return data(rng, (M, K), xt), data(rng, (len(sizes), K, N), wt), sizes, data(rng, (M, N), F32).astype(out)
+
+
 def _check_within_the_bound(c, run):
     M, K, N, pattern, xt, wt = c
-    rng = np.random.default_rng(stable_seed("ragged", c))
-    sizes = np.asarray(_sizes(pattern, M, rng), np.int32)
-    G = len(sizes)
+    x, w, sizes, dy = _operands(c, "ragged")
     out = jnp.result_type(xt, wt)
-    x, w, dy = data(rng, (M, K), xt), data(rng, (G, K, N), wt), data(rng, (M, N), F32).astype(out)
     recipe = jf.Float8BlockScaling()
     with warnings.catch_warnings():
         warnings.simplefilter("error", jf.Fp8GemmFallbackWarning)  # on an H100/H200: CUTLASS's grouped kernels
